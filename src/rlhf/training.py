@@ -1,0 +1,232 @@
+"""What every trainer shares: optimiser and schedule, minibatch order, gradient clipping, checkpoints.
+
+Trainers take a ``log(metrics: dict[str, float], step: int)`` callback and
+import nothing of Prefect, MLflow or DVC.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel, get_scheduler
+
+LogFn = Callable[[dict[str, float], int], None]
+
+
+def no_log(metrics: dict[str, float], step: int) -> None:
+    """A ``log`` callback that drops everything (for tests and benchmarks)."""
+
+
+def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.0) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters of ``model``."""
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay)
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, name: str, warmup_steps: int, total_steps: int) -> torch.optim.lr_scheduler.LRScheduler:
+    """A transformers learning-rate schedule (``constant_with_warmup``, ``linear``, ``cosine``, ...)."""
+    return get_scheduler(name, optimizer=optimizer, num_warmup_steps=warmup_steps, num_training_steps=max(total_steps, 1))
+
+
+def minibatch_indices(step: int, n: int, batch_size: int, seed: int) -> list[int]:
+    """Example indices of minibatch ``step``: epoch ``e`` visits ``range(n)`` in an order seeded by ``seed + e``.
+
+    A pure function of the step, so a resumed run sees exactly the batches the
+    uninterrupted run would have seen.
+
+    Args:
+        step: 0-based optimiser step.
+        n: number of examples.
+        batch_size: > 0 (the last batch of an epoch may be shorter).
+        seed: base seed.
+
+    Raises:
+        ValueError: ``n`` is 0.
+    """
+    if n == 0:
+        raise ValueError("no examples to train on")
+    per_epoch = -(-n // batch_size)
+    epoch, index = divmod(step, per_epoch)
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    return order[index * batch_size : (index + 1) * batch_size]
+
+
+def clip_gradients(model: torch.nn.Module, max_norm: float | None) -> float:
+    """Global gradient-norm clipping (paper appendix C.2); returns the norm before clipping.
+
+    ``max_norm=None`` measures the norm without clipping.
+    """
+    params = [p for p in model.parameters() if p.grad is not None]
+    return float(torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf")))
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    """Write a text file atomically (write a temporary file beside it, then rename)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tmp-")
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        handle.write(text)
+    os.replace(tmp, path)
+
+
+class Checkpointer:
+    """Atomic, resumable checkpoints of models, optimisers, schedulers and trainer state.
+
+    Layout: ``<root>/step-<n>/`` holds ``<name>/`` (``save_pretrained``,
+    safetensors) per model, ``state.pt`` (optimiser and scheduler state dicts,
+    RNG states, counters; read back with ``weights_only=True``) and
+    ``<root>/latest`` names the newest complete one. A checkpoint is written
+    into a temporary folder and renamed into place, and ``latest`` is replaced
+    atomically after it, so a crash while writing leaves the previous checkpoint
+    intact. Only the newest ``keep`` are kept.
+    """
+
+    def __init__(self, root: str, keep: int = 1):
+        self.root = root
+        self.keep = keep
+
+    def latest(self) -> str | None:
+        """Path of the newest complete checkpoint, or None."""
+        pointer = os.path.join(self.root, "latest")
+        if not os.path.exists(pointer):
+            return None
+        with open(pointer, encoding="utf-8") as handle:
+            path = os.path.join(self.root, handle.read().strip())
+        return path if os.path.isdir(path) else None
+
+    def save(self, step: int, models: dict[str, PreTrainedModel], state: dict[str, Any]) -> str:
+        """Write checkpoint ``step``.
+
+        Args:
+            step: the number of completed steps (iterations).
+            models: name -> model, saved with ``save_pretrained``.
+            state: anything ``torch.save`` can store and ``torch.load(weights_only=True)`` can read
+                (tensors, numbers, strings, lists, dicts; optimiser ``state_dict()`` s).
+
+        Returns:
+            The checkpoint folder.
+        """
+        os.makedirs(self.root, exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=self.root, prefix=".tmp-")
+        for name, model in models.items():
+            model.save_pretrained(os.path.join(tmp, name), safe_serialization=True)
+        torch.save(state, os.path.join(tmp, "state.pt"))
+        final = os.path.join(self.root, f"step-{step:08d}")
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        atomic_write_text(os.path.join(self.root, "latest"), os.path.basename(final))
+        kept = sorted(d for d in os.listdir(self.root) if d.startswith("step-"))
+        for old in kept[: -self.keep]:
+            shutil.rmtree(os.path.join(self.root, old), ignore_errors=True)
+        for leftover in (d for d in os.listdir(self.root) if d.startswith(".tmp-") and os.path.join(self.root, d) != tmp):
+            shutil.rmtree(os.path.join(self.root, leftover), ignore_errors=True)
+        return final
+
+    def load_state(self, path: str) -> dict[str, Any]:
+        """Read ``state.pt`` of a checkpoint (``weights_only=True``)."""
+        return torch.load(os.path.join(path, "state.pt"), weights_only=True)
+
+    def load_model_weights(self, path: str, name: str, model: PreTrainedModel) -> None:
+        """Copy the weights of checkpointed model ``name`` into ``model`` (safetensors, no remote code)."""
+        saved = type(model).from_pretrained(os.path.join(path, name), dtype=torch.float32, use_safetensors=True, trust_remote_code=False)
+        model.load_state_dict(saved.state_dict())
+
+    def clear(self) -> None:
+        """Delete every checkpoint (after the stage's final outputs are written)."""
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+
+
+def write_json(path: str, payload: dict[str, Any]) -> None:
+    """Write ``payload`` as indented JSON, atomically."""
+    atomic_write_text(path, json.dumps(payload, indent=2, sort_keys=True) + "\n")
+
+
+def supervised_loop(
+    model: PreTrainedModel,
+    step_fn: Callable[[list[int]], tuple[torch.Tensor, dict[str, float]]],
+    num_examples: int,
+    *,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    warmup_steps: int,
+    scheduler: str,
+    max_grad_norm: float | None,
+    seed: int,
+    prefix: str,
+    log: LogFn,
+    checkpointer: Checkpointer | None = None,
+    checkpoint_every: int = 0,
+    progress: bool = True,
+) -> dict[str, float]:
+    """Run ``steps`` optimiser steps of a supervised objective; resumable from ``checkpointer``.
+
+    Shared by SFT and reward-model training, so both resume the same way: the
+    model, optimiser, scheduler, RNG states and step counter are checkpointed
+    every ``checkpoint_every`` steps and restored on start.
+
+    Args:
+        model: the model to train (dropout already off).
+        step_fn: maps a list of example indices to ``(loss, metrics)``.
+        num_examples: size of the training set.
+        steps, batch_size, lr, warmup_steps, scheduler, max_grad_norm, seed: the usual.
+        prefix: metric prefix, e.g. ``"sft"``.
+        log: ``log(metrics, step)`` callback.
+        checkpointer: where to save and resume; None disables both.
+        checkpoint_every: steps between checkpoints (0: never).
+        progress: show a tqdm bar.
+
+    Returns:
+        Summary: ``{prefix}/loss_first``, ``{prefix}/loss_last`` (mean of the last 10 steps), ``{prefix}/steps``.
+    """
+    from tqdm.auto import tqdm
+
+    torch.manual_seed(seed)
+    optimizer = make_optimizer(model, lr)
+    schedule = make_scheduler(optimizer, scheduler, warmup_steps, steps)
+    start, losses = 0, []
+    resume = checkpointer.latest() if checkpointer else None
+    if resume:
+        state = checkpointer.load_state(resume)
+        checkpointer.load_model_weights(resume, "model", model)
+        optimizer.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"])
+        start, losses = state["step"], list(state["losses"])
+    model.eval()  # dropout off; gradients still flow
+    for step in tqdm(range(start, steps), desc=prefix, initial=start, total=steps, disable=not progress):
+        loss, metrics = step_fn(minibatch_indices(step, num_examples, batch_size, seed))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = clip_gradients(model, max_grad_norm)
+        optimizer.step()
+        schedule.step()
+        losses.append(loss.item())
+        log({f"{prefix}/loss": losses[-1], f"{prefix}/grad_norm": grad_norm, f"{prefix}/lr": schedule.get_last_lr()[0], **metrics}, step + 1)
+        if checkpointer and checkpoint_every and (step + 1) % checkpoint_every == 0 and step + 1 < steps:
+            state = {"optimizer": optimizer.state_dict(), "scheduler": schedule.state_dict(), "rng": torch.get_rng_state(), "step": step + 1, "losses": losses}
+            checkpointer.save(step + 1, {"model": model}, state)
+    tail = losses[-10:]
+    return {f"{prefix}/loss_first": losses[0] if losses else float("nan"), f"{prefix}/loss_last": sum(tail) / max(len(tail), 1), f"{prefix}/steps": float(steps)}
+
+
+def config_from_params(cls: type, params: dict[str, Any], section: str) -> Any:
+    """Build the dataclass ``cls`` from a params.yaml section; unknown keys raise.
+
+    Raises:
+        ValueError: a key that is not a field of ``cls`` (names the section and key).
+    """
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(params) - known)
+    if unknown:
+        raise ValueError(f"params.yaml: section {section!r} has unknown keys {unknown}; known: {sorted(known)}")
+    return cls(**params)

@@ -1,0 +1,33 @@
+"""Stage base_model: load ``model.source`` (GGUF, HF folder or hub id) and save it once as safetensors in ``models/base/``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlhf.models import load_base_model
+from tasks.common import StageRun, atomic_dir, read_params, setup_torch, stage_params, write_metrics
+
+OUT_DIR = "models/base"
+
+
+def run(params: dict[str, Any], seed: int) -> dict[str, float]:
+    """Load, convert and save the base model; returns its size."""
+    model, tokenizer = load_base_model(params["source"], params.get("random_init"), seed)
+    with atomic_dir(OUT_DIR) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+    return {"base/parameters": float(sum(p.numel() for p in model.parameters()))}
+
+
+def main() -> None:
+    """DVC stage command."""
+    params, seed = stage_params("model"), read_params().get("seed", 0)
+    setup_torch(seed)
+    with StageRun("base_model", params) as stage:
+        metrics = run(params, seed)
+        stage.log(metrics, 0)
+    write_metrics("metrics/base_model.json", {**metrics, "seconds": stage.seconds})
+
+
+if __name__ == "__main__":
+    main()

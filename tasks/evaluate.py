@@ -1,0 +1,72 @@
+"""Stage evaluate: the policy against the SFT model on eval_prompts, judged by the reward model.
+
+Writes ``metrics/eval.json`` and ``reports/eval/`` (``samples.md``: prompts with both
+responses; ``scores.png``: the score distributions of both models).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+from rlhf.data import load_jsonl
+from rlhf.evaluation import EvalConfig, evaluate_policy
+from rlhf.models import load_causal_lm, load_scalar_model, load_tokenizer
+from rlhf.training import config_from_params
+from tasks.common import StageRun, atomic_dir, read_params, setup_torch, stage_params, write_metrics
+
+PROMPTS, SFT, POLICY, REWARD = "data/processed/eval_prompts.jsonl", "models/sft", "models/policy", "models/reward"
+REPORTS = "reports/eval"
+
+
+def _cell(text: str) -> str:
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def samples_markdown(samples: list[dict[str, Any]]) -> str:
+    """The sample table as Markdown: prompt, SFT response and score, policy response and score."""
+    lines = ["| prompt | SFT response | SFT reward | policy response | policy reward |", "|---|---|---|---|---|"]
+    for s in samples:
+        lines.append(f"| {_cell(s['prompt'])} | {_cell(s['sft_response'])} | {s['sft_reward']:.3f} | {_cell(s['policy_response'])} | {s['policy_reward']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def run(params: dict[str, Any]) -> tuple[dict[str, float], list[dict[str, Any]], EvalConfig]:
+    """Evaluate; returns ``(metrics, samples, config)``."""
+    config = config_from_params(EvalConfig, params, "evaluate")
+    prompts = [row["prompt"] for row in sorted(load_jsonl(PROMPTS), key=lambda row: row["id"])]
+    tokenizer = load_tokenizer(SFT)
+    metrics, samples = evaluate_policy(load_causal_lm(SFT), load_causal_lm(POLICY), load_scalar_model(REWARD), tokenizer, prompts, config)
+    return metrics, samples, config
+
+
+def main() -> None:
+    """DVC stage command."""
+    import mlflow
+
+    params = stage_params("evaluate")
+    setup_torch(read_params().get("seed", 0))
+    with StageRun("evaluate", params) as stage:
+        metrics, samples, config = run(params)
+        stage.log(metrics, 0)
+        mlflow.log_table({key: [s[key] for s in samples] for key in samples[0]}, artifact_file="samples.json")
+        with atomic_dir(REPORTS) as tmp:
+            with open(os.path.join(tmp, "samples.md"), "w", encoding="utf-8") as handle:
+                handle.write(samples_markdown(samples[: config.samples_in_table]))
+            figure, axis = plt.subplots(figsize=(6, 4))
+            axis.hist([[s["sft_reward"] for s in samples], [s["policy_reward"] for s in samples]], label=["SFT", "policy"], bins=15)
+            axis.set(xlabel="reward-model score", ylabel="responses", title=f"win rate {metrics['eval/win_rate']:.2f}")
+            axis.legend()
+            figure.savefig(os.path.join(tmp, "scores.png"), dpi=90)
+        mlflow.log_artifacts(REPORTS, "eval")
+    print("[evaluate] " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items()))
+    write_metrics("metrics/eval.json", {**metrics, "seconds": stage.seconds})
+
+
+if __name__ == "__main__":
+    main()

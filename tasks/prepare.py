@@ -1,0 +1,60 @@
+"""Stage prepare: read ``data.source``, parse it into preference examples, split by prompt hash.
+
+Writes ``data/processed/{split}.jsonl`` for every split, ``data/processed/quarantine.jsonl``
+(rows that do not parse, with the reason) and ``metrics/prepare.json`` (counts).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from itertools import islice
+from typing import Any
+
+from rlhf.data import SPLITS, prepare_rows, read_jsonl, write_jsonl
+from tasks.common import StageRun, atomic_dir, stage_params, write_metrics
+
+OUT_DIR = "data/processed"
+
+
+def run(params: dict[str, Any]) -> dict[str, Any]:
+    """Run the stage with the ``data`` params; returns the counts it logged.
+
+    Raises:
+        ValueError: the source holds no rows, or no row parses.
+    """
+    source = params["source"]
+    rows = read_jsonl(source, params.get("storage_options"))
+    if params.get("max_rows"):
+        rows = islice(rows, params["max_rows"])
+    prepared = prepare_rows(rows, source, params["fractions"], params.get("format", "auto"))
+    if prepared.rows_in == 0:
+        raise ValueError(f"{source}: no rows")
+    kept = sum(len(v) for v in prepared.splits.values())
+    if kept == 0:
+        raise ValueError(f"{source}: none of {prepared.rows_in} rows parsed; first reason: {prepared.quarantine[0]['reason']}")
+    with atomic_dir(OUT_DIR) as tmp:
+        for split in SPLITS:
+            with open(os.path.join(tmp, f"{split}.jsonl"), "w", encoding="utf-8") as handle:
+                write_jsonl(prepared.splits[split], handle)
+        with open(os.path.join(tmp, "quarantine.jsonl"), "w", encoding="utf-8") as handle:
+            write_jsonl(prepared.quarantine, handle)
+    reasons = Counter(q["reason"] for q in prepared.quarantine)
+    counts: dict[str, Any] = {"rows_in": prepared.rows_in, "quarantined": len(prepared.quarantine), **{f"split/{s}": len(prepared.splits[s]) for s in SPLITS}}
+    for reason, n in reasons.most_common():
+        print(f"[prepare] quarantined {n} rows: {reason}")
+    print(f"[prepare] {prepared.rows_in} rows in, {len(prepared.quarantine)} quarantined; " + ", ".join(f"{s}={len(prepared.splits[s])}" for s in SPLITS))
+    return counts
+
+
+def main() -> None:
+    """DVC stage command."""
+    params = stage_params("data")
+    with StageRun("prepare", params) as stage:
+        counts = run(params)
+        stage.log({f"prepare/{k}": float(v) for k, v in counts.items()}, 0)
+    write_metrics("metrics/prepare.json", {**counts, "seconds": stage.seconds})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""Stage reward: train the reward model on rm_train (initialised from SFT), centre it, measure it on rm_eval.
+
+Writes ``models/reward/``, ``metrics/reward.json`` and ``reports/reward_margins.png``
+(the histogram of chosen - rejected scores, paper figure 2).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+from rlhf.data import load_jsonl
+from rlhf.models import load_scalar_model, load_tokenizer
+from rlhf.reward import RewardConfig, center_rewards, encode_pairs, evaluate_reward_model, train_reward_model
+from rlhf.training import config_from_params
+from tasks.common import StageRun, atomic_dir, read_params, run_checkpointer, setup_torch, stage_params, write_metrics
+
+TRAIN, EVAL, SFT = "data/processed/rm_train.jsonl", "data/processed/rm_eval.jsonl", "models/sft"
+OUT_DIR, FIGURE = "models/reward", "reports/reward_margins.png"
+
+
+def run(params: dict[str, Any], log) -> tuple[dict[str, float], Any]:
+    """Train, centre, evaluate and save; returns ``(metrics, margin histogram figure)``."""
+    config = config_from_params(RewardConfig, params, "reward")
+    tokenizer, model = load_tokenizer(SFT), load_scalar_model(SFT)
+    train = load_jsonl(TRAIN)
+    checkpointer = run_checkpointer("reward", params, [TRAIN, SFT])
+    metrics = train_reward_model(model, tokenizer, train, config, log, checkpointer)
+    demonstrations = [chosen.input_ids for chosen, _ in encode_pairs(tokenizer, train, config.max_length)]
+    metrics["rm/offset"] = center_rewards(model, tokenizer, demonstrations, config.eval_batch_size)
+    eval_metrics, margins = evaluate_reward_model(model, tokenizer, load_jsonl(EVAL), config.max_length, config.eval_batch_size)
+    metrics.update(eval_metrics)
+    with atomic_dir(OUT_DIR) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+    checkpointer.clear()
+    figure, axis = plt.subplots(figsize=(6, 4))
+    axis.hist(margins.numpy(), bins=30)
+    axis.axvline(0, color="black", linewidth=1)
+    axis.set(xlabel="score(chosen) - score(rejected)", ylabel="pairs", title=f"rm_eval: accuracy {metrics['rm/accuracy']:.3f}")
+    return metrics, figure
+
+
+def main() -> None:
+    """DVC stage command."""
+    import mlflow
+
+    params = stage_params("reward")
+    setup_torch(read_params().get("seed", 0))
+    with StageRun("reward", params) as stage:
+        metrics, figure = run(params, stage.log)
+        stage.log(metrics, int(metrics["rm/steps"]))
+        os.makedirs(os.path.dirname(FIGURE), exist_ok=True)
+        figure.savefig(FIGURE, dpi=100)
+        mlflow.log_figure(figure, "reward_margins.png")
+    print("[reward] " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items() if k.startswith("rm/") and not k.startswith("rm/loss")))
+    write_metrics("metrics/reward.json", {**metrics, "seconds": stage.seconds})
+
+
+if __name__ == "__main__":
+    main()
