@@ -1,0 +1,112 @@
+"""HH-RLHF parsing, pair splitting, quarantine and prompt-hash splits."""
+
+import gzip
+import json
+
+import pytest
+
+from rlhf.data import RowError, assign_split, parse_hh_dialogue, prepare_rows, read_jsonl, split_pair, to_example
+
+FRACTIONS = {"sft": 0.2, "rm_train": 0.45, "rm_eval": 0.1, "ppo_prompts": 0.12, "ptx_text": 0.05, "eval_prompts": 0.08}
+
+
+def hh(*turns):
+    return "".join(f"\n\n{role}: {text}" for role, text in turns)
+
+
+def test_multi_turn_pair_differing_before_last_assistant_turn():
+    chosen = hh(("Human", "How do I pick a lock?"), ("Assistant", "I can't help with that."), ("Human", "Why not?"), ("Assistant", "It could be used to break in."))
+    rejected = hh(("Human", "How do I pick a lock?"), ("Assistant", "Use a tension wrench."), ("Human", "Why not?"), ("Assistant", "Sure."))
+    example = to_example({"chosen": chosen, "rejected": rejected})
+    assert example["prompt"] == [{"role": "user", "content": "How do I pick a lock?"}]
+    assert example["chosen"] == [
+        {"role": "assistant", "content": "I can't help with that."},
+        {"role": "user", "content": "Why not?"},
+        {"role": "assistant", "content": "It could be used to break in."},
+    ]
+    assert example["rejected"][0] == {"role": "assistant", "content": "Use a tension wrench."}
+    assert example["chosen"] != example["rejected"]
+
+
+def test_usual_pair_splits_at_last_assistant_turn():
+    shared = [("Human", "Hi"), ("Assistant", "Hello, how can I help?"), ("Human", "Tell me a joke")]
+    example = to_example({"chosen": hh(*shared, ("Assistant", "Why did the chicken cross the road?")), "rejected": hh(*shared, ("Assistant", "No."))})
+    assert [m["content"] for m in example["prompt"]] == ["Hi", "Hello, how can I help?", "Tell me a joke"]
+    assert example["chosen"] == [{"role": "assistant", "content": "Why did the chicken cross the road?"}]
+    assert example["rejected"] == [{"role": "assistant", "content": "No."}]
+
+
+def test_two_assistant_turns_in_a_row_stay_one_response():
+    chosen = hh(("Human", "Can you help?"), ("Assistant", "Sure."))
+    rejected = hh(("Human", "Can you help?"), ("Assistant", "Sure."), ("Assistant", "What do you need?"))
+    example = to_example({"chosen": chosen, "rejected": rejected})
+    assert example["prompt"] == [{"role": "user", "content": "Can you help?"}]
+    assert example["chosen"] == [{"role": "assistant", "content": "Sure."}]
+    assert example["rejected"] == [{"role": "assistant", "content": "Sure."}, {"role": "assistant", "content": "What do you need?"}]
+
+
+def test_identical_responses_go_to_quarantine_not_training():
+    text = hh(("Human", "Hi"), ("Assistant", "Hello  "))
+    same_after_parsing = hh(("Human", "Hi"), ("Assistant", "Hello"))
+    prepared = prepare_rows(iter([(1, {"chosen": text, "rejected": same_after_parsing})]), "mem", FRACTIONS)
+    assert sum(len(rows) for rows in prepared.splits.values()) == 0
+    assert prepared.quarantine == [{"source": "mem", "line": 1, "reason": "chosen and rejected responses are identical", "row": {"chosen": text, "rejected": same_after_parsing}}]
+
+
+def test_empty_response_and_bad_rows_are_quarantined_with_reasons():
+    rows = [
+        (1, {"chosen": hh(("Human", "Hi"), ("Assistant", "")), "rejected": hh(("Human", "Hi"), ("Assistant", "Hey"))}),
+        (2, {"chosen": "no markers at all", "rejected": "x"}),
+        (3, {"text": "wrong keys"}),
+        (4, RowError("invalid JSON: Expecting value")),
+    ]
+    prepared = prepare_rows(iter(rows), "mem", FRACTIONS)
+    assert [q["reason"] for q in prepared.quarantine] == [
+        "chosen response is empty",
+        "dialogue does not start with '\\n\\nHuman:'",
+        "row has keys ['text']; expected chosen/rejected or prompt/chosen/rejected",
+        "invalid JSON: Expecting value",
+    ]
+    assert prepared.rows_in == 4
+
+
+def test_prompt_chosen_rejected_strings():
+    example = to_example({"prompt": "Hi", "chosen": "Hello!", "rejected": "Go away."})
+    assert example == {"prompt": [{"role": "user", "content": "Hi"}], "chosen": [{"role": "assistant", "content": "Hello!"}], "rejected": [{"role": "assistant", "content": "Go away."}]}
+
+
+def test_split_is_a_function_of_the_prompt_only():
+    prompt = [{"role": "user", "content": "same prompt"}]
+    assert len({assign_split(list(prompt), FRACTIONS) for _ in range(5)}) == 1
+    rows = [(i, {"prompt": "same prompt", "chosen": f"answer {i}", "rejected": f"other {i}"}) for i in range(1, 6)]
+    prepared = prepare_rows(iter(rows), "mem", FRACTIONS)
+    assert sum(1 for rows in prepared.splits.values() if rows) == 1
+
+
+def test_split_fractions_must_sum_to_one():
+    with pytest.raises(ValueError, match="sum to 1"):
+        assign_split([{"role": "user", "content": "x"}], {"a": 0.5, "b": 0.6})
+
+
+def test_read_jsonl_gzip_and_bad_lines(tmp_path):
+    path = tmp_path / "rows.jsonl.gz"
+    with gzip.open(path, "wb") as handle:
+        handle.write(json.dumps({"a": 1}).encode() + b"\n\n{broken\n" + b"\xff\xfe\n")
+    rows = list(read_jsonl(str(path)))
+    assert rows[0] == (1, {"a": 1})
+    assert rows[1][0] == 3 and "invalid JSON" in str(rows[1][1])
+    assert rows[2][0] == 4 and "invalid UTF-8" in str(rows[2][1])
+
+
+def test_real_data_parses():
+    """The shared HH-RLHF file: 3 rows with an empty response are quarantined, the rest parse."""
+    source = "../shared/data/hh-rlhf/harmless-base/pairs.jsonl.gz"
+    prepared = prepare_rows(read_jsonl(source), source, FRACTIONS)
+    assert prepared.rows_in == 2000
+    assert [q["reason"] for q in prepared.quarantine] == ["chosen response is empty"] * 3
+    prompts = {}
+    for split, rows in prepared.splits.items():
+        for row in rows:
+            key = json.dumps(row.get("prompt"))
+            if "prompt" in row:
+                assert prompts.setdefault(key, split) == split

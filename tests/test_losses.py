@@ -1,0 +1,129 @@
+"""Each equation against a value worked out by hand."""
+
+import math
+
+import pytest
+import torch
+
+from rlhf import losses
+
+
+def test_token_rewards_match_eq11_by_hand():
+    # beta 0.1, log-ratios [0.2, -0.1, 0.3], score 1.5 on the last of 3 tokens:
+    # [-0.1*0.2, -0.1*-0.1, -0.1*0.3 + 1.5] = [-0.02, 0.01, 1.47]
+    logratio = torch.tensor([[0.2, -0.1, 0.3, 0.0]])
+    mask = torch.tensor([[True, True, True, False]])
+    rewards = losses.token_rewards(logratio, torch.tensor([1.5]), mask, beta=0.1)
+    assert torch.allclose(rewards, torch.tensor([[-0.02, 0.01, 1.47, 0.0]]), atol=1e-6)
+
+
+def test_token_rewards_put_score_on_last_real_token_not_pad():
+    mask = torch.tensor([[True, False, False], [True, True, True]])
+    rewards = losses.token_rewards(torch.zeros(2, 3), torch.tensor([2.0, 3.0]), mask, beta=0.5)
+    assert rewards.tolist() == [[2.0, 0.0, 0.0], [0.0, 0.0, 3.0]]
+
+
+def test_gae_three_steps_by_hand():
+    # rewards [0, 0, 1], values [0.5, 0.6, 0.7], gamma 1, lambda 0.95
+    # deltas: d2 = 1 - 0.7 = 0.3; d1 = 0.7 - 0.6 = 0.1; d0 = 0.6 - 0.5 = 0.1
+    # A2 = 0.3; A1 = 0.1 + 0.95*0.3 = 0.385; A0 = 0.1 + 0.95*0.385 = 0.46575
+    # returns = A + V = [0.96575, 0.985, 1.0]
+    rewards = torch.tensor([[0.0, 0.0, 1.0, 9.0]])
+    values = torch.tensor([[0.5, 0.6, 0.7, 9.0]])
+    mask = torch.tensor([[True, True, True, False]])
+    advantages, returns = losses.gae(rewards, values, mask, gamma=1.0, lam=0.95)
+    assert torch.allclose(advantages, torch.tensor([[0.46575, 0.385, 0.3, 0.0]]), atol=1e-6)
+    assert torch.allclose(returns, torch.tensor([[0.96575, 0.985, 1.0, 0.0]]), atol=1e-6)
+
+
+def test_value_loss_clipping_by_hand():
+    # return 10, old value 5, new value 1, clip 0.2: clipped prediction 4.8,
+    # loss 0.5 * max((1-10)^2, (4.8-10)^2) = 0.5 * max(81, 27.04) = 40.5
+    loss, stats = losses.clipped_value_loss(torch.tensor([[1.0]]), torch.tensor([[5.0]]), torch.tensor([[10.0]]), torch.tensor([[True]]), clip=0.2)
+    assert loss.item() == pytest.approx(40.5)
+    assert stats["clipfrac"].item() == 0.0  # the unclipped error (81) was the larger one
+
+
+def test_value_loss_takes_clipped_error_when_larger():
+    # return 0, old 5, new 1: clipped 4.8; max(1, 23.04) = 23.04 -> 11.52
+    loss, stats = losses.clipped_value_loss(torch.tensor([[1.0]]), torch.tensor([[5.0]]), torch.tensor([[0.0]]), torch.tensor([[True]]), clip=0.2)
+    assert loss.item() == pytest.approx(11.52)
+    assert stats["clipfrac"].item() == 1.0
+
+
+def test_kl_estimators_by_hand():
+    logratio = torch.tensor([-1.0, 0.0, 2.0])
+    assert losses.kl_k1(logratio).tolist() == [-1.0, 0.0, 2.0]
+    # k3 = exp(-d) - 1 + d: e - 2 = 0.7183; 0; e^-2 + 1 = 1.1353
+    assert torch.allclose(losses.kl_k3(logratio), torch.tensor([0.7183, 0.0, 1.1353]), atol=1e-4)
+
+
+def test_masked_whiten_by_hand_and_degenerate_cases():
+    assert torch.allclose(losses.masked_whiten(torch.tensor([[1.0, 3.0]]), torch.tensor([[True, True]])), torch.tensor([[-1.0, 1.0]]), atol=1e-4)
+    one = losses.masked_whiten(torch.tensor([[4.0, 7.0]]), torch.tensor([[True, False]]))
+    none = losses.masked_whiten(torch.tensor([[4.0, 7.0]]), torch.tensor([[False, False]]))
+    assert torch.isfinite(one).all() and torch.isfinite(none).all()
+    assert one.tolist() == [[0.0, 0.0]]
+
+
+def test_bradley_terry_loss_by_hand():
+    # -log sigmoid(2 - 1) = log(1 + e^-1) = 0.31326
+    assert losses.bradley_terry_loss(torch.tensor([2.0]), torch.tensor([1.0])).item() == pytest.approx(math.log(1 + math.exp(-1)), abs=1e-6)
+    # margin 1 makes it -log sigmoid(0) = log 2
+    assert losses.bradley_terry_loss(torch.tensor([2.0]), torch.tensor([1.0]), margin=1.0).item() == pytest.approx(math.log(2), abs=1e-6)
+
+
+def test_ppo_clip_loss_by_hand():
+    # ratio e^0.5 = 1.6487 with A = 1: min(1.6487, 1.2) = 1.2 -> loss -1.2, clipped
+    # ratio e^-0.5 = 0.6065 with A = 1: min(0.6065, 0.8) = 0.6065 -> loss -0.6065, not clipped
+    logprobs = torch.tensor([[0.5, -0.5]])
+    loss, stats = losses.ppo_clip_loss(logprobs, torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2, dtype=torch.bool), clip=0.2)
+    assert loss.item() == pytest.approx(-(1.2 + math.exp(-0.5)) / 2, abs=1e-6)
+    assert stats["clipfrac"].item() == pytest.approx(0.5)
+    assert stats["approx_kl"].item() == pytest.approx(0.125)  # 0.5 * 0.25
+
+
+def test_normalize_and_clip_by_hand():
+    out = losses.normalize_and_clip(torch.tensor([0.0, 4.0, 10.0]), mean=2.0, std=2.0, clip=2.0)
+    assert torch.allclose(out, torch.tensor([-1.0, 1.0, 2.0]))
+
+
+def test_adaptive_kl_controller_by_hand():
+    # KL 12 vs target 6: error clipped to 0.2; beta 0.1 * (1 + 0.2 * 100 / 1000) = 0.102
+    assert losses.adaptive_kl_coef(0.1, kl=12.0, target=6.0, horizon=1000, steps=100) == pytest.approx(0.102)
+    # KL 5.4 vs 6: error -0.1 -> 0.1 * (1 - 0.01) = 0.099
+    assert losses.adaptive_kl_coef(0.1, kl=5.4, target=6.0, horizon=1000, steps=100) == pytest.approx(0.099)
+
+
+def test_explained_variance_by_hand():
+    returns = torch.tensor([[1.0, 3.0]])
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    assert losses.explained_variance(returns, returns, mask) == pytest.approx(1.0)
+    # values constant 2: residual [-1, 1] has the variance of the returns -> 0
+    assert losses.explained_variance(torch.full((1, 2), 2.0), returns, mask) == pytest.approx(0.0)
+
+
+def test_next_token_logprobs_selects_only_response_token():
+    # tokens [10, 11, 12, 13], only token 12 in the response: the one selected value is the
+    # model's score of token 12 at index 1 of the shifted logprobs.
+    torch.manual_seed(0)
+    logits = torch.randn(1, 4, 20)
+    input_ids = torch.tensor([[10, 11, 12, 13]])
+    token_mask = torch.tensor([[False, False, True, False]])
+    logprobs, mask = losses.next_token_logprobs(logits, input_ids, token_mask)
+    selected = logprobs[mask]
+    assert selected.shape == (1,)
+    assert selected.item() == pytest.approx(torch.log_softmax(logits[0, 1], -1)[12].item(), abs=1e-6)
+    assert mask.tolist() == [[False, True, False]]
+
+
+def test_language_model_loss_by_hand():
+    # uniform logits over 4 tokens: NLL of any token is log 4
+    logits = torch.zeros(1, 3, 4)
+    loss = losses.language_model_loss(logits, torch.tensor([[0, 1, 2]]), torch.tensor([[False, True, True]]))
+    assert loss.item() == pytest.approx(math.log(4), abs=1e-6)
+
+
+def test_last_token_index_left_and_right_padding():
+    mask = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 1, 1, 1], [0, 0, 0, 0, 0]])
+    assert losses.last_token_index(mask).tolist() == [2, 4, 0]

@@ -1,0 +1,83 @@
+"""The whole pipeline on the tiny profile, through `dvc repro` and through the Prefect flow (integration)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHARED = os.path.join(os.path.dirname(REPO), "shared")
+STAGES = ["prepare", "base_model", "sft", "reward", "ppo", "evaluate"]
+
+
+def make_project(root) -> str:
+    """A clean copy of the project's tracked and unignored files as a git repo, with ../shared beside it, on the tiny profile."""
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    project = os.path.join(root, "main")
+    for name in files:
+        if os.path.exists(os.path.join(REPO, name)):
+            os.makedirs(os.path.dirname(os.path.join(project, name)), exist_ok=True)
+            shutil.copy2(os.path.join(REPO, name), os.path.join(project, name))
+    os.symlink(SHARED, os.path.join(root, "shared"))
+    set_param(project, "profile: demo", "profile: tiny")
+    for command in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "copy"]):
+        subprocess.run(command, cwd=project, check=True)
+    return project
+
+
+def set_param(project: str, old: str, new: str) -> None:
+    path = os.path.join(project, "params.yaml")
+    with open(path) as handle:
+        text = handle.read()
+    assert old in text, old
+    with open(path, "w") as handle:
+        handle.write(text.replace(old, new, 1))
+
+
+def run(project: str, *args: str, timeout: int = 600) -> str:
+    env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"], "PREFECT_HOME": os.path.join(project, ".prefect-home"), "RLHF_PIPELINE_RUN_ID": ""}
+    result = subprocess.run([sys.executable, "-m", *args], cwd=project, env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout + result.stderr
+
+
+def ran_stages(output: str) -> list[str]:
+    return [stage for stage in STAGES if f"Running stage '{stage}'" in output]
+
+
+def assert_outputs(project: str) -> None:
+    for path in ("models/policy/model.safetensors", "models/reward/model.safetensors", "reports/eval/samples.md", "reports/ppo/ppo_kl.png"):
+        assert os.path.exists(os.path.join(project, path)), path
+    with open(os.path.join(project, "metrics/eval.json")) as handle:
+        metrics = json.load(handle)
+    assert 0.0 <= metrics["eval/win_rate"] <= 1.0 and metrics["eval/prompts"] == 4
+    assert "up to date" in run(project, "dvc", "status")
+
+
+def test_dvc_repro_runs_everything_then_only_what_a_ppo_param_touches(tmp_path):
+    project = make_project(tmp_path)
+    assert ran_stages(run(project, "dvc", "repro")) == STAGES
+    assert_outputs(project)
+    set_param(project, "  clip: 0.2\n", "  clip: 0.25\n")
+    assert ran_stages(run(project, "dvc", "repro")) == ["ppo", "evaluate"]
+
+
+def test_prefect_flow_runs_the_stages_and_groups_mlflow_runs(tmp_path):
+    project = make_project(tmp_path)
+    output = run(project, "flows.pipeline")
+    assert ran_stages(output) == STAGES
+    assert "RLHF pipeline" in output  # the summary table
+    assert_outputs(project)
+    with sqlite3.connect(os.path.join(project, "mlflow.db")) as db:
+        parents = db.execute("select run_uuid from runs join tags using (run_uuid) where key = 'rlhf.kind' and value = 'pipeline'").fetchall()
+        assert len(parents) == 1
+        children = db.execute("select count(*) from tags where key = 'mlflow.parentRunId' and value = ?", parents[0]).fetchone()[0]
+    assert children == len(STAGES)

@@ -1,0 +1,68 @@
+"""Checkpoints and the shared supervised loop: atomic writes and exact resume (SFT and reward model)."""
+
+import pytest
+import torch
+
+from rlhf.models import load_causal_lm, load_scalar_model
+from rlhf.reward import RewardConfig, train_reward_model
+from rlhf.sft import SFTConfig, train_sft
+from rlhf.training import Checkpointer, minibatch_indices
+
+EXAMPLES = [
+    {"prompt": [{"role": "user", "content": f"question {i}"}], "chosen": [{"role": "assistant", "content": f"good answer {i}"}], "rejected": [{"role": "assistant", "content": f"bad {i}"}]}
+    for i in range(6)
+]
+
+
+def test_minibatch_indices_cover_each_epoch_once():
+    first_epoch = [i for step in range(3) for i in minibatch_indices(step, 5, 2, seed=7)]
+    assert sorted(first_epoch) == [0, 1, 2, 3, 4]
+    assert minibatch_indices(1, 5, 2, seed=7) == minibatch_indices(1, 5, 2, seed=7)
+
+
+def test_crash_while_writing_keeps_previous_checkpoint(tiny_dir, tmp_path, monkeypatch):
+    model = load_causal_lm(tiny_dir)
+    checkpointer = Checkpointer(str(tmp_path))
+    first = checkpointer.save(1, {"model": model}, {"step": 1})
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(OSError):
+        checkpointer.save(2, {"model": model}, {"step": 2})
+    monkeypatch.undo()
+    assert checkpointer.latest() == first
+    assert checkpointer.load_state(first) == {"step": 1}
+
+
+class Killed(Exception):
+    pass
+
+
+@pytest.mark.parametrize("kind", ["sft", "reward"])
+def test_supervised_training_resumes_exactly(tiny_dir, tokenizer, tmp_path, kind):
+    def run(root, logged, kill_at=None):
+        def log(metrics, step):
+            if step == kill_at:
+                raise Killed
+            logged[step] = metrics
+
+        torch.manual_seed(0)
+        if kind == "sft":
+            model, config, train = load_causal_lm(tiny_dir), SFTConfig(steps=5, batch_size=2, checkpoint_every=1, lr=1e-3), train_sft
+        else:
+            model, config, train = load_scalar_model(tiny_dir), RewardConfig(steps=5, batch_size=2, checkpoint_every=1, lr=1e-3), train_reward_model
+        train(model, tokenizer, EXAMPLES, config, log, Checkpointer(str(root)), progress=False)
+        return model
+
+    full_log, resumed_log = {}, {}
+    full = run(tmp_path / "full", full_log)
+    with pytest.raises(Killed):
+        run(tmp_path / "resumed", resumed_log, kill_at=4)
+    resumed = run(tmp_path / "resumed", resumed_log)
+    assert sorted(resumed_log) == sorted(full_log) == [1, 2, 3, 4, 5]
+    for step in full_log:
+        assert resumed_log[step]["sft/loss" if kind == "sft" else "rm/loss"] == pytest.approx(full_log[step]["sft/loss" if kind == "sft" else "rm/loss"], abs=1e-6)
+    for (name, a), b in zip(full.state_dict().items(), resumed.state_dict().values()):
+        assert torch.allclose(a, b, atol=1e-6), name
