@@ -26,6 +26,7 @@ from rich.table import Table
 SUMMARY = {
     "prepare": [],
     "base_model": [],
+    "validate": ["validate/valid", "validate/quarantined"],
     "sft": ["sft/loss_first", "sft/loss_last"],
     "reward": ["rm/accuracy", "rm/margin", "rm/ece"],
     "ppo": ["ppo/iterations", "ppo/reward/mean", "ppo/kl"],

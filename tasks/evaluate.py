@@ -20,7 +20,7 @@ from rlhf.models import load_causal_lm, load_scalar_model, load_tokenizer
 from rlhf.training import config_from_params
 from tasks.common import StageRun, atomic_dir, read_params, setup_torch, stage_params, write_metrics
 
-PROMPTS, SFT, POLICY, REWARD = "data/processed/eval_prompts.jsonl", "models/sft", "models/policy", "models/reward"
+PROMPTS, SFT, POLICY, REWARD = "data/validated/eval_prompts.jsonl", "models/sft", "models/policy", "models/reward"
 REPORTS = "reports/eval"
 
 

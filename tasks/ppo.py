@@ -1,6 +1,6 @@
 """Stage ppo: PPO / PPO-max from the SFT policy against the frozen reward model.
 
-Reads ``data/processed/{ppo_prompts,ptx_text}.jsonl``, ``models/sft`` (policy
+Reads ``data/validated/{ppo_prompts,ptx_text}.jsonl``, ``models/sft`` (policy
 init and reference) and ``models/reward`` (reward model; value-model init).
 Writes ``models/policy/`` (the best policy by validation reward),
 ``metrics/ppo.json`` and ``reports/ppo/`` (one curve per signal, reward histograms).
@@ -18,7 +18,7 @@ from rlhf.ppo import PPOConfig, PPOResult, train_ppo
 from rlhf.training import config_from_params
 from tasks.common import StageRun, atomic_dir, read_params, run_checkpointer, setup_torch, stage_params, write_metrics
 
-PROMPTS, PTX, SFT, REWARD = "data/processed/ppo_prompts.jsonl", "data/processed/ptx_text.jsonl", "models/sft", "models/reward"
+PROMPTS, PTX, SFT, REWARD = "data/validated/ppo_prompts.jsonl", "data/validated/ptx_text.jsonl", "models/sft", "models/reward"
 OUT_DIR, REPORTS = "models/policy", "reports/ppo"
 
 

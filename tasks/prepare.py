@@ -11,7 +11,7 @@ from collections import Counter
 from itertools import islice
 from typing import Any
 
-from rlhf.data import SPLITS, prepare_rows, read_jsonl, write_jsonl
+from rlhf.data import SPLITS, Source, prepare_rows, read_jsonl, write_jsonl
 from tasks.common import StageRun, atomic_dir, stage_params, write_metrics
 
 OUT_DIR = "data/processed"
@@ -20,19 +20,24 @@ OUT_DIR = "data/processed"
 def run(params: dict[str, Any]) -> dict[str, Any]:
     """Run the stage with the ``data`` params; returns the counts it logged.
 
+    Reads ``data.source`` and every entry of ``data.more_sources`` (each
+    ``{source, format, mapping, max_rows, storage_options}``), concatenated.
+
     Raises:
         ValueError: the source holds no rows, or no row parses.
     """
-    source = params["source"]
-    rows = read_jsonl(source, params.get("storage_options"))
-    if params.get("max_rows"):
-        rows = islice(rows, params["max_rows"])
-    prepared = prepare_rows(rows, source, params["fractions"], params.get("format", "auto"))
+    inputs = [{k: params.get(k) for k in ("source", "format", "mapping", "max_rows", "storage_options")}, *params.get("more_sources", [])]
+    sources = []
+    for spec in inputs:
+        rows = read_jsonl(spec["source"], spec.get("storage_options"))
+        sources.append(Source(spec["source"], islice(rows, spec["max_rows"]) if spec.get("max_rows") else rows, spec.get("format") or "auto", spec.get("mapping")))
+    names = ", ".join(spec["source"] for spec in inputs)
+    prepared = prepare_rows(sources, params["fractions"])
     if prepared.rows_in == 0:
-        raise ValueError(f"{source}: no rows")
+        raise ValueError(f"{names}: no rows")
     kept = sum(len(v) for v in prepared.splits.values())
     if kept == 0:
-        raise ValueError(f"{source}: none of {prepared.rows_in} rows parsed; first reason: {prepared.quarantine[0]['reason']}")
+        raise ValueError(f"{names}: none of {prepared.rows_in} rows parsed; first reason: {prepared.quarantine[0]['reason']}")
     with atomic_dir(OUT_DIR) as tmp:
         for split in SPLITS:
             with open(os.path.join(tmp, f"{split}.jsonl"), "w", encoding="utf-8") as handle:

@@ -20,7 +20,7 @@ from rlhf.reward import RewardConfig, center_rewards, encode_pairs, evaluate_rew
 from rlhf.training import config_from_params
 from tasks.common import StageRun, atomic_dir, read_params, run_checkpointer, setup_torch, stage_params, write_metrics
 
-TRAIN, EVAL, SFT = "data/processed/rm_train.jsonl", "data/processed/rm_eval.jsonl", "models/sft"
+TRAIN, EVAL, SFT = "data/validated/rm_train.jsonl", "data/validated/rm_eval.jsonl", "models/sft"
 OUT_DIR, FIGURE = "models/reward", "reports/reward_margins.png"
 
 
@@ -31,7 +31,7 @@ def run(params: dict[str, Any], log) -> tuple[dict[str, float], Any]:
     train = load_jsonl(TRAIN)
     checkpointer = run_checkpointer("reward", params, [TRAIN, SFT])
     metrics = train_reward_model(model, tokenizer, train, config, log, checkpointer)
-    demonstrations = [chosen.input_ids for chosen, _ in encode_pairs(tokenizer, train, config.max_length)]
+    demonstrations = [chosen.input_ids for chosen, _ in encode_pairs(tokenizer, train[: config.center_max_examples], config.max_length)]
     metrics["rm/offset"] = center_rewards(model, tokenizer, demonstrations, config.eval_batch_size)
     eval_metrics, margins = evaluate_reward_model(model, tokenizer, load_jsonl(EVAL), config.max_length, config.eval_batch_size)
     metrics.update(eval_metrics)

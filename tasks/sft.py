@@ -10,7 +10,7 @@ from rlhf.sft import SFTConfig, train_sft
 from rlhf.training import config_from_params
 from tasks.common import StageRun, atomic_dir, read_params, run_checkpointer, setup_torch, stage_params, write_metrics
 
-DATA = "data/processed/sft.jsonl"
+DATA = "data/validated/sft.jsonl"
 BASE = "models/base"
 OUT_DIR = "models/sft"
 

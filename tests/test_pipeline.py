@@ -15,7 +15,7 @@ pytestmark = pytest.mark.integration
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED = os.path.join(os.path.dirname(REPO), "shared")
-STAGES = ["prepare", "base_model", "sft", "reward", "ppo", "evaluate"]
+STAGES = ["prepare", "base_model", "validate", "sft", "reward", "ppo", "evaluate"]
 
 
 def make_project(root) -> str:

@@ -119,53 +119,115 @@ def split_pair(chosen: list[Message], rejected: list[Message]) -> tuple[list[Mes
     return prompt, chosen_response, rejected_response
 
 
-def _messages(value: Any, field: str) -> list[Message]:
-    if isinstance(value, str):
+def _messages(value: Any, field: str, conversation: bool = False) -> list[Message]:
+    if isinstance(value, str) and not conversation:
         return [{"role": "user" if field == "prompt" else "assistant", "content": value}]
     if isinstance(value, list) and all(isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role") in ("system", "user", "assistant") for m in value):
         return [{"role": m["role"], "content": m["content"]} for m in value]
-    raise RowError(f"field '{field}' is neither a string nor a list of {{role, content}} messages")
+    raise RowError(f"field '{field}' is not {'a list' if conversation else 'a string or a list'} of {{role, content}} messages with string content")
+
+
+FORMATS = ("auto", "hh", "pairs", "conversational", "ranking")
 
 
 def detect_format(row: Any) -> str:
-    """Name the format of a raw row: ``"hh"`` (whole dialogues in chosen/rejected) or ``"pairs"`` (prompt/chosen/rejected).
+    """Name the format of a raw row.
+
+    - ``"hh"``: ``chosen``/``rejected`` hold whole dialogue strings (``"\\n\\nHuman: ..."``).
+    - ``"conversational"``: ``chosen``/``rejected`` hold whole conversations as
+      ``{"role", "content"}`` lists (no ``prompt``; the prompt is the shared prefix).
+    - ``"pairs"``: ``prompt``/``chosen``/``rejected``, each a string or a message list.
+    - ``"ranking"``: ``prompt`` and ``responses`` (K responses), with optional
+      ``ranks`` (lower is better, equal ranks are ties); without ``ranks`` the
+      responses are ordered best first.
 
     Raises:
         RowError: the row is not an object with the keys of a known format.
     """
     if not isinstance(row, dict):
         raise RowError(f"row is {type(row).__name__}, not a JSON object")
+    if {"prompt", "responses"} <= row.keys():
+        return "ranking"
     if {"prompt", "chosen", "rejected"} <= row.keys():
         return "pairs"
     if {"chosen", "rejected"} <= row.keys():
-        return "hh"
-    raise RowError(f"row has keys {sorted(row)}; expected chosen/rejected or prompt/chosen/rejected")
+        return "conversational" if isinstance(row["chosen"], list) else "hh"
+    raise RowError(f"row has keys {sorted(row)}; expected chosen/rejected, prompt/chosen/rejected or prompt/responses")
 
 
-def to_example(row: Any, fmt: str = "auto") -> dict[str, list[Message]]:
-    """Turn one raw row into ``{"prompt", "chosen", "rejected"}`` message lists.
+def expand_ranking(responses: list[Any], ranks: list[Any] | None) -> list[tuple[Any, Any]]:
+    """All ``(better, worse)`` pairs of K ranked responses: K(K-1)/2, minus one per tied pair (InstructGPT).
+
+    Args:
+        responses: K responses.
+        ranks: K numbers, lower is better; None means the responses are ordered best first.
+
+    Raises:
+        RowError: ``ranks`` is not a list of K numbers, or fewer than two responses.
+    """
+    if not isinstance(responses, list) or len(responses) < 2:
+        raise RowError("field 'responses' must be a list of at least 2 responses")
+    ranks = list(range(len(responses))) if ranks is None else ranks
+    if not isinstance(ranks, list) or len(ranks) != len(responses) or not all(isinstance(r, (int, float)) and not isinstance(r, bool) for r in ranks):
+        raise RowError(f"field 'ranks' must be a list of {len(responses)} numbers")
+    pairs = []
+    for i in range(len(responses)):
+        for j in range(i + 1, len(responses)):
+            if ranks[i] != ranks[j]:
+                better, worse = (i, j) if ranks[i] < ranks[j] else (j, i)
+                pairs.append((responses[better], responses[worse]))
+    return pairs
+
+
+def _pair_from_prompt(prompt_value: Any, chosen_value: Any, rejected_value: Any) -> dict[str, list[Message]]:
+    prompt = _messages(prompt_value, "prompt")
+    if not prompt or prompt[-1]["role"] != "user":
+        raise RowError("prompt does not end with a user turn")
+    prompt, chosen, rejected = split_pair(prompt + _messages(chosen_value, "chosen"), prompt + _messages(rejected_value, "rejected"))
+    return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+
+
+def to_examples(row: Any, fmt: str = "auto", mapping: dict[str, str] | None = None) -> list[dict[str, list[Message]]]:
+    """Turn one raw row into preference examples ``{"prompt", "chosen", "rejected"}`` (message lists).
+
+    A ranking row gives one example per ordered pair; every other format gives one.
 
     Args:
         row: a parsed JSON row.
-        fmt: ``"auto"``, ``"hh"`` or ``"pairs"``.
+        fmt: one of :data:`FORMATS`.
+        mapping: renames the row's keys first (``{"question": "prompt", ...}``).
 
     Raises:
         RowError: the row does not parse; the message says why.
+        ValueError: an unknown format name.
     """
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown data format {fmt!r}; expected one of {FORMATS}")
     if isinstance(row, RowError):
         raise row
+    if mapping and isinstance(row, dict):
+        row = {mapping.get(key, key): value for key, value in row.items()}
     fmt = detect_format(row) if fmt == "auto" else fmt
-    if fmt == "hh":
-        prompt, chosen, rejected = split_pair(parse_hh_dialogue(row["chosen"]), parse_hh_dialogue(row["rejected"]))
-    elif fmt == "pairs":
-        prompt = _messages(row["prompt"], "prompt")
-        if prompt[-1]["role"] != "user":
-            raise RowError("prompt does not end with a user turn")
-        chosen, rejected = _messages(row["chosen"], "chosen"), _messages(row["rejected"], "rejected")
-        _, chosen, rejected = split_pair(prompt + chosen, prompt + rejected)
-    else:
-        raise ValueError(f"unknown data format {fmt!r}; expected auto, hh or pairs")
-    return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+    try:
+        if fmt == "hh":
+            prompt, chosen, rejected = split_pair(parse_hh_dialogue(row["chosen"]), parse_hh_dialogue(row["rejected"]))
+            return [{"prompt": prompt, "chosen": chosen, "rejected": rejected}]
+        if fmt == "conversational":
+            prompt, chosen, rejected = split_pair(_messages(row["chosen"], "chosen", conversation=True), _messages(row["rejected"], "rejected", conversation=True))
+            return [{"prompt": prompt, "chosen": chosen, "rejected": rejected}]
+        if fmt == "pairs":
+            return [_pair_from_prompt(row["prompt"], row["chosen"], row["rejected"])]
+        examples, reasons = [], []
+        for better, worse in expand_ranking(row["responses"], row.get("ranks")):
+            try:
+                examples.append(_pair_from_prompt(row["prompt"], better, worse))
+            except RowError as err:
+                reasons.append(str(err))
+        if not examples:
+            raise RowError(f"ranking gives no usable pair ({reasons[0] if reasons else 'all responses tie'})")
+        return examples
+    except (KeyError, TypeError) as err:
+        raise RowError(f"row does not fit format {fmt!r}: missing or wrong field {err}") from err
 
 
 def prompt_key(prompt: list[Message]) -> str:
@@ -212,44 +274,54 @@ class PreparedData:
     rows_in: int
 
 
-def prepare_rows(rows: Iterator[tuple[int, Any]], source: str, fractions: dict[str, float], fmt: str = "auto") -> PreparedData:
-    """Parse raw rows, quarantine the unparseable ones and split the rest by prompt hash.
+@dataclass
+class Source:
+    """One input of the prepare stage: where it is, its rows, their format and key mapping."""
+
+    path: str
+    rows: Iterator[tuple[int, Any]]
+    format: str = "auto"
+    mapping: dict[str, str] | None = None
+
+
+def prepare_rows(sources: list[Source], fractions: dict[str, float]) -> PreparedData:
+    """Parse raw rows of one or more sources, quarantine the unparseable ones and split the rest by prompt hash.
 
     Output rows: ``sft``, ``rm_train``, ``rm_eval`` hold whole pairs
     ``{"id", "source", "prompt", "chosen", "rejected"}``; ``ppo_prompts`` and
     ``eval_prompts`` hold ``{"id", "source", "prompt"}`` (one row per distinct
     prompt); ``ptx_text`` holds ``{"id", "source", "text"}`` (the chosen dialogue
     as plain text). Quarantine rows are ``{"source", "line", "reason", "row"}``.
+    Each row keeps the path of its source.
 
     Args:
-        rows: ``(line_number, row)`` pairs, e.g. from :func:`read_jsonl`.
-        source: the path the rows came from (kept in each row).
+        sources: the inputs, concatenated in order.
         fractions: split fractions (see :func:`assign_split`).
-        fmt: see :func:`to_example`.
     """
     splits: dict[str, list[dict[str, Any]]] = {name: [] for name in SPLITS}
     quarantine: list[dict[str, Any]] = []
     seen_prompts: set[tuple[str, str]] = set()
     rows_in = 0
-    for line, row in rows:
+    for source, line, row in ((src, line, row) for src in sources for line, row in src.rows):
         rows_in += 1
         try:
-            example = to_example(row, fmt)
+            examples = to_examples(row, source.format, source.mapping)
         except RowError as err:
-            quarantine.append({"source": source, "line": line, "reason": str(err), "row": None if isinstance(row, RowError) else row})
+            quarantine.append({"source": source.path, "line": line, "reason": str(err), "row": None if isinstance(row, RowError) else row})
             continue
-        key = prompt_key(example["prompt"])
-        split = assign_split(example["prompt"], fractions)
-        record = {"id": f"{key[:16]}-{line}", "source": source}
-        if split in ("ppo_prompts", "eval_prompts"):
-            if (split, key) in seen_prompts:
-                continue
-            seen_prompts.add((split, key))
-            splits[split].append({**record, "id": key[:16], "prompt": example["prompt"]})
-        elif split == "ptx_text":
-            splits[split].append({**record, "text": dialogue_text(example["prompt"] + example["chosen"])})
-        else:
-            splits[split].append({**record, **example})
+        for number, example in enumerate(examples):
+            key = prompt_key(example["prompt"])
+            split = assign_split(example["prompt"], fractions)
+            record = {"id": f"{key[:16]}-{line}" + (f"-{number}" if len(examples) > 1 else ""), "source": source.path}
+            if split in ("ppo_prompts", "eval_prompts"):
+                if (split, key) in seen_prompts:
+                    continue
+                seen_prompts.add((split, key))
+                splits[split].append({**record, "id": key[:16], "prompt": example["prompt"]})
+            elif split == "ptx_text":
+                splits[split].append({**record, "text": dialogue_text(example["prompt"] + example["chosen"])})
+            else:
+                splits[split].append({**record, **example})
     return PreparedData(splits=splits, quarantine=quarantine, rows_in=rows_in)
 
 

@@ -20,7 +20,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf import losses
 from rlhf.models import pad, position_ids_from_mask, response_logprobs, sample, sequence_scores, token_scores
-from rlhf.training import Checkpointer, LogFn, clip_gradients, make_optimizer, make_scheduler, minibatch_indices
+from rlhf.training import Checkpointer, LogFn, clip_gradients, freeze_lower_layers, make_optimizer, make_scheduler, minibatch_indices
 
 
 @dataclass
@@ -79,6 +79,7 @@ class PPOConfig:
     validate_every: int = 4
     validation_prompts: int = 8
     checkpoint_every: int = 1
+    trainable_layers: int | None = None  # train only the top N blocks of policy and value model (CPU budget); None: all
     seed: int = 0
 
 
@@ -424,6 +425,8 @@ def train_ppo(
         model.eval()  # dropout off everywhere; gradients still flow into policy and value
     for model in (reference, reward_model):
         model.requires_grad_(False)
+    for model in (policy, value_model):
+        freeze_lower_layers(model, config.trainable_layers)
     total = config.value_pretrain_iterations + config.iterations
     policy_updates = max(config.iterations, 1)
     policy_optimizer, value_optimizer = make_optimizer(policy, config.policy_lr), make_optimizer(value_model, config.value_lr)

@@ -11,7 +11,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.losses import bradley_terry_loss, language_model_loss, last_token_index
 from rlhf.models import Encoded, encode_chat, pad, pad_masks, position_ids_from_mask, sequence_scores
-from rlhf.training import Checkpointer, LogFn, supervised_loop
+from rlhf.training import Checkpointer, LogFn, freeze_lower_layers, supervised_loop
 
 
 @dataclass
@@ -28,7 +28,9 @@ class RewardConfig:
     margin: float = 0.0
     lm_coef: float = 0.0
     eval_batch_size: int = 16
+    center_max_examples: int | None = None  # demonstrations used to centre the scores (None: all of rm_train)
     checkpoint_every: int = 10
+    trainable_layers: int | None = None  # train only the top N blocks (CPU budget); None: all
     seed: int = 0
 
 
@@ -73,6 +75,7 @@ def train_reward_model(
     """
     pairs = encode_pairs(tokenizer, examples, config.max_length)
     backbone = getattr(model, model.base_model_prefix)
+    freeze_lower_layers(model, config.trainable_layers)
 
     def step(indices: list[int]) -> tuple[torch.Tensor, dict[str, float]]:
         batch = [pairs[i][0] for i in indices] + [pairs[i][1] for i in indices]
@@ -100,13 +103,18 @@ def train_reward_model(
 
 @torch.no_grad()
 def score_sequences(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, sequences: list[list[int]], batch_size: int) -> torch.Tensor:
-    """Reward-model scores of token sequences, in batches; ``(N,)`` float32."""
+    """Reward-model scores of token sequences, ``(N,)`` float32, in the input order.
+
+    Batches are formed from length-sorted sequences so little compute goes to padding.
+    """
     model.eval()
-    scores = []
-    for start in range(0, len(sequences), batch_size):
-        input_ids, attention_mask = pad(tokenizer, sequences[start : start + batch_size], "right")
-        scores.append(sequence_scores(model, input_ids, attention_mask))
-    return torch.cat(scores) if scores else torch.zeros(0)
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+    scores = torch.zeros(len(sequences))
+    for start in range(0, len(order), batch_size):
+        chunk = order[start : start + batch_size]
+        input_ids, attention_mask = pad(tokenizer, [sequences[i] for i in chunk], "right")
+        scores[chunk] = sequence_scores(model, input_ids, attention_mask)
+    return scores
 
 
 def center_rewards(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, demonstrations: list[list[int]], batch_size: int) -> float:

@@ -10,7 +10,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.losses import language_model_loss
 from rlhf.models import encode_chat, pad, pad_masks, position_ids_from_mask
-from rlhf.training import Checkpointer, LogFn, supervised_loop
+from rlhf.training import Checkpointer, LogFn, freeze_lower_layers, supervised_loop
 
 
 @dataclass
@@ -25,6 +25,7 @@ class SFTConfig:
     max_grad_norm: float = 1.0
     max_length: int = 256
     checkpoint_every: int = 10
+    trainable_layers: int | None = None  # train only the top N blocks (CPU budget); None: all
     seed: int = 0
 
 
@@ -54,6 +55,7 @@ def train_sft(
         ValueError: no examples.
     """
     encoded = [encode_chat(tokenizer, ex["prompt"], ex["chosen"], config.max_length) for ex in examples]
+    freeze_lower_layers(model, config.trainable_layers)
 
     def step(indices: list[int]) -> tuple[torch.Tensor, dict[str, float]]:
         batch = [encoded[i] for i in indices]

@@ -230,3 +230,39 @@ def config_from_params(cls: type, params: dict[str, Any], section: str) -> Any:
     if unknown:
         raise ValueError(f"params.yaml: section {section!r} has unknown keys {unknown}; known: {sorted(known)}")
     return cls(**params)
+
+
+def freeze_lower_layers(model: PreTrainedModel, trainable_layers: int | None) -> int:
+    """Train only the top ``trainable_layers`` transformer blocks (plus the final norm and the head).
+
+    A CPU budget knob: backward stops at the first trainable block, so with a
+    third of the blocks trainable a step costs about half. ``None`` trains
+    everything. Embeddings stay frozen when any block is frozen (with tied
+    embeddings the LM head is then frozen too).
+
+    Args:
+        model: a causal LM or sequence-classification model whose backbone has ``layers``.
+        trainable_layers: number of top blocks to train, or None.
+
+    Returns:
+        The number of trainable parameters.
+
+    Raises:
+        ValueError: the backbone has no ``layers`` list, or ``trainable_layers`` < 0.
+    """
+    if trainable_layers is not None:
+        backbone = getattr(model, model.base_model_prefix)
+        layers = getattr(backbone, "layers", None)
+        if layers is None or trainable_layers < 0:
+            raise ValueError("trainable_layers needs a backbone with a `layers` list and a value >= 0")
+        model.requires_grad_(False)
+        for block in list(layers)[len(layers) - trainable_layers :] if trainable_layers else []:
+            block.requires_grad_(True)
+        for name in ("norm",):
+            if hasattr(backbone, name):
+                getattr(backbone, name).requires_grad_(True)
+        for head in ("score", "lm_head"):
+            module = getattr(model, head, None)
+            if module is not None and not (head == "lm_head" and getattr(model.config, "tie_word_embeddings", False)):
+                module.requires_grad_(True)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)

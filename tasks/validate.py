@@ -1,0 +1,82 @@
+"""Stage validate: the Great Expectations suite over the processed splits; writes the splits the trainers read.
+
+Reads ``data/processed/`` and the base tokenizer (``models/base``); writes
+``data/validated/{split}.jsonl``, ``data/validated/quarantine.jsonl`` (rows with
+the rules they broke), ``reports/validation.json`` (summary) and
+``reports/validation_gx.json`` (the suite's full results, also an MLflow
+artifact). Exits non-zero with one line per broken rule when a split is empty
+or its quarantined share is above ``validate.max_quarantine_fraction``; the
+previous validated data is then left as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+from rlhf.data import SPLITS, load_jsonl, write_jsonl
+from rlhf.models import load_tokenizer
+from rlhf.training import config_from_params, write_json
+from rlhf.validation import ValidationConfig, split_kind, validate_split
+from tasks.common import StageRun, atomic_dir, stage_params, write_metrics
+
+IN_DIR, OUT_DIR, BASE = "data/processed", "data/validated", "models/base"
+REPORT, GX_REPORT = "reports/validation.json", "reports/validation_gx.json"
+
+
+class ValidationFailed(Exception):
+    """The suite's thresholds broke; the message has one line per broken rule."""
+
+
+def run(params: dict[str, Any]) -> dict[str, Any]:
+    """Validate every split; returns the summary written to ``reports/validation.json``.
+
+    Raises:
+        ValidationFailed: a split is empty or above the quarantine threshold (nothing is written).
+    """
+    config = config_from_params(ValidationConfig, params, "validate")
+    tokenizer = load_tokenizer(BASE)
+    results = {split: validate_split(os.path.join(IN_DIR, f"{split}.jsonl"), load_jsonl(os.path.join(IN_DIR, f"{split}.jsonl")), split_kind(split), tokenizer, config) for split in SPLITS}
+    errors = [line for result in results.values() for line in result.errors]
+    if errors:
+        raise ValidationFailed("\n".join(errors))
+    with atomic_dir(OUT_DIR) as tmp:
+        for split, result in results.items():
+            with open(os.path.join(tmp, f"{split}.jsonl"), "w", encoding="utf-8") as handle:
+                write_jsonl(result.valid, handle)
+        with open(os.path.join(tmp, "quarantine.jsonl"), "w", encoding="utf-8") as handle:
+            write_jsonl([{"split": split, **row} for split, result in results.items() for row in result.quarantined], handle)
+    summary = {
+        split: {"rows_in": len(r.valid) + len(r.quarantined), "valid": len(r.valid), "quarantined": len(r.quarantined), "rules": r.rule_counts, "role_marker_rows": r.role_marker_rows}
+        for split, r in results.items()
+    }
+    write_json(REPORT, {"success": True, "max_quarantine_fraction": config.max_quarantine_fraction, "role_markers": config.role_markers, "splits": summary})
+    write_json(GX_REPORT, {split: r.gx_result for split, r in results.items()})
+    return summary
+
+
+def main() -> None:
+    """DVC stage command."""
+    import mlflow
+
+    params = stage_params("validate")
+    with StageRun("validate", params) as stage:
+        try:
+            summary = run(params)
+        except ValidationFailed as failure:
+            print(f"[validate] FAILED:\n{failure}", file=sys.stderr)
+            raise SystemExit(1) from None
+        mlflow.log_artifact(REPORT)
+        mlflow.log_artifact(GX_REPORT)
+        totals = {key: sum(s[key] for s in summary.values()) for key in ("rows_in", "valid", "quarantined")}
+        stage.log({f"validate/{k}": float(v) for k, v in totals.items()}, 0)
+    for split, s in summary.items():
+        broken = {rule: n for rule, n in s["rules"].items() if n}
+        print(f"[validate] {split}: {s['valid']}/{s['rows_in']} valid; quarantined by rule: {json.dumps(broken)}; role markers in {s['role_marker_rows']} rows")
+    write_metrics("metrics/validate.json", {**{f"validate/{k}": v for k, v in totals.items()}, "seconds": stage.seconds})
+
+
+if __name__ == "__main__":
+    main()
