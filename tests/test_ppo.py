@@ -138,3 +138,39 @@ def test_resume_after_kill_matches_uninterrupted_run(tiny_dir, tokenizer, tmp_pa
     for step in full:
         for key, value in full[step].items():
             assert resumed[step][key] == pytest.approx(value, abs=1e-6, nan_ok=True), (step, key)
+
+
+@pytest.mark.parametrize("action, expected_iterations, expected_rollbacks", [("stop", 3, 0), ("rollback", 5, 1), ("warn", 5, 0)])
+def test_collapse_guard_stops_rolls_back_or_warns(tiny_dir, tokenizer, tmp_path, monkeypatch, action, expected_iterations, expected_rollbacks):
+    import rlhf.ppo as ppo_module
+
+    # iteration 1 is critic pre-training, 2 validates and becomes best, 3 and 5 "collapse"
+    monkeypatch.setattr(ppo_module, "detect_collapse", lambda stats, baseline, config: "planted" if stats["step"] in (3, 5) else None)
+    real_make_experience = ppo_module.make_experience
+    counter = {"step": 0}
+
+    def make_experience(*args, **kwargs):
+        experience, stats = real_make_experience(*args, **kwargs)
+        counter["step"] += 1
+        return experience, {**stats, "step": counter["step"]}
+
+    monkeypatch.setattr(ppo_module, "make_experience", make_experience)
+    config = PPOConfig(
+        iterations=4, value_pretrain_iterations=1, rollout_batch_size=2, minibatch_size=2, ppo_epochs=1, max_new_tokens=4, policy_lr=1e-2,
+        validate_every=2, validation_prompts=1, on_collapse=action, max_rollbacks=1, checkpoint_every=1,
+    )
+    prompts = [encode_prompt(tokenizer, p, 24) for p in PROMPTS]
+    logged = {}
+    policy, reference, reward_model, value_model = four_models(tiny_dir)
+    checkpointer = Checkpointer(str(tmp_path))
+    result = train_ppo(policy, reference, reward_model, value_model, tokenizer, prompts[:5], prompts[5:], [], config, lambda m, s: logged.__setitem__(s, m), checkpointer, progress=False)
+    assert max(logged) == expected_iterations
+    assert sum(m.get("ppo/rollback", 0.0) for m in logged.values()) == expected_rollbacks
+    assert (result.stopped_by is not None) == (action != "warn")
+    if action == "stop":
+        assert result.best_iteration == 2
+    if action != "warn":  # the result is the best policy by validation reward, not the collapsed one
+        best = Checkpointer(str(tmp_path / "best")).latest()
+        assert best.endswith(f"step-{result.best_iteration:08d}")
+        best_weights = type(policy).from_pretrained(os.path.join(best, "policy")).state_dict()
+        assert all(torch.equal(best_weights[k], v) for k, v in policy.state_dict().items())

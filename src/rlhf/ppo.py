@@ -75,7 +75,8 @@ class PPOConfig:
     collapse_length_ratio: float | None = 3.0
     collapse_perplexity_ratio: float | None = 3.0
     collapse_reward_skew: float | None = 3.0
-    on_collapse: str = "stop"  # stop | warn
+    on_collapse: str = "stop"  # stop | rollback (to the best policy, fresh policy optimiser) | warn
+    max_rollbacks: int = 2  # after this many rollbacks a further collapse stops the run
     validate_every: int = 4
     validation_prompts: int = 8
     checkpoint_every: int = 1
@@ -397,7 +398,10 @@ def train_ppo(
     coefficient, RNG state, iteration counter and best-so-far are checkpointed;
     a restart continues from there. The best policy by validation reward is
     kept (``<checkpoint root>/best``) and loaded into ``policy`` at the end, so
-    a pattern collapse never leaves the collapsed policy as the result.
+    a pattern collapse never leaves the collapsed policy as the result. On a
+    collapse (:func:`detect_collapse`) the run stops, rolls the policy back to
+    the best checkpoint (``on_collapse: rollback``, at most ``max_rollbacks``
+    times, then stops) or only warns, as configured.
 
     Args:
         policy: initialised from SFT; reference: a frozen copy of SFT.
@@ -419,8 +423,8 @@ def train_ppo(
 
     if not prompts:
         raise ValueError("no PPO prompts")
-    if config.on_collapse not in ("stop", "warn"):
-        raise ValueError(f"ppo.on_collapse must be stop or warn, got {config.on_collapse!r}")
+    if config.on_collapse not in ("stop", "rollback", "warn"):
+        raise ValueError(f"ppo.on_collapse must be stop, rollback or warn, got {config.on_collapse!r}")
     for model in (policy, reference, reward_model, value_model):
         model.eval()  # dropout off everywhere; gradients still flow into policy and value
     for model in (reference, reward_model):
@@ -436,7 +440,7 @@ def train_ppo(
         make_scheduler(value_optimizer, config.scheduler, config.warmup_steps, total),
     )
     moments = RunningMoments()
-    state: dict[str, Any] = {"iteration": 0, "kl_coef": config.kl_coef, "baseline": {}, "best_reward": -math.inf, "best_iteration": 0, "reward_samples": {}, "stopped_by": None, "history": {}}
+    state: dict[str, Any] = {"iteration": 0, "kl_coef": config.kl_coef, "baseline": {}, "best_reward": -math.inf, "best_iteration": 0, "reward_samples": {}, "stopped_by": None, "history": {}, "rollbacks": 0}
     torch.manual_seed(config.seed)
     resume = checkpointer.latest()
     if resume:
@@ -479,10 +483,17 @@ def train_ppo(
                 state["best_reward"], state["best_iteration"] = stats["ppo/validation_reward"], step
                 Checkpointer(best_dir, keep=1).save(step, {"policy": policy}, {"iteration": step, "validation_reward": state["best_reward"]})
         if reason is not None:
-            stats_line = f"pattern collapse at iteration {step}: {reason}"
-            bar.write(stats_line)
-            if config.on_collapse == "stop":
-                state["stopped_by"] = stats_line
+            line = f"pattern collapse at iteration {step}: {reason}"
+            bar.write(line)
+            best = Checkpointer(best_dir).latest()
+            if config.on_collapse == "rollback" and best is not None and state["rollbacks"] < config.max_rollbacks:
+                Checkpointer(best_dir).load_model_weights(best, "policy", policy)
+                opt.policy.state.clear()  # the moments of the collapsed trajectory go too
+                state["rollbacks"] += 1
+                stats["ppo/rollback"] = 1.0
+                bar.write(f"rolled the policy back to iteration {state['best_iteration']} ({state['rollbacks']}/{config.max_rollbacks})")
+            elif config.on_collapse != "warn":
+                state["stopped_by"] = line
         log(stats, step)
         state["history"][step] = stats
         bar.set_postfix(reward=f"{stats['ppo/reward/mean']:.3f}", kl=f"{stats['ppo/kl']:.3f}")

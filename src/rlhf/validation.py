@@ -66,6 +66,11 @@ def _utf8(text: str | None) -> bool:
         return False
 
 
+def _safe(text: str | None) -> str:
+    """The text with anything UTF-8 cannot encode (lone surrogates) escaped, so the frame can hold it."""
+    return (text or "").encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def _normalized(text: str | None) -> str:
     return " ".join(unicodedata.normalize("NFKC", text or "").split())
 
@@ -83,10 +88,10 @@ def derive_columns(rows: list[dict[str, Any]], kind: str, tokenizer: PreTrainedT
     for row in rows:
         if kind == "text":
             text = row.get("text") if isinstance(row.get("text"), str) else None
-            records.append({"fields_ok": text is not None, "text": text or "", "utf8_ok": _utf8(text)})
+            records.append({"fields_ok": text is not None, "text": _safe(text), "utf8_ok": _utf8(text)})
             continue
         prompt = _text(row.get("prompt"))
-        record = {"prompt": prompt or "", "prompt_tokens": 0}
+        record = {"prompt": _safe(prompt), "prompt_tokens": 0}
         responses = ("chosen", "rejected") if kind == "pairs" else ()
         texts = {name: _text(row.get(name)) for name in responses}
         record["fields_ok"] = prompt is not None and isinstance(row.get("prompt"), list) and all(t is not None and isinstance(row.get(n), list) for n, t in texts.items())
@@ -94,7 +99,7 @@ def derive_columns(rows: list[dict[str, Any]], kind: str, tokenizer: PreTrainedT
         if record["fields_ok"] and record["utf8_ok"]:
             record["prompt_tokens"] = len(encode_prompt(tokenizer, row["prompt"], 10**9))
         for name, text in texts.items():
-            record[name] = text or ""
+            record[name] = _safe(text)
             record[f"{name}_tokens"] = len(tokenizer(text, add_special_tokens=False)["input_ids"]) if text and record["utf8_ok"] else 0
             record[f"{name}_role_marker"] = bool(ROLE_MARKER.search(text or ""))
         if kind == "pairs":
@@ -107,7 +112,7 @@ def derive_columns(rows: list[dict[str, Any]], kind: str, tokenizer: PreTrainedT
             key = (_normalized(prompt), _normalized(texts["chosen"]), _normalized(texts["rejected"]))
         else:
             key = (_normalized(prompt),)
-        record["key"] = "\x1f".join(key)
+        record["key"] = _safe("\x1f".join(key))
         records.append(record)
     frame = pd.DataFrame.from_records(records)
     frame["is_duplicate"] = frame["key"].duplicated(keep="first") if "key" in frame else False
