@@ -34,24 +34,29 @@ SUMMARY = {
 }
 
 
+def _stages(dvc_file: str) -> dict:
+    with open(dvc_file, encoding="utf-8") as handle:
+        return yaml.safe_load(handle)["stages"]
+
+
+def _paths(entries: list | None) -> list[str]:
+    """Paths of a dvc.yaml deps/outs/metrics list (entries are strings or one-key dicts)."""
+    return [next(iter(e)) if isinstance(e, dict) else e for e in entries or []]
+
+
 def stage_order(dvc_file: str = "dvc.yaml") -> list[str]:
     """Stage names of ``dvc.yaml`` in dependency order (a stage after every stage whose outs it reads).
 
     Raises:
         ValueError: the stages form a cycle.
     """
-    with open(dvc_file, encoding="utf-8") as handle:
-        stages = yaml.safe_load(handle)["stages"]
-
-    def paths(entries: list) -> list[str]:
-        return [next(iter(e)) if isinstance(e, dict) else e for e in entries or []]
-
+    stages = _stages(dvc_file)
     graph = nx.DiGraph()
     graph.add_nodes_from(stages)
     for name, stage in stages.items():
         for other, upstream in stages.items():
-            outs = paths(upstream.get("outs")) + paths(upstream.get("metrics"))
-            if other != name and any(dep == out or dep.startswith(out.rstrip("/") + "/") for dep in paths(stage.get("deps")) for out in outs):
+            outs = _paths(upstream.get("outs")) + _paths(upstream.get("metrics"))
+            if other != name and any(dep == out or dep.startswith(out.rstrip("/") + "/") for dep in _paths(stage.get("deps")) for out in outs):
                 graph.add_edge(other, name)
     if not nx.is_directed_acyclic_graph(graph):
         raise ValueError(f"{dvc_file}: the stages form a cycle")
@@ -96,11 +101,11 @@ def rlhf_pipeline(stages: list[str] | None = None) -> dict[str, dict]:
         if stages is None or stage in stages:
             run_stage(stage, run_id)
     metrics = {}
-    for stage in order:
-        path = os.path.join("metrics", f"{stage}.json")
-        if os.path.exists(path):
-            with open(path, encoding="utf-8") as handle:
-                metrics[stage] = json.load(handle)
+    for stage, spec in _stages("dvc.yaml").items():
+        for path in _paths(spec.get("metrics")):
+            if os.path.exists(path):
+                with open(path, encoding="utf-8") as handle:
+                    metrics.setdefault(stage, {}).update(json.load(handle))
     return metrics
 
 

@@ -66,7 +66,7 @@ def test_dvc_repro_runs_everything_then_only_what_a_ppo_param_touches(tmp_path):
     project = make_project(tmp_path)
     assert ran_stages(run(project, "dvc", "repro")) == STAGES
     assert_outputs(project)
-    set_param(project, "  clip: 0.2\n", "  clip: 0.25\n")
+    set_param(project, "  policy_lr: 1.0e-5", "  policy_lr: 3.0e-5")  # changes the policy, so evaluate reruns too
     assert ran_stages(run(project, "dvc", "repro")) == ["ppo", "evaluate"]
 
 

@@ -68,3 +68,25 @@ def test_score_sequences_keeps_input_order_despite_length_sorting(tiny_dir, toke
     batched = score_sequences(model, tokenizer, sequences, batch_size=2)
     alone = torch.stack([score_sequences(model, tokenizer, [s], batch_size=1)[0] for s in sequences])
     assert torch.allclose(batched, alone, atol=1e-5)
+
+
+def test_reward_loss_is_bradley_terry_plus_lm_coef_times_imitation_loss(tiny_dir, tokenizer):
+    from rlhf.losses import bradley_terry_loss
+    from rlhf.reward import RewardConfig, encode_pairs, train_reward_model
+
+    examples = [
+        {"prompt": [{"role": "user", "content": f"q{i}"}], "chosen": [{"role": "assistant", "content": f"good {i}"}], "rejected": [{"role": "assistant", "content": f"bad answer {i}"}]}
+        for i in range(2)
+    ]
+    torch.manual_seed(0)
+    model = load_scalar_model(tiny_dir)
+    torch.nn.init.normal_(model.score.weight, std=1.0)
+    logged = {}
+    config = RewardConfig(steps=1, batch_size=2, lr=0.0, warmup_steps=0, scheduler="constant", lm_coef=0.7, margin=0.5, max_length=64)
+    train_reward_model(model, tokenizer, examples, config, lambda m, s: logged.update(m), progress=False)
+    pairs = encode_pairs(tokenizer, examples, 64)
+    chosen = score_sequences(model, tokenizer, [c.input_ids for c, _ in pairs], 4)
+    rejected = score_sequences(model, tokenizer, [r.input_ids for _, r in pairs], 4)
+    expected = bradley_terry_loss(chosen, rejected, margin=0.5).item() + 0.7 * logged["rm/lm_loss"]
+    assert logged["rm/loss"] == pytest.approx(expected, abs=1e-5)
+    assert logged["rm/lm_loss"] > 0
