@@ -66,3 +66,14 @@ def test_supervised_training_resumes_exactly(tiny_dir, tokenizer, tmp_path, kind
         assert resumed_log[step]["sft/loss" if kind == "sft" else "rm/loss"] == pytest.approx(full_log[step]["sft/loss" if kind == "sft" else "rm/loss"], abs=1e-6)
     for (name, a), b in zip(full.state_dict().items(), resumed.state_dict().values()):
         assert torch.allclose(a, b, atol=1e-6), name
+
+
+def test_config_from_params_reads_yaml_exponents_and_rejects_unknown_keys():
+    from rlhf.training import config_from_params
+
+    config = config_from_params(SFTConfig, {"lr": "3e-5", "steps": 2}, "sft")
+    assert config.lr == 3e-5 and config.steps == 2
+    with pytest.raises(ValueError, match="sft.lr must be a number"):
+        config_from_params(SFTConfig, {"lr": "fast"}, "sft")
+    with pytest.raises(ValueError, match="unknown keys \\['stepz'\\]"):
+        config_from_params(SFTConfig, {"stepz": 2}, "sft")

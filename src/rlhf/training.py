@@ -222,14 +222,25 @@ def supervised_loop(
 def config_from_params(cls: type, params: dict[str, Any], section: str) -> Any:
     """Build the dataclass ``cls`` from a params.yaml section; unknown keys raise.
 
+    YAML 1.1 reads ``3e-5`` (no dot) as a string: numbers written that way are
+    converted for float fields, and anything else that is not a number raises.
+
     Raises:
-        ValueError: a key that is not a field of ``cls`` (names the section and key).
+        ValueError: a key that is not a field of ``cls``, or a float field whose
+            value is not a number (names the section and key).
     """
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(params) - known)
+    fields = {f.name: str(f.type) for f in dataclasses.fields(cls)}
+    unknown = sorted(set(params) - set(fields))
     if unknown:
-        raise ValueError(f"params.yaml: section {section!r} has unknown keys {unknown}; known: {sorted(known)}")
-    return cls(**params)
+        raise ValueError(f"params.yaml: section {section!r} has unknown keys {unknown}; known: {sorted(fields)}")
+    values = dict(params)
+    for key, value in params.items():
+        if fields[key].startswith("float") and isinstance(value, (str, int)) and not isinstance(value, bool):
+            try:
+                values[key] = float(value)
+            except ValueError:
+                raise ValueError(f"params.yaml: {section}.{key} must be a number, got {value!r}") from None
+    return cls(**values)
 
 
 def freeze_lower_layers(model: PreTrainedModel, trainable_layers: int | None) -> int:
