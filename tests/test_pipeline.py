@@ -81,3 +81,35 @@ def test_prefect_flow_runs_the_stages_and_groups_mlflow_runs(tmp_path):
         assert len(parents) == 1
         children = db.execute("select count(*) from tags where key = 'mlflow.parentRunId' and value = ?", parents[0]).fetchone()[0]
     assert children == len(STAGES)
+
+
+def test_ppo_stage_killed_with_sigkill_resumes_to_the_same_result(tmp_path):
+    import glob
+    import signal
+    import time
+
+    project = make_project(tmp_path)
+    set_param(project, "    tiny: {iterations: 3,", "    tiny: {iterations: 12, checkpoint_every: 1,")
+    run(project, "dvc", "repro", "reward")
+    env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"], "RLHF_PIPELINE_RUN_ID": "kill-test"}
+
+    def ppo_stage():
+        return subprocess.Popen([sys.executable, "-m", "tasks.ppo"], cwd=project, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    assert ppo_stage().wait(timeout=600) == 0
+    with open(os.path.join(project, "metrics/ppo.json")) as handle:
+        uninterrupted = json.load(handle)
+    assert not glob.glob(os.path.join(project, "checkpoints/ppo/*/step-*"))  # cleared after success
+    process = ppo_stage()
+    deadline = time.time() + 600
+    while time.time() < deadline and not any(open(p).read().strip() >= "step-00000005" for p in glob.glob(os.path.join(project, "checkpoints/ppo/*/latest"))):
+        assert process.poll() is None, "the stage finished before it could be killed"
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert ppo_stage().wait(timeout=600) == 0
+    with open(os.path.join(project, "metrics/ppo.json")) as handle:
+        resumed = json.load(handle)
+    for key, value in uninterrupted.items():
+        if key != "seconds" and isinstance(value, float):
+            assert resumed[key] == pytest.approx(value, abs=1e-6), key
