@@ -377,6 +377,48 @@ class PPOResult:
     best_iteration: int
 
 
+def _save(checkpointer: Checkpointer, step: int, policy, value_model, opt: Optimisers, moments: RunningMoments, state: dict[str, Any]) -> None:
+    """Checkpoint everything a resumed run needs to continue exactly."""
+    checkpointer.save(
+        step,
+        {"policy": policy, "value": value_model},
+        {
+            "policy_optimizer": opt.policy.state_dict(), "value_optimizer": opt.value.state_dict(),
+            "policy_schedule": opt.policy_schedule.state_dict(), "value_schedule": opt.value_schedule.state_dict(),
+            "moments": moments.state_dict(), "rng": torch.get_rng_state(), "trainer": state,
+        },
+    )
+
+
+def _restore(checkpointer: Checkpointer, path: str, policy, value_model, opt: Optimisers, moments: RunningMoments) -> dict[str, Any]:
+    """Load what :func:`_save` wrote; returns the trainer state."""
+    saved = checkpointer.load_state(path)
+    checkpointer.load_model_weights(path, "policy", policy)
+    checkpointer.load_model_weights(path, "value", value_model)
+    opt.policy.load_state_dict(saved["policy_optimizer"])
+    opt.value.load_state_dict(saved["value_optimizer"])
+    opt.policy_schedule.load_state_dict(saved["policy_schedule"])
+    opt.value_schedule.load_state_dict(saved["value_schedule"])
+    moments.load_state_dict(saved["moments"])
+    torch.set_rng_state(saved["rng"])
+    return saved["trainer"]
+
+
+def _on_collapse(line: str, config: PPOConfig, state: dict[str, Any], policy, opt: Optimisers, best_dir: str, say) -> float:
+    """Act on a detected collapse as ``on_collapse`` says; returns 1.0 when the policy was rolled back."""
+    say(line)
+    best = Checkpointer(best_dir).latest()
+    if config.on_collapse == "rollback" and best is not None and state["rollbacks"] < config.max_rollbacks:
+        Checkpointer(best_dir).load_model_weights(best, "policy", policy)
+        opt.policy.state.clear()  # the optimiser moments of the collapsed trajectory go too
+        state["rollbacks"] += 1
+        say(f"rolled the policy back to iteration {state['best_iteration']} ({state['rollbacks']}/{config.max_rollbacks})")
+        return 1.0
+    if config.on_collapse != "warn":
+        state["stopped_by"] = line
+    return 0.0
+
+
 def train_ppo(
     policy: PreTrainedModel,
     reference: PreTrainedModel,
@@ -444,16 +486,7 @@ def train_ppo(
     torch.manual_seed(config.seed)
     resume = checkpointer.latest()
     if resume:
-        saved = checkpointer.load_state(resume)
-        checkpointer.load_model_weights(resume, "policy", policy)
-        checkpointer.load_model_weights(resume, "value", value_model)
-        opt.policy.load_state_dict(saved["policy_optimizer"])
-        opt.value.load_state_dict(saved["value_optimizer"])
-        opt.policy_schedule.load_state_dict(saved["policy_schedule"])
-        opt.value_schedule.load_state_dict(saved["value_schedule"])
-        moments.load_state_dict(saved["moments"])
-        torch.set_rng_state(saved["rng"])
-        state = saved["trainer"]
+        state = _restore(checkpointer, resume, policy, value_model, opt, moments)
     best_dir = os.path.join(checkpointer.root, "best")
     bar = tqdm(range(state["iteration"], total), desc="ppo", initial=state["iteration"], total=total, disable=not progress)
     for iteration in bar:
@@ -483,31 +516,13 @@ def train_ppo(
                 state["best_reward"], state["best_iteration"] = stats["ppo/validation_reward"], step
                 Checkpointer(best_dir, keep=1).save(step, {"policy": policy}, {"iteration": step, "validation_reward": state["best_reward"]})
         if reason is not None:
-            line = f"pattern collapse at iteration {step}: {reason}"
-            bar.write(line)
-            best = Checkpointer(best_dir).latest()
-            if config.on_collapse == "rollback" and best is not None and state["rollbacks"] < config.max_rollbacks:
-                Checkpointer(best_dir).load_model_weights(best, "policy", policy)
-                opt.policy.state.clear()  # the moments of the collapsed trajectory go too
-                state["rollbacks"] += 1
-                stats["ppo/rollback"] = 1.0
-                bar.write(f"rolled the policy back to iteration {state['best_iteration']} ({state['rollbacks']}/{config.max_rollbacks})")
-            elif config.on_collapse != "warn":
-                state["stopped_by"] = line
+            stats["ppo/rollback"] = _on_collapse(f"pattern collapse at iteration {step}: {reason}", config, state, policy, opt, best_dir, bar.write)
         log(stats, step)
         state["history"][step] = stats
         bar.set_postfix(reward=f"{stats['ppo/reward/mean']:.3f}", kl=f"{stats['ppo/kl']:.3f}")
         state["iteration"] = step
         if config.checkpoint_every and (step % config.checkpoint_every == 0 or state["stopped_by"]) and step < total:
-            checkpointer.save(
-                step,
-                {"policy": policy, "value": value_model},
-                {
-                    "policy_optimizer": opt.policy.state_dict(), "value_optimizer": opt.value.state_dict(),
-                    "policy_schedule": opt.policy_schedule.state_dict(), "value_schedule": opt.value_schedule.state_dict(),
-                    "moments": moments.state_dict(), "rng": torch.get_rng_state(), "trainer": state,
-                },
-            )
+            _save(checkpointer, step, policy, value_model, opt, moments, state)
     best = Checkpointer(best_dir).latest()
     if best is not None:
         Checkpointer(best_dir).load_model_weights(best, "policy", policy)
