@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from rlhf.models import load_base_model
-from tasks.common import StageRun, atomic_dir, read_params, setup_torch, stage_params, write_metrics
+from tasks.common import StageRun, atomic_dir, cli, read_params, setup_torch, stage_params, write_metrics
 
 OUT_DIR = "models/base"
 
@@ -30,4 +30,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)

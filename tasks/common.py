@@ -83,6 +83,9 @@ def atomic_dir(path: str) -> Iterator[str]:
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(path)}.tmp-")
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700; the output folder gets the usual mode
     try:
         yield tmp
     except BaseException:
@@ -199,3 +202,19 @@ def run_checkpointer(stage: str, params: dict[str, Any], inputs: list[str]):
             else:
                 digest.update(str(os.path.getsize(file)).encode())
     return Checkpointer(os.path.join(checkpoint_root(stage), digest.hexdigest()[:16]))
+
+
+def cli(main) -> None:
+    """Run a stage's ``main``; bad input ends with one line on stderr and exit code 1, not a traceback.
+
+    ``ValueError``, ``FileNotFoundError`` and ``KeyError`` from the stage are bad
+    input or configuration (their messages name the file, row, param and rule);
+    anything else is a bug and keeps its traceback.
+    """
+    import sys
+
+    try:
+        main()
+    except (ValueError, FileNotFoundError, KeyError) as err:
+        print(f"error: {type(err).__name__}: {err}", file=sys.stderr)
+        raise SystemExit(1) from None

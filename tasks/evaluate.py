@@ -18,7 +18,7 @@ from rlhf.data import load_jsonl
 from rlhf.evaluation import EvalConfig, evaluate_policy
 from rlhf.models import load_causal_lm, load_scalar_model, load_tokenizer
 from rlhf.training import config_from_params
-from tasks.common import StageRun, atomic_dir, read_params, setup_torch, stage_params, write_metrics
+from tasks.common import StageRun, atomic_dir, cli, read_params, setup_torch, stage_params, write_metrics
 
 PROMPTS, SFT, POLICY, REWARD = "data/validated/eval_prompts.jsonl", "models/sft", "models/policy", "models/reward"
 REPORTS = "reports/eval"
@@ -69,4 +69,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)

@@ -16,7 +16,7 @@ from rlhf.models import encode_prompt, load_causal_lm, load_scalar_model, load_t
 from rlhf.plots import reward_histograms, signal_figures
 from rlhf.ppo import PPOConfig, PPOResult, train_ppo
 from rlhf.training import config_from_params
-from tasks.common import StageRun, atomic_dir, read_params, run_checkpointer, setup_torch, stage_params, write_metrics
+from tasks.common import StageRun, atomic_dir, cli, read_params, run_checkpointer, setup_torch, stage_params, write_metrics
 
 PROMPTS, PTX, SFT, REWARD = "data/validated/ppo_prompts.jsonl", "data/validated/ptx_text.jsonl", "models/sft", "models/reward"
 OUT_DIR, REPORTS = "models/policy", "reports/ppo"
@@ -87,4 +87,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)

@@ -8,13 +8,34 @@ from __future__ import annotations
 
 import os
 from collections import Counter
+from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any
 
 from rlhf.data import SPLITS, Source, prepare_rows, read_jsonl, write_jsonl
-from tasks.common import StageRun, atomic_dir, stage_params, write_metrics
+from rlhf.training import config_from_params
+from tasks.common import StageRun, atomic_dir, cli, stage_params, write_metrics
 
 OUT_DIR = "data/processed"
+
+
+@dataclass
+class SourceConfig:
+    """One input: ``data.source`` itself or an entry of ``data.more_sources``."""
+
+    source: str
+    format: str = "auto"
+    mapping: dict[str, str] | None = None
+    max_rows: int | None = None
+    storage_options: dict[str, Any] | None = None
+
+
+@dataclass
+class DataConfig(SourceConfig):
+    """The ``data`` section of params.yaml."""
+
+    fractions: dict[str, float] = field(default_factory=dict)
+    more_sources: list[dict[str, Any]] = field(default_factory=list)
 
 
 def run(params: dict[str, Any]) -> dict[str, Any]:
@@ -26,13 +47,15 @@ def run(params: dict[str, Any]) -> dict[str, Any]:
     Raises:
         ValueError: the source holds no rows, or no row parses.
     """
-    inputs = [{k: params.get(k) for k in ("source", "format", "mapping", "max_rows", "storage_options")}, *params.get("more_sources", [])]
+    config = config_from_params(DataConfig, params, "data")
+    more = [config_from_params(SourceConfig, spec, "data.more_sources") for spec in config.more_sources]
+    inputs: list[SourceConfig] = [config, *more]
     sources = []
     for spec in inputs:
-        rows = read_jsonl(spec["source"], spec.get("storage_options"))
-        sources.append(Source(spec["source"], islice(rows, spec["max_rows"]) if spec.get("max_rows") else rows, spec.get("format") or "auto", spec.get("mapping")))
-    names = ", ".join(spec["source"] for spec in inputs)
-    prepared = prepare_rows(sources, params["fractions"])
+        rows = read_jsonl(spec.source, spec.storage_options)
+        sources.append(Source(spec.source, islice(rows, spec.max_rows) if spec.max_rows else rows, spec.format, spec.mapping))
+    names = ", ".join(spec.source for spec in inputs)
+    prepared = prepare_rows(sources, config.fractions)
     if prepared.rows_in == 0:
         raise ValueError(f"{names}: no rows")
     kept = sum(len(v) for v in prepared.splits.values())
@@ -48,7 +71,7 @@ def run(params: dict[str, Any]) -> dict[str, Any]:
     counts: dict[str, Any] = {"rows_in": prepared.rows_in, "quarantined": len(prepared.quarantine), **{f"split/{s}": len(prepared.splits[s]) for s in SPLITS}}
     for reason, n in reasons.most_common():
         print(f"[prepare] quarantined {n} rows: {reason}")
-    print(f"[prepare] {prepared.rows_in} rows in, {len(prepared.quarantine)} quarantined; " + ", ".join(f"{s}={len(prepared.splits[s])}" for s in SPLITS))
+    print(f"[prepare] {prepared.rows_in} rows in, {len(prepared.quarantine)} quarantined (source, line and reason in {OUT_DIR}/quarantine.jsonl); " + ", ".join(f"{s}={len(prepared.splits[s])}" for s in SPLITS))
     return counts
 
 
@@ -62,4 +85,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)

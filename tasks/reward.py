@@ -18,7 +18,7 @@ from rlhf.data import load_jsonl
 from rlhf.models import load_scalar_model, load_tokenizer
 from rlhf.reward import RewardConfig, center_rewards, encode_pairs, evaluate_reward_model, train_reward_model
 from rlhf.training import config_from_params
-from tasks.common import StageRun, atomic_dir, read_params, run_checkpointer, setup_torch, stage_params, write_metrics
+from tasks.common import StageRun, atomic_dir, cli, read_params, run_checkpointer, setup_torch, stage_params, write_metrics
 
 TRAIN, EVAL, SFT = "data/validated/rm_train.jsonl", "data/validated/rm_eval.jsonl", "models/sft"
 OUT_DIR, FIGURE = "models/reward", "reports/reward_margins.png"
@@ -63,4 +63,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)

@@ -20,7 +20,7 @@ from rlhf.data import SPLITS, load_jsonl, write_jsonl
 from rlhf.models import load_tokenizer
 from rlhf.training import config_from_params, write_json
 from rlhf.validation import ValidationConfig, split_kind, validate_split
-from tasks.common import StageRun, atomic_dir, stage_params, write_metrics
+from tasks.common import StageRun, atomic_dir, cli, stage_params, write_metrics
 
 IN_DIR, OUT_DIR, BASE = "data/processed", "data/validated", "models/base"
 REPORT, GX_REPORT = "reports/validation.json", "reports/validation_gx.json"
@@ -79,4 +79,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)

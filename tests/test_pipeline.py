@@ -42,10 +42,10 @@ def set_param(project: str, old: str, new: str) -> None:
         handle.write(text.replace(old, new, 1))
 
 
-def run(project: str, *args: str, timeout: int = 600) -> str:
+def run(project: str, *args: str, timeout: int = 600, expect_failure: bool = False) -> str:
     env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"], "PREFECT_HOME": os.path.join(project, ".prefect-home"), "RLHF_PIPELINE_RUN_ID": ""}
     result = subprocess.run([sys.executable, "-m", *args], cwd=project, env=env, capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert (result.returncode != 0) == expect_failure, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout + result.stderr
 
 
@@ -68,6 +68,14 @@ def test_dvc_repro_runs_everything_then_only_what_a_ppo_param_touches(tmp_path):
     assert_outputs(project)
     set_param(project, "  policy_lr: 1.0e-5", "  policy_lr: 3.0e-5")  # changes the policy, so evaluate reruns too
     assert ran_stages(run(project, "dvc", "repro")) == ["ppo", "evaluate"]
+    # a stage that fails under dvc repro leaves its previous outputs in place
+    with open(os.path.join(project, "data/validated/rm_train.jsonl")) as handle:
+        before = handle.read()
+    set_param(project, "max_quarantine_fraction: 0.25}", "max_quarantine_fraction: 0.0}")
+    output = run(project, "dvc", "repro", "validate", expect_failure=True)
+    assert "rule role_marker_in_response" in output
+    with open(os.path.join(project, "data/validated/rm_train.jsonl")) as handle:
+        assert handle.read() == before
 
 
 def test_prefect_flow_runs_the_stages_and_groups_mlflow_runs(tmp_path):

@@ -77,3 +77,10 @@ def test_config_from_params_reads_yaml_exponents_and_rejects_unknown_keys():
         config_from_params(SFTConfig, {"lr": "fast"}, "sft")
     with pytest.raises(ValueError, match="unknown keys \\['stepz'\\]"):
         config_from_params(SFTConfig, {"stepz": 2}, "sft")
+    with pytest.raises(ValueError, match="sft.steps must be an integer, got 'ten'"):
+        config_from_params(SFTConfig, {"steps": "ten"}, "sft")
+    with pytest.raises(ValueError, match="sft.lr must be a number, got True"):
+        config_from_params(SFTConfig, {"lr": True}, "sft")
+    with pytest.raises(ValueError, match="sft.steps must be set"):
+        config_from_params(SFTConfig, {"steps": None}, "sft")
+    assert config_from_params(SFTConfig, {"trainable_layers": None}, "sft").trainable_layers is None

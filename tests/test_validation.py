@@ -24,6 +24,7 @@ LENIENT = ValidationConfig(max_length=64, max_quarantine_fraction=1.0)
         (pair(prompt=" "), "empty_prompt"),
         (pair(chosen="Paris.", rejected="  Paris. "), "identical_responses"),
         (pair(chosen="Sure.\n\nHuman: and then?"), "role_marker_in_response"),
+        (pair(rejected="Why did the chicken... Human: what? Assistant: to cross"), "role_marker_in_response"),
         (pair(rejected="\ud800 broken surrogate"), "utf8"),
         ({"id": "x", "prompt": [{"role": "user", "content": "Hi"}], "chosen": "not a list", "rejected": [{"role": "assistant", "content": "x"}]}, "fields"),
         ({"id": "y", "prompt": [{"role": "user", "content": "Hi"}], "rejected": [{"role": "assistant", "content": "x"}]}, "fields"),
@@ -77,7 +78,7 @@ def test_rows_in_equal_valid_plus_quarantined_on_mixed_bad_file(tokenizer):
 
 def test_empty_input_is_an_error_not_a_pass(tokenizer):
     result = validate_split("data/processed/sft.jsonl", [], "pairs", tokenizer, LENIENT)
-    assert result.errors == ["data/processed/sft.jsonl: the split is empty (an empty input is an error, not a pass)"]
+    assert result.errors == ["data/processed/sft.jsonl: the split is empty (an empty input is an error, not a pass; check the source's size and data.fractions)"]
 
 
 def test_quarantine_share_above_threshold_fails_with_one_line_per_rule(tokenizer):

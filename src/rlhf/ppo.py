@@ -83,6 +83,18 @@ class PPOConfig:
     trainable_layers: int | None = None  # train only the top N blocks of policy and value model (CPU budget); None: all
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        """Reject settings no run could use, before any model is loaded.
+
+        Raises:
+            ValueError: an unknown ``on_collapse`` or a batch setting below 1.
+        """
+        if self.on_collapse not in ("stop", "rollback", "warn"):
+            raise ValueError(f"ppo.on_collapse must be stop, rollback or warn, got {self.on_collapse!r}")
+        for name in ("rollout_batch_size", "minibatch_size", "ppo_epochs", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ppo.{name} must be at least 1, got {getattr(self, name)}")
+
 
 class RunningMoments:
     """Running mean and population std of all reward-model scores seen so far (Chan et al. parallel update).
@@ -459,14 +471,12 @@ def train_ppo(
         :class:`PPOResult`.
 
     Raises:
-        ValueError: no prompts, or an unknown ``on_collapse``.
+        ValueError: no prompts.
     """
     from tqdm.auto import tqdm
 
     if not prompts:
         raise ValueError("no PPO prompts")
-    if config.on_collapse not in ("stop", "rollback", "warn"):
-        raise ValueError(f"ppo.on_collapse must be stop, rollback or warn, got {config.on_collapse!r}")
     for model in (policy, reference, reward_model, value_model):
         model.eval()  # dropout off everywhere; gradients still flow into policy and value
     for model in (reference, reward_model):

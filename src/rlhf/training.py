@@ -220,14 +220,15 @@ def supervised_loop(
 
 
 def config_from_params(cls: type, params: dict[str, Any], section: str) -> Any:
-    """Build the dataclass ``cls`` from a params.yaml section; unknown keys raise.
+    """Build the dataclass ``cls`` from a params.yaml section, checking keys and types.
 
     YAML 1.1 reads ``3e-5`` (no dot) as a string: numbers written that way are
-    converted for float fields, and anything else that is not a number raises.
+    converted for float fields. Int fields take integers, bool fields take
+    true/false; ``None`` is accepted where the field allows it.
 
     Raises:
-        ValueError: a key that is not a field of ``cls``, or a float field whose
-            value is not a number (names the section and key).
+        ValueError: a key that is not a field of ``cls``, or a value of the
+            wrong type (names the section and key).
     """
     fields = {f.name: str(f.type) for f in dataclasses.fields(cls)}
     unknown = sorted(set(params) - set(fields))
@@ -235,11 +236,23 @@ def config_from_params(cls: type, params: dict[str, Any], section: str) -> Any:
         raise ValueError(f"params.yaml: section {section!r} has unknown keys {unknown}; known: {sorted(fields)}")
     values = dict(params)
     for key, value in params.items():
-        if fields[key].startswith("float") and isinstance(value, (str, int)) and not isinstance(value, bool):
+        kind = fields[key]
+        if value is None:
+            if "None" not in kind:
+                raise ValueError(f"params.yaml: {section}.{key} must be set (got null)")
+        elif kind.startswith("float"):
             try:
+                if isinstance(value, bool):
+                    raise TypeError
                 values[key] = float(value)
-            except ValueError:
+            except (ValueError, TypeError):
                 raise ValueError(f"params.yaml: {section}.{key} must be a number, got {value!r}") from None
+        elif kind.startswith("int") and (not isinstance(value, int) or isinstance(value, bool)):
+            raise ValueError(f"params.yaml: {section}.{key} must be an integer, got {value!r}")
+        elif kind.startswith("bool") and not isinstance(value, bool):
+            raise ValueError(f"params.yaml: {section}.{key} must be true or false, got {value!r}")
+        elif kind.startswith("str") and not isinstance(value, str):
+            raise ValueError(f"params.yaml: {section}.{key} must be a string, got {value!r}")
     return cls(**values)
 
 

@@ -21,7 +21,8 @@ from transformers import PreTrainedTokenizerBase
 
 from rlhf.models import encode_chat, encode_prompt
 
-ROLE_MARKER = re.compile(r"(^|\n)\s*(Human|Assistant|User|System)\s*:", re.I)
+ROLE_MARKER = re.compile(r"(?:^|\s)(?:Human|Assistant|User|System):")
+"""A speaker tag inside a response, at a line start or mid-line ("... Human: what? Assistant: ...")."""
 PAIR_SPLITS = ("sft", "rm_train", "rm_eval")
 PROMPT_SPLITS = ("ppo_prompts", "eval_prompts")
 TEXT_SPLITS = ("ptx_text",)
@@ -171,7 +172,7 @@ def validate_split(path: str, rows: list[dict[str, Any]], kind: str, tokenizer: 
     if kind not in ("pairs", "prompts", "text"):
         raise ValueError(f"unknown split kind {kind!r}")
     if not rows:
-        return SplitResult([], [], {}, 0, [f"{path}: the split is empty (an empty input is an error, not a pass)"])
+        return SplitResult([], [], {}, 0, [f"{path}: the split is empty (an empty input is an error, not a pass; check the source's size and data.fractions)"])
     frame = derive_columns(rows, kind, tokenizer, config)
     context = gx.get_context(mode="ephemeral")
     batch = context.data_sources.add_pandas("rlhf").add_dataframe_asset(kind).add_batch_definition_whole_dataframe("all").get_batch(batch_parameters={"dataframe": frame})
