@@ -60,24 +60,25 @@ def resolve_model_source(source: str) -> tuple[str, str | None]:
     return source, None
 
 
-def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase, system_prompt: str | None = None) -> PreTrainedTokenizerBase:
+def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
     """Give the tokenizer a pad token distinct from EOS and drop the chat template's default system prompt.
+
+    SmolLM2's template inserts "You are a helpful AI assistant named SmolLM..."
+    when a conversation has no system message; the pipeline leaves it out (a
+    conversation that brings its own system message keeps it).
 
     Args:
         tokenizer: a tokenizer with a chat template.
-        system_prompt: kept for callers that want one; ``None`` removes the
-            template's built-in default system message.
 
     Raises:
-        ValueError: the tokenizer has no ``<|endoftext|>`` token, or its pad would equal EOS.
+        ValueError: the tokenizer has no ``<|endoftext|>`` token, or it equals EOS.
     """
-    pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
-    if pad_id is None or pad_id == tokenizer.unk_token_id and PAD_TOKEN not in tokenizer.get_vocab():
+    if PAD_TOKEN not in tokenizer.get_vocab():
         raise ValueError(f"tokenizer has no {PAD_TOKEN} token to use as pad")
     tokenizer.pad_token = PAD_TOKEN
     if tokenizer.pad_token_id == tokenizer.eos_token_id:
         raise ValueError("pad token equals EOS; masks would hide real end tokens")
-    if system_prompt is None and tokenizer.chat_template:
+    if tokenizer.chat_template:
         tokenizer.chat_template = _DEFAULT_SYSTEM_BLOCK.sub("", tokenizer.chat_template)
     return tokenizer
 
