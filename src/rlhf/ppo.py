@@ -218,6 +218,8 @@ def make_experience(
         "ppo/reward/normalized_mean": float(scores.mean()),
         "ppo/reward/normalized_std": float(scores.std(unbiased=False)),
         "ppo/reward/skew": _skewness(raw_scores),
+        **{f"ppo/reward/p{q}": float(torch.quantile(raw_scores, q / 100)) for q in (10, 50, 90)},
+        "ppo/reward/max": float(raw_scores.max()),
         "ppo/reward/running_mean": moments.mean if moments.count else float("nan"),
         "ppo/reward/running_std": moments.std,
         "ppo/kl": float(kl_seq.mean()),
