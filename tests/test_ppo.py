@@ -4,6 +4,7 @@ import json
 import os
 
 import pytest
+from conftest import Killed
 import torch
 
 from rlhf.losses import language_model_loss, ppo_clip_loss
@@ -104,10 +105,6 @@ def test_collapse_detector_flags_each_signal():
     assert "long tail" in detect_collapse({**healthy, "ppo/reward/skew": 2.5}, baseline, config)
     off = PPOConfig(collapse_kl_max=None, collapse_length_ratio=None, collapse_perplexity_ratio=None, collapse_reward_skew=None)
     assert detect_collapse({**healthy, "ppo/kl": 1e9, "ppo/reward/skew": 9.0}, baseline, off) is None
-
-
-class Killed(Exception):
-    pass
 
 
 def test_resume_after_kill_matches_uninterrupted_run(tiny_dir, tokenizer, tmp_path):

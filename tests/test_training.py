@@ -1,6 +1,7 @@
 """Checkpoints and the shared supervised loop: atomic writes and exact resume (SFT and reward model)."""
 
 import pytest
+from conftest import Killed
 import torch
 
 from rlhf.models import load_causal_lm, load_scalar_model
@@ -34,10 +35,6 @@ def test_crash_while_writing_keeps_previous_checkpoint(tiny_dir, tmp_path, monke
     monkeypatch.undo()
     assert checkpointer.latest() == first
     assert checkpointer.load_state(first) == {"step": 1}
-
-
-class Killed(Exception):
-    pass
 
 
 @pytest.mark.parametrize("kind", ["sft", "reward"])
