@@ -251,8 +251,10 @@ def encode_chat(tokenizer: PreTrainedTokenizerBase, prompt: list[dict], response
 
     Each assistant message of the response is marked from the end of its
     generation header (``<|im_start|>assistant\\n``) to its end token; user turns
-    inside a response are context, not targets. Sequences over ``max_length``
-    lose tokens from the left (the response end, where the reward is read, is kept).
+    inside a response are context, not targets. The sequence ends at the last
+    end-of-turn token (the template's trailing newline is dropped), so the reward
+    model reads its score at the EOS exactly as in a PPO rollout. Sequences over
+    ``max_length`` lose tokens from the left (the response end is kept).
 
     Args:
         tokenizer: with a chat template.
