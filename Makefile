@@ -10,7 +10,7 @@ export DVC_NO_ANALYTICS := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export HF_HUB_DISABLE_TELEMETRY := 1
 
-.PHONY: setup pipeline test unit
+.PHONY: setup pipeline test unit lint
 
 setup: $(VENV)/.installed
 
@@ -25,8 +25,13 @@ $(VENV)/.installed: pyproject.toml infra/constraints.txt
 pipeline: setup
 	$(BIN)/python -m flows.pipeline
 
-test: setup
+test: lint
 	$(BIN)/python -m pytest
+
+# ruff lints and checks the format (configured in pyproject.toml); `make test` and CI fail on any finding.
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 unit: setup
 	$(BIN)/python -m pytest -m "not integration"

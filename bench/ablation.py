@@ -21,11 +21,19 @@ import mlflow
 import typer
 import yaml
 
-from tasks import common, ppo
 from rlhf.training import write_json
+from tasks import common, ppo
 
 OUT = "reports/ablation"
-HEADLINE = ["ppo/reward/mean", "ppo/kl", "ppo/perplexity", "ppo/response_length", "ppo/entropy", "ppo/reward/skew", "ppo/collapse"]
+HEADLINE = [
+    "ppo/reward/mean",
+    "ppo/kl",
+    "ppo/perplexity",
+    "ppo/response_length",
+    "ppo/entropy",
+    "ppo/reward/skew",
+    "ppo/collapse",
+]
 
 
 def overrides(pairs: list[str]) -> dict:
@@ -52,14 +60,31 @@ def main(
     os.environ["RLHF_PIPELINE_RUN_ID"] = os.environ.get("RLHF_PIPELINE_RUN_ID") or "ablation"
     for preset, own in (("vanilla", overrides(vanilla)), ("ppo_max", overrides(ppo_max))):
         section = {**params, "ppo": {**params["ppo"], "preset": preset}}
-        stage_params = {**common.stage_params("ppo", section), "iterations": iterations, "on_collapse": "warn", **overrides(set_), **own}
+        stage_params = {
+            **common.stage_params("ppo", section),
+            "iterations": iterations,
+            "on_collapse": "warn",
+            **overrides(set_),
+            **own,
+        }
         with common.StageRun(f"ablation-{preset}", stage_params) as stage:
-            result = ppo.run(stage_params, stage.log, out_dir=os.path.join("bench", "out", "ablation", preset), checkpoint_name=f"ablation-{preset}")
+            result = ppo.run(
+                stage_params,
+                stage.log,
+                out_dir=os.path.join("bench", "out", "ablation", preset),
+                checkpoint_name=f"ablation-{preset}",
+            )
         histories[preset], samples[preset], summaries[preset] = result.history, result.reward_samples, result.summary
     with common.atomic_dir(OUT) as tmp:
         ppo.save_figures(histories, samples, tmp)
-        table = {name: {"first": {k: h[min(h)].get(k) for k in HEADLINE}, "last": {k: h[max(h)].get(k) for k in HEADLINE}} for name, h in histories.items()}
-        write_json(os.path.join(tmp, "summary.json"), {"iterations": iterations, "overrides": set_, "vanilla": vanilla, "ppo_max": ppo_max, "table": table})
+        table = {
+            name: {"first": {k: h[min(h)].get(k) for k in HEADLINE}, "last": {k: h[max(h)].get(k) for k in HEADLINE}}
+            for name, h in histories.items()
+        }
+        write_json(
+            os.path.join(tmp, "summary.json"),
+            {"iterations": iterations, "overrides": set_, "vanilla": vanilla, "ppo_max": ppo_max, "table": table},
+        )
         with open(os.path.join(tmp, "history.json"), "w", encoding="utf-8") as handle:
             json.dump(histories, handle)
     with common.StageRun("ablation", {"iterations": iterations, "set": set_, "vanilla": vanilla, "ppo_max": ppo_max}):

@@ -1,4 +1,6 @@
-"""Reward-model quality benchmark (not a test): train on the real rm_train split with a CPU budget you choose, print the held-out metrics.
+"""Reward-model quality benchmark (not a test): train on the real rm_train split with a CPU budget you choose.
+
+Prints the held-out metrics.
 
 Needs ``data/validated/`` and ``models/sft`` from a pipeline run. Overrides the
 ``reward`` params with ``--set key=value`` (e.g. ``--set steps=230 --set trainable_layers=12``),
@@ -22,7 +24,12 @@ from rlhf.reward import RewardConfig, center_rewards, encode_pairs, evaluate_rew
 from rlhf.training import config_from_params, write_json
 from tasks import common
 
-TRAIN, EVAL, SFT, OUT = "data/validated/rm_train.jsonl", "data/validated/rm_eval.jsonl", "models/sft", "reports/reward_benchmark.json"
+TRAIN, EVAL, SFT, OUT = (
+    "data/validated/rm_train.jsonl",
+    "data/validated/rm_eval.jsonl",
+    "models/sft",
+    "reports/reward_benchmark.json",
+)
 
 
 def main(set_: list[str] = typer.Option([], "--set", help="override of the reward params, key=value")) -> None:
@@ -36,13 +43,31 @@ def main(set_: list[str] = typer.Option([], "--set", help="override of the rewar
         start = time.perf_counter()
         summary = train_reward_model(model, tokenizer, train, config, stage.log)
         seconds = time.perf_counter() - start
-        demonstrations = [c.input_ids for c, _ in encode_pairs(tokenizer, train[: config.center_max_examples], config.max_length)]
+        demonstrations = [
+            c.input_ids for c, _ in encode_pairs(tokenizer, train[: config.center_max_examples], config.max_length)
+        ]
         summary["rm/offset"] = center_rewards(model, tokenizer, demonstrations, config.eval_batch_size)
         metrics, _ = evaluate_reward_model(model, tokenizer, held_out, config.max_length, config.eval_batch_size)
         stage.log(metrics, config.steps)
-    result = {**summary, **metrics, "train_pairs": len(train), "pairs_seen": config.steps * config.batch_size, "train_seconds": seconds, "params": params}
+    result = {
+        **summary,
+        **metrics,
+        "train_pairs": len(train),
+        "pairs_seen": config.steps * config.batch_size,
+        "train_seconds": seconds,
+        "params": params,
+    }
     write_json(OUT, result)
-    for key in ("rm/accuracy", "rm/margin", "rm/ece", "rm/length_corr", "rm/accuracy_chosen_shorter", "rm/pairs", "pairs_seen", "train_seconds"):
+    for key in (
+        "rm/accuracy",
+        "rm/margin",
+        "rm/ece",
+        "rm/length_corr",
+        "rm/accuracy_chosen_shorter",
+        "rm/pairs",
+        "pairs_seen",
+        "train_seconds",
+    ):
         print(f"{key:28s} {result[key]:.4f}" if isinstance(result[key], float) else f"{key:28s} {result[key]}")
 
 

@@ -1,3 +1,3 @@
 """Prefect flows that run the DVC stages."""
 
-import tasks  # sets the no-telemetry environment before Prefect is imported
+import tasks as tasks  # sets the no-telemetry environment before Prefect is imported

@@ -30,7 +30,14 @@ SUMMARY = {
     "sft": ["sft/loss_first", "sft/loss_last"],
     "reward": ["rm/accuracy", "rm/margin", "rm/ece"],
     "ppo": ["ppo/iterations", "ppo/reward/mean", "ppo/kl"],
-    "evaluate": ["eval/sft/reward", "eval/policy/reward", "eval/win_rate", "eval/policy/kl", "eval/sft/length", "eval/policy/length"],
+    "evaluate": [
+        "eval/sft/reward",
+        "eval/policy/reward",
+        "eval/win_rate",
+        "eval/policy/kl",
+        "eval/sft/length",
+        "eval/policy/length",
+    ],
 }
 
 
@@ -56,7 +63,9 @@ def stage_order(dvc_file: str = "dvc.yaml") -> list[str]:
     for name, stage in stages.items():
         for other, upstream in stages.items():
             outs = _paths(upstream.get("outs")) + _paths(upstream.get("metrics"))
-            if other != name and any(dep == out or dep.startswith(out.rstrip("/") + "/") for dep in _paths(stage.get("deps")) for out in outs):
+            if other != name and any(
+                dep == out or dep.startswith(out.rstrip("/") + "/") for dep in _paths(stage.get("deps")) for out in outs
+            ):
                 graph.add_edge(other, name)
     if not nx.is_directed_acyclic_graph(graph):
         raise ValueError(f"{dvc_file}: the stages form a cycle")
@@ -72,7 +81,13 @@ def run_stage(stage: str, pipeline_run_id: str) -> None:
     """
     logger = get_run_logger()
     env = {**os.environ, "RLHF_PIPELINE_RUN_ID": pipeline_run_id}
-    process = subprocess.Popen([sys.executable, "-m", "dvc", "repro", "--single-item", stage], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "dvc", "repro", "--single-item", stage],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     tail: list[str] = []
     for line in process.stdout:
         print(line, end="", flush=True)
@@ -117,7 +132,9 @@ def print_summary(metrics: dict[str, dict]) -> None:
     table.add_column("figures")
     for stage, values in metrics.items():
         seconds = values.get("seconds")
-        figures = ", ".join(f"{k}={values[k]:.3f}" for k in SUMMARY.get(stage, []) if isinstance(values.get(k), (int, float)))
+        figures = ", ".join(
+            f"{k}={values[k]:.3f}" for k in SUMMARY.get(stage, []) if isinstance(values.get(k), (int, float))
+        )
         table.add_row(stage, f"{seconds:.0f}" if isinstance(seconds, (int, float)) else "-", figures)
     Console().print(table)
 

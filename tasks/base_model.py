@@ -1,4 +1,4 @@
-"""Stage base_model: load ``model.source`` (GGUF, HF folder or hub id) and save it once as safetensors in ``models/base/``."""
+"""Stage base_model: load ``model.source`` (GGUF, HF folder or hub id), save it as safetensors in ``models/base/``."""
 
 from __future__ import annotations
 

@@ -124,18 +124,35 @@ class StageRun:
         self.start = 0.0
         self.seconds = 0.0
 
-    def __enter__(self) -> "StageRun":
+    def __enter__(self) -> StageRun:
         import mlflow
 
         settings = read_params().get("mlflow", {})
-        mlflow.set_tracking_uri(os.environ.get("MLFLOW_TRACKING_URI", settings.get("tracking_uri", "sqlite:///mlflow.db")))
+        mlflow.set_tracking_uri(
+            os.environ.get("MLFLOW_TRACKING_URI", settings.get("tracking_uri", "sqlite:///mlflow.db"))
+        )
         mlflow.set_experiment(settings.get("experiment", "rlhf"))
         run_id = pipeline_run_id()
-        found = mlflow.search_runs(filter_string=f"tags.`{PIPELINE_RUN_TAG}` = '{run_id}' and tags.`rlhf.kind` = 'pipeline'", output_format="list", max_results=1)
-        parent = found[0].info.run_id if found else mlflow.start_run(run_name=f"pipeline {run_id}", tags={PIPELINE_RUN_TAG: run_id, "rlhf.kind": "pipeline"}).info.run_id
+        found = mlflow.search_runs(
+            filter_string=f"tags.`{PIPELINE_RUN_TAG}` = '{run_id}' and tags.`rlhf.kind` = 'pipeline'",
+            output_format="list",
+            max_results=1,
+        )
+        parent = (
+            found[0].info.run_id
+            if found
+            else mlflow.start_run(
+                run_name=f"pipeline {run_id}", tags={PIPELINE_RUN_TAG: run_id, "rlhf.kind": "pipeline"}
+            ).info.run_id
+        )
         if not found:
             mlflow.end_run()
-        self.run = mlflow.start_run(run_name=self.stage, nested=True, parent_run_id=parent, tags={PIPELINE_RUN_TAG: run_id, "rlhf.kind": "stage", "rlhf.stage": self.stage})
+        self.run = mlflow.start_run(
+            run_name=self.stage,
+            nested=True,
+            parent_run_id=parent,
+            tags={PIPELINE_RUN_TAG: run_id, "rlhf.kind": "stage", "rlhf.stage": self.stage},
+        )
         mlflow.log_params({k: str(v)[:500] for k, v in _flatten(self.params).items()})
         mlflow.log_param("profile", read_params().get("profile", "demo"))
         self.start = time.perf_counter()
@@ -193,7 +210,11 @@ def run_checkpointer(stage: str, params: dict[str, Any], inputs: list[str]):
 
     digest = hashlib.sha256(json.dumps(params, sort_keys=True, default=str).encode())
     for path in inputs:
-        files = [os.path.join(root, f) for root, _, names in os.walk(path) for f in sorted(names)] if os.path.isdir(path) else [path]
+        files = (
+            [os.path.join(root, f) for root, _, names in os.walk(path) for f in sorted(names)]
+            if os.path.isdir(path)
+            else [path]
+        )
         for file in sorted(files):
             digest.update(file.encode())
             if file.endswith((".jsonl", ".json")):

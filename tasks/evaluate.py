@@ -32,7 +32,10 @@ def samples_markdown(samples: list[dict[str, Any]]) -> str:
     """The sample table as Markdown: prompt, SFT response and score, policy response and score."""
     lines = ["| prompt | SFT response | SFT reward | policy response | policy reward |", "|---|---|---|---|---|"]
     for s in samples:
-        lines.append(f"| {_cell(s['prompt'])} | {_cell(s['sft_response'])} | {s['sft_reward']:.3f} | {_cell(s['policy_response'])} | {s['policy_reward']:.3f} |")
+        lines.append(
+            f"| {_cell(s['prompt'])} | {_cell(s['sft_response'])} | {s['sft_reward']:.3f} "
+            f"| {_cell(s['policy_response'])} | {s['policy_reward']:.3f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -41,7 +44,9 @@ def run(params: dict[str, Any]) -> tuple[dict[str, float], list[dict[str, Any]],
     config = config_from_params(EvalConfig, params, "evaluate")
     prompts = [row["prompt"] for row in sorted(load_jsonl(PROMPTS), key=lambda row: row["id"])]
     tokenizer = load_tokenizer(SFT)
-    metrics, samples = evaluate_policy(load_causal_lm(SFT), load_causal_lm(POLICY), load_scalar_model(REWARD), tokenizer, prompts, config)
+    metrics, samples = evaluate_policy(
+        load_causal_lm(SFT), load_causal_lm(POLICY), load_scalar_model(REWARD), tokenizer, prompts, config
+    )
     return metrics, samples, config
 
 
@@ -59,7 +64,11 @@ def main() -> None:
             with open(os.path.join(tmp, "samples.md"), "w", encoding="utf-8") as handle:
                 handle.write(samples_markdown(samples[: config.samples_in_table]))
             figure, axis = plt.subplots(figsize=(6, 4))
-            axis.hist([[s["sft_reward"] for s in samples], [s["policy_reward"] for s in samples]], label=["SFT", "policy"], bins=15)
+            axis.hist(
+                [[s["sft_reward"] for s in samples], [s["policy_reward"] for s in samples]],
+                label=["SFT", "policy"],
+                bins=15,
+            )
             axis.set(xlabel="reward-model score", ylabel="responses", title=f"win rate {metrics['eval/win_rate']:.2f}")
             axis.legend()
             figure.savefig(os.path.join(tmp, "scores.png"), dpi=90)

@@ -16,9 +16,23 @@ from rlhf.models import encode_prompt, load_causal_lm, load_scalar_model, load_t
 from rlhf.plots import reward_histograms, signal_figures
 from rlhf.ppo import PPOConfig, PPOResult, train_ppo
 from rlhf.training import config_from_params
-from tasks.common import StageRun, atomic_dir, cli, read_params, run_checkpointer, setup_torch, stage_params, write_metrics
+from tasks.common import (
+    StageRun,
+    atomic_dir,
+    cli,
+    read_params,
+    run_checkpointer,
+    setup_torch,
+    stage_params,
+    write_metrics,
+)
 
-PROMPTS, PTX, SFT, REWARD = "data/validated/ppo_prompts.jsonl", "data/validated/ptx_text.jsonl", "models/sft", "models/reward"
+PROMPTS, PTX, SFT, REWARD = (
+    "data/validated/ppo_prompts.jsonl",
+    "data/validated/ptx_text.jsonl",
+    "models/sft",
+    "models/reward",
+)
 OUT_DIR, REPORTS = "models/policy", "reports/ppo"
 
 
@@ -44,9 +58,28 @@ def run(params: dict[str, Any], log, out_dir: str = OUT_DIR, checkpoint_name: st
         raise ValueError(f"{PROMPTS}: {len(rows)} prompts, but {held_out} are held out for validation")
     encoded = [encode_prompt(tokenizer, row["prompt"], config.max_prompt_length) for row in rows]
     train_prompts, validation = encoded[: len(encoded) - held_out], encoded[len(encoded) - held_out :]
-    ptx = [tokenizer(row["text"] + tokenizer.eos_token, add_special_tokens=False)["input_ids"][: config.ptx_max_length] for row in load_jsonl(PTX)] if config.ptx_coef > 0 else []
+    ptx = (
+        [
+            tokenizer(row["text"] + tokenizer.eos_token, add_special_tokens=False)["input_ids"][: config.ptx_max_length]
+            for row in load_jsonl(PTX)
+        ]
+        if config.ptx_coef > 0
+        else []
+    )
     checkpointer = run_checkpointer(checkpoint_name, params, [PROMPTS, PTX, SFT, REWARD])
-    result = train_ppo(policy, reference, reward_model, value_model, tokenizer, train_prompts, validation, ptx, config, log, checkpointer)
+    result = train_ppo(
+        policy,
+        reference,
+        reward_model,
+        value_model,
+        tokenizer,
+        train_prompts,
+        validation,
+        ptx,
+        config,
+        log,
+        checkpointer,
+    )
     with atomic_dir(out_dir) as tmp:
         policy.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
@@ -82,7 +115,10 @@ def main() -> None:
         if result.stopped_by:
             mlflow.set_tag("rlhf.collapse", result.stopped_by)
     summary = {**result.summary, "stopped_by": result.stopped_by, "seconds": stage.seconds}
-    print(f"[ppo] {int(summary['ppo/iterations'])} iterations, best at {result.best_iteration}; reward {summary.get('ppo/reward/mean', float('nan')):.3f}, KL {summary.get('ppo/kl', float('nan')):.3f}")
+    print(
+        f"[ppo] {int(summary['ppo/iterations'])} iterations, best at {result.best_iteration}; "
+        f"reward {summary.get('ppo/reward/mean', float('nan')):.3f}, KL {summary.get('ppo/kl', float('nan')):.3f}"
+    )
     write_metrics("metrics/ppo.json", summary)
 
 

@@ -53,14 +53,18 @@ def run(params: dict[str, Any]) -> dict[str, Any]:
     sources = []
     for spec in inputs:
         rows = read_jsonl(spec.source, spec.storage_options)
-        sources.append(Source(spec.source, islice(rows, spec.max_rows) if spec.max_rows else rows, spec.format, spec.mapping))
+        sources.append(
+            Source(spec.source, islice(rows, spec.max_rows) if spec.max_rows else rows, spec.format, spec.mapping)
+        )
     names = ", ".join(spec.source for spec in inputs)
     prepared = prepare_rows(sources, config.fractions)
     if prepared.rows_in == 0:
         raise ValueError(f"{names}: no rows")
     kept = sum(len(v) for v in prepared.splits.values())
     if kept == 0:
-        raise ValueError(f"{names}: none of {prepared.rows_in} rows parsed; first reason: {prepared.quarantine[0]['reason']}")
+        raise ValueError(
+            f"{names}: none of {prepared.rows_in} rows parsed; first reason: {prepared.quarantine[0]['reason']}"
+        )
     with atomic_dir(OUT_DIR) as tmp:
         for split in SPLITS:
             with open(os.path.join(tmp, f"{split}.jsonl"), "w", encoding="utf-8") as handle:
@@ -68,10 +72,18 @@ def run(params: dict[str, Any]) -> dict[str, Any]:
         with open(os.path.join(tmp, "quarantine.jsonl"), "w", encoding="utf-8") as handle:
             write_jsonl(prepared.quarantine, handle)
     reasons = Counter(q["reason"] for q in prepared.quarantine)
-    counts: dict[str, Any] = {"rows_in": prepared.rows_in, "quarantined": len(prepared.quarantine), **{f"split/{s}": len(prepared.splits[s]) for s in SPLITS}}
+    counts: dict[str, Any] = {
+        "rows_in": prepared.rows_in,
+        "quarantined": len(prepared.quarantine),
+        **{f"split/{s}": len(prepared.splits[s]) for s in SPLITS},
+    }
     for reason, n in reasons.most_common():
         print(f"[prepare] quarantined {n} rows: {reason}")
-    print(f"[prepare] {prepared.rows_in} rows in, {len(prepared.quarantine)} quarantined (source, line and reason in {OUT_DIR}/quarantine.jsonl); " + ", ".join(f"{s}={len(prepared.splits[s])}" for s in SPLITS))
+    print(
+        f"[prepare] {prepared.rows_in} rows in, {len(prepared.quarantine)} quarantined "
+        f"(source, line and reason in {OUT_DIR}/quarantine.jsonl); "
+        + ", ".join(f"{s}={len(prepared.splits[s])}" for s in SPLITS)
+    )
     return counts
 
 

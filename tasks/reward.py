@@ -18,7 +18,16 @@ from rlhf.data import load_jsonl
 from rlhf.models import load_scalar_model, load_tokenizer
 from rlhf.reward import RewardConfig, center_rewards, encode_pairs, evaluate_reward_model, train_reward_model
 from rlhf.training import config_from_params
-from tasks.common import StageRun, atomic_dir, cli, read_params, run_checkpointer, setup_torch, stage_params, write_metrics
+from tasks.common import (
+    StageRun,
+    atomic_dir,
+    cli,
+    read_params,
+    run_checkpointer,
+    setup_torch,
+    stage_params,
+    write_metrics,
+)
 
 TRAIN, EVAL, SFT = "data/validated/rm_train.jsonl", "data/validated/rm_eval.jsonl", "models/sft"
 OUT_DIR, FIGURE = "models/reward", "reports/reward_margins.png"
@@ -31,9 +40,14 @@ def run(params: dict[str, Any], log) -> tuple[dict[str, float], Any]:
     train = load_jsonl(TRAIN)
     checkpointer = run_checkpointer("reward", params, [TRAIN, SFT])
     metrics = train_reward_model(model, tokenizer, train, config, log, checkpointer)
-    demonstrations = [chosen.input_ids for chosen, _ in encode_pairs(tokenizer, train[: config.center_max_examples], config.max_length)]
+    demonstrations = [
+        chosen.input_ids
+        for chosen, _ in encode_pairs(tokenizer, train[: config.center_max_examples], config.max_length)
+    ]
     metrics["rm/offset"] = center_rewards(model, tokenizer, demonstrations, config.eval_batch_size)
-    eval_metrics, margins = evaluate_reward_model(model, tokenizer, load_jsonl(EVAL), config.max_length, config.eval_batch_size)
+    eval_metrics, margins = evaluate_reward_model(
+        model, tokenizer, load_jsonl(EVAL), config.max_length, config.eval_batch_size
+    )
     metrics.update(eval_metrics)
     with atomic_dir(OUT_DIR) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
@@ -42,7 +56,11 @@ def run(params: dict[str, Any], log) -> tuple[dict[str, float], Any]:
     figure, axis = plt.subplots(figsize=(6, 4))
     axis.hist(margins.numpy(), bins=30)
     axis.axvline(0, color="black", linewidth=1)
-    axis.set(xlabel="score(chosen) - score(rejected)", ylabel="pairs", title=f"rm_eval: accuracy {metrics['rm/accuracy']:.3f}")
+    axis.set(
+        xlabel="score(chosen) - score(rejected)",
+        ylabel="pairs",
+        title=f"rm_eval: accuracy {metrics['rm/accuracy']:.3f}",
+    )
     return metrics, figure
 
 
@@ -58,7 +76,10 @@ def main() -> None:
         os.makedirs(os.path.dirname(FIGURE), exist_ok=True)
         figure.savefig(FIGURE, dpi=100)
         mlflow.log_figure(figure, "reward_margins.png")
-    print("[reward] " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items() if k.startswith("rm/") and not k.startswith("rm/loss")))
+    print(
+        "[reward] "
+        + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items() if k.startswith("rm/") and not k.startswith("rm/loss"))
+    )
     write_metrics("metrics/reward.json", {**metrics, "seconds": stage.seconds})
 
 

@@ -8,7 +8,16 @@ from rlhf.data import load_jsonl
 from rlhf.models import load_causal_lm, load_tokenizer
 from rlhf.sft import SFTConfig, train_sft
 from rlhf.training import config_from_params
-from tasks.common import StageRun, atomic_dir, cli, read_params, run_checkpointer, setup_torch, stage_params, write_metrics
+from tasks.common import (
+    StageRun,
+    atomic_dir,
+    cli,
+    read_params,
+    run_checkpointer,
+    setup_torch,
+    stage_params,
+    write_metrics,
+)
 
 DATA = "data/validated/sft.jsonl"
 BASE = "models/base"

@@ -38,7 +38,16 @@ def run(params: dict[str, Any]) -> dict[str, Any]:
     """
     config = config_from_params(ValidationConfig, params, "validate")
     tokenizer = load_tokenizer(BASE)
-    results = {split: validate_split(os.path.join(IN_DIR, f"{split}.jsonl"), load_jsonl(os.path.join(IN_DIR, f"{split}.jsonl")), split_kind(split), tokenizer, config) for split in SPLITS}
+    results = {
+        split: validate_split(
+            os.path.join(IN_DIR, f"{split}.jsonl"),
+            load_jsonl(os.path.join(IN_DIR, f"{split}.jsonl")),
+            split_kind(split),
+            tokenizer,
+            config,
+        )
+        for split in SPLITS
+    }
     errors = [line for result in results.values() for line in result.errors]
     if errors:
         raise ValidationFailed("\n".join(errors))
@@ -47,12 +56,28 @@ def run(params: dict[str, Any]) -> dict[str, Any]:
             with open(os.path.join(tmp, f"{split}.jsonl"), "w", encoding="utf-8") as handle:
                 write_jsonl(result.valid, handle)
         with open(os.path.join(tmp, "quarantine.jsonl"), "w", encoding="utf-8") as handle:
-            write_jsonl([{"split": split, **row} for split, result in results.items() for row in result.quarantined], handle)
+            write_jsonl(
+                [{"split": split, **row} for split, result in results.items() for row in result.quarantined], handle
+            )
     summary = {
-        split: {"rows_in": len(r.valid) + len(r.quarantined), "valid": len(r.valid), "quarantined": len(r.quarantined), "rules": r.rule_counts, "role_marker_rows": r.role_marker_rows}
+        split: {
+            "rows_in": len(r.valid) + len(r.quarantined),
+            "valid": len(r.valid),
+            "quarantined": len(r.quarantined),
+            "rules": r.rule_counts,
+            "role_marker_rows": r.role_marker_rows,
+        }
         for split, r in results.items()
     }
-    write_json(REPORT, {"success": True, "max_quarantine_fraction": config.max_quarantine_fraction, "role_markers": config.role_markers, "splits": summary})
+    write_json(
+        REPORT,
+        {
+            "success": True,
+            "max_quarantine_fraction": config.max_quarantine_fraction,
+            "role_markers": config.role_markers,
+            "splits": summary,
+        },
+    )
     write_json(GX_REPORT, {split: r.gx_result for split, r in results.items()})
     return summary
 
@@ -74,8 +99,13 @@ def main() -> None:
         stage.log({f"validate/{k}": float(v) for k, v in totals.items()}, 0)
     for split, s in summary.items():
         broken = {rule: n for rule, n in s["rules"].items() if n}
-        print(f"[validate] {split}: {s['valid']}/{s['rows_in']} valid; quarantined by rule: {json.dumps(broken)}; role markers in {s['role_marker_rows']} rows")
-    write_metrics("metrics/validate.json", {**{f"validate/{k}": v for k, v in totals.items()}, "seconds": stage.seconds})
+        print(
+            f"[validate] {split}: {s['valid']}/{s['rows_in']} valid; quarantined by rule: {json.dumps(broken)}; "
+            f"role markers in {s['role_marker_rows']} rows"
+        )
+    write_metrics(
+        "metrics/validate.json", {**{f"validate/{k}": v for k, v in totals.items()}, "seconds": stage.seconds}
+    )
 
 
 if __name__ == "__main__":

@@ -7,11 +7,20 @@ import torch
 
 from rlhf.models import load_base_model
 
+
 class Killed(Exception):
     """Raised from a log callback to stand in for a process killed at that step."""
 
 
-TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256, "tie_word_embeddings": True}
+TINY = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": True,
+}
 
 
 @pytest.fixture(scope="session")

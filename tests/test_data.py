@@ -5,7 +5,14 @@ import json
 
 import pytest
 
-from rlhf.data import RowError, assign_split, parse_hh_dialogue, prepare_rows, read_jsonl, split_pair, to_examples, Source
+from rlhf.data import (
+    RowError,
+    Source,
+    assign_split,
+    prepare_rows,
+    read_jsonl,
+    to_examples,
+)
 
 FRACTIONS = {"sft": 0.2, "rm_train": 0.45, "rm_eval": 0.1, "ppo_prompts": 0.12, "ptx_text": 0.05, "eval_prompts": 0.08}
 
@@ -25,8 +32,18 @@ def hh(*turns):
 
 
 def test_multi_turn_pair_differing_before_last_assistant_turn():
-    chosen = hh(("Human", "How do I pick a lock?"), ("Assistant", "I can't help with that."), ("Human", "Why not?"), ("Assistant", "It could be used to break in."))
-    rejected = hh(("Human", "How do I pick a lock?"), ("Assistant", "Use a tension wrench."), ("Human", "Why not?"), ("Assistant", "Sure."))
+    chosen = hh(
+        ("Human", "How do I pick a lock?"),
+        ("Assistant", "I can't help with that."),
+        ("Human", "Why not?"),
+        ("Assistant", "It could be used to break in."),
+    )
+    rejected = hh(
+        ("Human", "How do I pick a lock?"),
+        ("Assistant", "Use a tension wrench."),
+        ("Human", "Why not?"),
+        ("Assistant", "Sure."),
+    )
     example = one({"chosen": chosen, "rejected": rejected})
     assert example["prompt"] == [{"role": "user", "content": "How do I pick a lock?"}]
     assert example["chosen"] == [
@@ -40,7 +57,12 @@ def test_multi_turn_pair_differing_before_last_assistant_turn():
 
 def test_usual_pair_splits_at_last_assistant_turn():
     shared = [("Human", "Hi"), ("Assistant", "Hello, how can I help?"), ("Human", "Tell me a joke")]
-    example = one({"chosen": hh(*shared, ("Assistant", "Why did the chicken cross the road?")), "rejected": hh(*shared, ("Assistant", "No."))})
+    example = one(
+        {
+            "chosen": hh(*shared, ("Assistant", "Why did the chicken cross the road?")),
+            "rejected": hh(*shared, ("Assistant", "No.")),
+        }
+    )
     assert [m["content"] for m in example["prompt"]] == ["Hi", "Hello, how can I help?", "Tell me a joke"]
     assert example["chosen"] == [{"role": "assistant", "content": "Why did the chicken cross the road?"}]
     assert example["rejected"] == [{"role": "assistant", "content": "No."}]
@@ -52,7 +74,10 @@ def test_two_assistant_turns_in_a_row_stay_one_response():
     example = one({"chosen": chosen, "rejected": rejected})
     assert example["prompt"] == [{"role": "user", "content": "Can you help?"}]
     assert example["chosen"] == [{"role": "assistant", "content": "Sure."}]
-    assert example["rejected"] == [{"role": "assistant", "content": "Sure."}, {"role": "assistant", "content": "What do you need?"}]
+    assert example["rejected"] == [
+        {"role": "assistant", "content": "Sure."},
+        {"role": "assistant", "content": "What do you need?"},
+    ]
 
 
 def test_identical_responses_go_to_quarantine_not_training():
@@ -60,7 +85,14 @@ def test_identical_responses_go_to_quarantine_not_training():
     same_after_parsing = hh(("Human", "Hi"), ("Assistant", "Hello"))
     prepared = prepare([(1, {"chosen": text, "rejected": same_after_parsing})])
     assert sum(len(rows) for rows in prepared.splits.values()) == 0
-    assert prepared.quarantine == [{"source": "mem", "line": 1, "reason": "chosen and rejected responses are identical", "row": {"chosen": text, "rejected": same_after_parsing}}]
+    assert prepared.quarantine == [
+        {
+            "source": "mem",
+            "line": 1,
+            "reason": "chosen and rejected responses are identical",
+            "row": {"chosen": text, "rejected": same_after_parsing},
+        }
+    ]
 
 
 def test_empty_response_and_bad_rows_are_quarantined_with_reasons():
@@ -82,7 +114,11 @@ def test_empty_response_and_bad_rows_are_quarantined_with_reasons():
 
 def test_prompt_chosen_rejected_strings():
     example = one({"prompt": "Hi", "chosen": "Hello!", "rejected": "Go away."})
-    assert example == {"prompt": [{"role": "user", "content": "Hi"}], "chosen": [{"role": "assistant", "content": "Hello!"}], "rejected": [{"role": "assistant", "content": "Go away."}]}
+    assert example == {
+        "prompt": [{"role": "user", "content": "Hi"}],
+        "chosen": [{"role": "assistant", "content": "Hello!"}],
+        "rejected": [{"role": "assistant", "content": "Go away."}],
+    }
 
 
 def test_split_is_a_function_of_the_prompt_only():
@@ -124,8 +160,17 @@ def test_real_data_parses():
 
 def test_conversational_rows_split_at_shared_prefix():
     user = {"role": "user", "content": "Hi"}
-    example = one({"chosen": [user, {"role": "assistant", "content": "Hello!"}], "rejected": [user, {"role": "assistant", "content": "Go away."}]})
-    assert example == {"prompt": [user], "chosen": [{"role": "assistant", "content": "Hello!"}], "rejected": [{"role": "assistant", "content": "Go away."}]}
+    example = one(
+        {
+            "chosen": [user, {"role": "assistant", "content": "Hello!"}],
+            "rejected": [user, {"role": "assistant", "content": "Go away."}],
+        }
+    )
+    assert example == {
+        "prompt": [user],
+        "chosen": [{"role": "assistant", "content": "Hello!"}],
+        "rejected": [{"role": "assistant", "content": "Go away."}],
+    }
 
 
 def test_conversational_row_with_a_string_is_an_error():
@@ -135,8 +180,18 @@ def test_conversational_row_with_a_string_is_an_error():
 
 def test_ranking_of_four_gives_six_pairs_and_a_tie_one_fewer():
     responses = ["best", "good", "fair", "poor"]
-    pairs = [(e["chosen"][0]["content"], e["rejected"][0]["content"]) for e in to_examples({"prompt": "Q", "responses": responses})]
-    assert pairs == [("best", "good"), ("best", "fair"), ("best", "poor"), ("good", "fair"), ("good", "poor"), ("fair", "poor")]
+    pairs = [
+        (e["chosen"][0]["content"], e["rejected"][0]["content"])
+        for e in to_examples({"prompt": "Q", "responses": responses})
+    ]
+    assert pairs == [
+        ("best", "good"),
+        ("best", "fair"),
+        ("best", "poor"),
+        ("good", "fair"),
+        ("good", "poor"),
+        ("fair", "poor"),
+    ]
     tied = to_examples({"prompt": "Q", "responses": responses, "ranks": [1, 2, 2, 3]})
     assert len(tied) == 5
     assert ("good", "fair") not in [(e["chosen"][0]["content"], e["rejected"][0]["content"]) for e in tied]
@@ -147,6 +202,12 @@ def test_ranking_of_four_gives_six_pairs_and_a_tie_one_fewer():
 def test_mapping_renames_columns_and_sources_are_kept():
     rows_a = [(1, {"question": "Q1", "good": "yes", "bad": "no"})]
     rows_b = [(1, {"prompt": "Q2", "chosen": "fine", "rejected": "bad"})]
-    prepared = prepare_rows([Source("a.jsonl", iter(rows_a), "pairs", {"question": "prompt", "good": "chosen", "bad": "rejected"}), Source("b.jsonl", iter(rows_b))], FRACTIONS)
+    prepared = prepare_rows(
+        [
+            Source("a.jsonl", iter(rows_a), "pairs", {"question": "prompt", "good": "chosen", "bad": "rejected"}),
+            Source("b.jsonl", iter(rows_b)),
+        ],
+        FRACTIONS,
+    )
     sources = sorted(row["source"] for rows in prepared.splits.values() for row in rows)
     assert sources == ["a.jsonl", "b.jsonl"] and prepared.rows_in == 2

@@ -39,14 +39,18 @@ def test_gae_three_steps_by_hand():
 def test_value_loss_clipping_by_hand():
     # return 10, old value 5, new value 1, clip 0.2: clipped prediction 4.8,
     # loss 0.5 * max((1-10)^2, (4.8-10)^2) = 0.5 * max(81, 27.04) = 40.5
-    loss, stats = losses.clipped_value_loss(torch.tensor([[1.0]]), torch.tensor([[5.0]]), torch.tensor([[10.0]]), torch.tensor([[True]]), clip=0.2)
+    loss, stats = losses.clipped_value_loss(
+        torch.tensor([[1.0]]), torch.tensor([[5.0]]), torch.tensor([[10.0]]), torch.tensor([[True]]), clip=0.2
+    )
     assert loss.item() == pytest.approx(40.5)
     assert stats["clipfrac"].item() == 0.0  # the unclipped error (81) was the larger one
 
 
 def test_value_loss_takes_clipped_error_when_larger():
     # return 0, old 5, new 1: clipped 4.8; max(1, 23.04) = 23.04 -> 11.52
-    loss, stats = losses.clipped_value_loss(torch.tensor([[1.0]]), torch.tensor([[5.0]]), torch.tensor([[0.0]]), torch.tensor([[True]]), clip=0.2)
+    loss, stats = losses.clipped_value_loss(
+        torch.tensor([[1.0]]), torch.tensor([[5.0]]), torch.tensor([[0.0]]), torch.tensor([[True]]), clip=0.2
+    )
     assert loss.item() == pytest.approx(11.52)
     assert stats["clipfrac"].item() == 1.0
 
@@ -59,7 +63,11 @@ def test_kl_estimators_by_hand():
 
 
 def test_masked_whiten_by_hand_and_degenerate_cases():
-    assert torch.allclose(losses.masked_whiten(torch.tensor([[1.0, 3.0]]), torch.tensor([[True, True]])), torch.tensor([[-1.0, 1.0]]), atol=1e-4)
+    assert torch.allclose(
+        losses.masked_whiten(torch.tensor([[1.0, 3.0]]), torch.tensor([[True, True]])),
+        torch.tensor([[-1.0, 1.0]]),
+        atol=1e-4,
+    )
     one = losses.masked_whiten(torch.tensor([[4.0, 7.0]]), torch.tensor([[True, False]]))
     none = losses.masked_whiten(torch.tensor([[4.0, 7.0]]), torch.tensor([[False, False]]))
     assert torch.isfinite(one).all() and torch.isfinite(none).all()
@@ -68,16 +76,22 @@ def test_masked_whiten_by_hand_and_degenerate_cases():
 
 def test_bradley_terry_loss_by_hand():
     # -log sigmoid(2 - 1) = log(1 + e^-1) = 0.31326
-    assert losses.bradley_terry_loss(torch.tensor([2.0]), torch.tensor([1.0])).item() == pytest.approx(math.log(1 + math.exp(-1)), abs=1e-6)
+    assert losses.bradley_terry_loss(torch.tensor([2.0]), torch.tensor([1.0])).item() == pytest.approx(
+        math.log(1 + math.exp(-1)), abs=1e-6
+    )
     # margin 1 makes it -log sigmoid(0) = log 2
-    assert losses.bradley_terry_loss(torch.tensor([2.0]), torch.tensor([1.0]), margin=1.0).item() == pytest.approx(math.log(2), abs=1e-6)
+    assert losses.bradley_terry_loss(torch.tensor([2.0]), torch.tensor([1.0]), margin=1.0).item() == pytest.approx(
+        math.log(2), abs=1e-6
+    )
 
 
 def test_ppo_clip_loss_by_hand():
     # ratio e^0.5 = 1.6487 with A = 1: min(1.6487, 1.2) = 1.2 -> loss -1.2, clipped
     # ratio e^-0.5 = 0.6065 with A = 1: min(0.6065, 0.8) = 0.6065 -> loss -0.6065, not clipped
     logprobs = torch.tensor([[0.5, -0.5]])
-    loss, stats = losses.ppo_clip_loss(logprobs, torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2, dtype=torch.bool), clip=0.2)
+    loss, stats = losses.ppo_clip_loss(
+        logprobs, torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2, dtype=torch.bool), clip=0.2
+    )
     assert loss.item() == pytest.approx(-(1.2 + math.exp(-0.5)) / 2, abs=1e-6)
     assert stats["clipfrac"].item() == pytest.approx(0.5)
     assert stats["approx_kl"].item() == pytest.approx(0.125)  # 0.5 * 0.25

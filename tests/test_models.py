@@ -20,28 +20,39 @@ from rlhf.models import (
 def test_tokenizer_pad_is_not_eos_and_template_has_no_default_system_prompt(tokenizer):
     assert tokenizer.pad_token == "<|endoftext|>" and tokenizer.pad_token_id == 0
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.eos_token_id == 2
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert text == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
 
 
 def test_encode_chat_masks_the_assistant_response_and_ends_at_eos(tokenizer):
     prompt = [{"role": "user", "content": "Hi"}]
     encoded = encode_chat(tokenizer, prompt, [{"role": "assistant", "content": "Hello there"}], max_length=64)
-    target = [t for t, m in zip(encoded.input_ids, encoded.response_mask) if m]
+    target = [t for t, m in zip(encoded.input_ids, encoded.response_mask, strict=True) if m]
     assert tokenizer.decode(target) == "Hello there<|im_end|>"
     assert encoded.input_ids[-1] == tokenizer.eos_token_id
     assert encoded.input_ids[: len(encode_prompt(tokenizer, prompt, 64))] == encode_prompt(tokenizer, prompt, 64)
 
 
 def test_encode_chat_user_turns_inside_a_response_are_not_targets(tokenizer):
-    response = [{"role": "assistant", "content": "A"}, {"role": "user", "content": "B"}, {"role": "assistant", "content": "C"}]
+    response = [
+        {"role": "assistant", "content": "A"},
+        {"role": "user", "content": "B"},
+        {"role": "assistant", "content": "C"},
+    ]
     encoded = encode_chat(tokenizer, [{"role": "user", "content": "Q"}], response, max_length=128)
-    target = tokenizer.decode([t for t, m in zip(encoded.input_ids, encoded.response_mask) if m])
+    target = tokenizer.decode([t for t, m in zip(encoded.input_ids, encoded.response_mask, strict=True) if m])
     assert target == "A<|im_end|>\nC<|im_end|>"
 
 
 def test_encode_chat_truncates_from_the_left(tokenizer):
-    encoded = encode_chat(tokenizer, [{"role": "user", "content": "word " * 100}], [{"role": "assistant", "content": "end"}], max_length=10)
+    encoded = encode_chat(
+        tokenizer,
+        [{"role": "user", "content": "word " * 100}],
+        [{"role": "assistant", "content": "end"}],
+        max_length=10,
+    )
     assert len(encoded.input_ids) == 10 and encoded.input_ids[-1] == tokenizer.eos_token_id
 
 
@@ -54,7 +65,10 @@ def test_response_mask_keeps_eos_even_when_pad_equals_eos():
 
 
 def test_position_ids_from_left_padded_mask():
-    assert position_ids_from_mask(torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 4]]
+    assert position_ids_from_mask(torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])).tolist() == [
+        [0, 0, 0, 1, 2],
+        [0, 1, 2, 3, 4],
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +100,15 @@ def test_pad_equals_eos_trap_reward_read_at_second_eos(tiny_dir, tokenizer, rewa
 
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_reward_score_alone_equals_score_in_padded_batch(tokenizer, reward_model, side):
-    short = encode_chat(tokenizer, [{"role": "user", "content": "Hi"}], [{"role": "assistant", "content": "Hello"}], 64).input_ids
-    long = encode_chat(tokenizer, [{"role": "user", "content": "Tell me more " * 3}], [{"role": "assistant", "content": "Sure " * 4}], 64).input_ids
+    short = encode_chat(
+        tokenizer, [{"role": "user", "content": "Hi"}], [{"role": "assistant", "content": "Hello"}], 64
+    ).input_ids
+    long = encode_chat(
+        tokenizer,
+        [{"role": "user", "content": "Tell me more " * 3}],
+        [{"role": "assistant", "content": "Sure " * 4}],
+        64,
+    ).input_ids
     long = (long * 3)[: 2 * len(short)]
     assert len(long) == 2 * len(short)
     with torch.no_grad():

@@ -8,6 +8,7 @@ import shutil
 import sqlite3
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -19,8 +20,10 @@ STAGES = ["prepare", "base_model", "validate", "sft", "reward", "ppo", "evaluate
 
 
 def make_project(root) -> str:
-    """A clean copy of the project's tracked and unignored files as a git repo, with ../shared beside it, on the tiny profile."""
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    """A clean copy of the tracked and unignored files as a git repo, with ../shared beside it, on the tiny profile."""
+    files = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.split()
     project = os.path.join(root, "main")
     for name in files:
         if os.path.exists(os.path.join(REPO, name)):
@@ -28,7 +31,11 @@ def make_project(root) -> str:
             shutil.copy2(os.path.join(REPO, name), os.path.join(project, name))
     os.symlink(SHARED, os.path.join(root, "shared"))
     set_param(project, "profile: demo", "profile: tiny")
-    for command in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "copy"]):
+    for command in (
+        ["git", "init", "-q"],
+        ["git", "add", "-A"],
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "copy"],
+    ):
         subprocess.run(command, cwd=project, check=True)
     return project
 
@@ -43,8 +50,15 @@ def set_param(project: str, old: str, new: str) -> None:
 
 
 def run(project: str, *args: str, timeout: int = 600, expect_failure: bool = False) -> str:
-    env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"], "PREFECT_HOME": os.path.join(project, ".prefect-home"), "RLHF_PIPELINE_RUN_ID": ""}
-    result = subprocess.run([sys.executable, "-m", *args], cwd=project, env=env, capture_output=True, text=True, timeout=timeout)
+    env = {
+        **os.environ,
+        "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
+        "PREFECT_HOME": os.path.join(project, ".prefect-home"),
+        "RLHF_PIPELINE_RUN_ID": "",
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", *args], cwd=project, env=env, capture_output=True, text=True, timeout=timeout
+    )
     assert (result.returncode != 0) == expect_failure, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout + result.stderr
 
@@ -54,7 +68,12 @@ def ran_stages(output: str) -> list[str]:
 
 
 def assert_outputs(project: str) -> None:
-    for path in ("models/policy/model.safetensors", "models/reward/model.safetensors", "reports/eval/samples.md", "reports/ppo/ppo_kl.png"):
+    for path in (
+        "models/policy/model.safetensors",
+        "models/reward/model.safetensors",
+        "reports/eval/samples.md",
+        "reports/ppo/ppo_kl.png",
+    ):
         assert os.path.exists(os.path.join(project, path)), path
     with open(os.path.join(project, "metrics/eval.json")) as handle:
         metrics = json.load(handle)
@@ -85,9 +104,13 @@ def test_prefect_flow_runs_the_stages_and_groups_mlflow_runs(tmp_path):
     assert "RLHF pipeline" in output  # the summary table
     assert_outputs(project)
     with sqlite3.connect(os.path.join(project, "mlflow.db")) as db:
-        parents = db.execute("select run_uuid from runs join tags using (run_uuid) where key = 'rlhf.kind' and value = 'pipeline'").fetchall()
+        parents = db.execute(
+            "select run_uuid from runs join tags using (run_uuid) where key = 'rlhf.kind' and value = 'pipeline'"
+        ).fetchall()
         assert len(parents) == 1
-        children = db.execute("select count(*) from tags where key = 'mlflow.parentRunId' and value = ?", parents[0]).fetchone()[0]
+        children = db.execute(
+            "select count(*) from tags where key = 'mlflow.parentRunId' and value = ?", parents[0]
+        ).fetchone()[0]
     assert children == len(STAGES)
 
 
@@ -99,10 +122,20 @@ def test_ppo_stage_killed_with_sigkill_resumes_to_the_same_result(tmp_path):
     project = make_project(tmp_path)
     set_param(project, "    tiny: {iterations: 3,", "    tiny: {iterations: 12, checkpoint_every: 1,")
     run(project, "dvc", "repro", "reward")
-    env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"], "RLHF_PIPELINE_RUN_ID": "kill-test"}
+    env = {
+        **os.environ,
+        "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
+        "RLHF_PIPELINE_RUN_ID": "kill-test",
+    }
 
     def ppo_stage():
-        return subprocess.Popen([sys.executable, "-m", "tasks.ppo"], cwd=project, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return subprocess.Popen(
+            [sys.executable, "-m", "tasks.ppo"],
+            cwd=project,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
 
     assert ppo_stage().wait(timeout=600) == 0
     with open(os.path.join(project, "metrics/ppo.json")) as handle:
@@ -110,7 +143,11 @@ def test_ppo_stage_killed_with_sigkill_resumes_to_the_same_result(tmp_path):
     assert not glob.glob(os.path.join(project, "checkpoints/ppo/*/step-*"))  # cleared after success
     process = ppo_stage()
     deadline = time.time() + 600
-    while time.time() < deadline and not any(open(p).read().strip() >= "step-00000005" for p in glob.glob(os.path.join(project, "checkpoints/ppo/*/latest"))):
+
+    def latest_steps() -> list[str]:
+        return [Path(p).read_text().strip() for p in glob.glob(os.path.join(project, "checkpoints/ppo/*/latest"))]
+
+    while time.time() < deadline and not any(step >= "step-00000005" for step in latest_steps()):
         assert process.poll() is None, "the stage finished before it could be killed"
         time.sleep(0.05)
     process.send_signal(signal.SIGKILL)

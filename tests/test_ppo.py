@@ -1,18 +1,24 @@
-"""PPO trainer behaviour on a tiny random Llama: ratio at the start, PPO-ptx gradient, normaliser, collapse guard, resume."""
+"""PPO trainer behaviour on a tiny random Llama.
+
+Ratio at the start, PPO-ptx gradient, normaliser, collapse guard, resume.
+"""
 
 import json
 import os
 
 import pytest
-from conftest import Killed
 import torch
+from conftest import Killed
 
 from rlhf.losses import language_model_loss, ppo_clip_loss
 from rlhf.models import encode_prompt, load_causal_lm, load_scalar_model, response_logprobs
 from rlhf.ppo import Optimisers, PPOConfig, RunningMoments, detect_collapse, make_experience, ppo_update, train_ppo
 from rlhf.training import Checkpointer, make_optimizer, make_scheduler
 
-PROMPTS = [[{"role": "user", "content": text}] for text in ["Hi", "How are you?", "Tell me a joke", "What is 2+2?", "Name a colour", "Say yes"]]
+PROMPTS = [
+    [{"role": "user", "content": text}]
+    for text in ["Hi", "How are you?", "Tell me a joke", "What is 2+2?", "Name a colour", "Say yes"]
+]
 
 
 @pytest.fixture(scope="module")
@@ -42,10 +48,17 @@ def test_ppo_ratio_is_one_on_first_minibatch_with_dropout_in_config(dropout_dir,
     policy.train()  # even in train mode nothing may drop out
     config = PPOConfig(rollout_batch_size=4, minibatch_size=4, ppo_epochs=1, max_new_tokens=6, temperature=0.7)
     prompts = [encode_prompt(tokenizer, p, 32) for p in PROMPTS[:4]]
-    experience, _ = make_experience(policy, reference, reward_model, value_model, tokenizer, prompts, config, RunningMoments(), 0.05)
+    experience, _ = make_experience(
+        policy, reference, reward_model, value_model, tokenizer, prompts, config, RunningMoments(), 0.05
+    )
     opt = Optimisers(make_optimizer(policy, 1e-3), make_optimizer(value_model, 1e-3), None, None)
-    opt.policy_schedule, opt.value_schedule = make_scheduler(opt.policy, "constant", 0, 1), make_scheduler(opt.value, "constant", 0, 1)
-    stats = ppo_update(policy, value_model, opt, experience, config, torch.Generator().manual_seed(0), None, update_policy=True)
+    opt.policy_schedule, opt.value_schedule = (
+        make_scheduler(opt.policy, "constant", 0, 1),
+        make_scheduler(opt.value, "constant", 0, 1),
+    )
+    stats = ppo_update(
+        policy, value_model, opt, experience, config, torch.Generator().manual_seed(0), None, update_policy=True
+    )
     assert stats["ppo/policy/ratio"] == pytest.approx(1.0, abs=1e-5)
     assert stats["ppo/policy/clipfrac"] == 0.0
 
@@ -64,7 +77,9 @@ def test_ptx_term_adds_exactly_lambda_times_lm_gradient(tiny_dir, tokenizer):
         logprobs, _ = response_logprobs(policy, ids, attn, start)
         loss, _ = ppo_clip_loss(logprobs, logprobs.detach() - 0.1, torch.tensor([[1.0, -0.5, 2.0]]), mask, 0.2)
         if with_ptx:
-            loss = loss + coef * language_model_loss(policy(input_ids=ptx).logits, ptx, torch.ones_like(ptx, dtype=torch.bool))
+            loss = loss + coef * language_model_loss(
+                policy(input_ids=ptx).logits, ptx, torch.ones_like(ptx, dtype=torch.bool)
+            )
         loss.backward()
         return torch.cat([p.grad.flatten() for p in policy.parameters() if p.grad is not None])
 
@@ -95,7 +110,9 @@ def test_running_moments_refuse_to_pass_rewards_through_without_statistics():
 
 
 def test_collapse_detector_flags_each_signal():
-    config = PPOConfig(collapse_kl_max=10.0, collapse_length_ratio=2.0, collapse_perplexity_ratio=2.0, collapse_reward_skew=2.0)
+    config = PPOConfig(
+        collapse_kl_max=10.0, collapse_length_ratio=2.0, collapse_perplexity_ratio=2.0, collapse_reward_skew=2.0
+    )
     baseline = {"ppo/response_length": 20.0, "ppo/perplexity": 5.0}
     healthy = {"ppo/kl": 1.0, "ppo/response_length": 25.0, "ppo/perplexity": 6.0, "ppo/reward/skew": 0.1}
     assert detect_collapse(healthy, baseline, config) is None
@@ -103,14 +120,26 @@ def test_collapse_detector_flags_each_signal():
     assert "response_length" in detect_collapse({**healthy, "ppo/response_length": 9.0}, baseline, config)
     assert "perplexity" in detect_collapse({**healthy, "ppo/perplexity": 11.0}, baseline, config)
     assert "long tail" in detect_collapse({**healthy, "ppo/reward/skew": 2.5}, baseline, config)
-    off = PPOConfig(collapse_kl_max=None, collapse_length_ratio=None, collapse_perplexity_ratio=None, collapse_reward_skew=None)
+    off = PPOConfig(
+        collapse_kl_max=None, collapse_length_ratio=None, collapse_perplexity_ratio=None, collapse_reward_skew=None
+    )
     assert detect_collapse({**healthy, "ppo/kl": 1e9, "ppo/reward/skew": 9.0}, baseline, off) is None
 
 
 def test_resume_after_kill_matches_uninterrupted_run(tiny_dir, tokenizer, tmp_path):
     config = PPOConfig(
-        iterations=5, value_pretrain_iterations=1, rollout_batch_size=2, minibatch_size=2, ppo_epochs=1, max_new_tokens=4,
-        ptx_coef=0.5, ptx_batch_size=1, validate_every=2, validation_prompts=1, collapse_reward_skew=None, checkpoint_every=1,
+        iterations=5,
+        value_pretrain_iterations=1,
+        rollout_batch_size=2,
+        minibatch_size=2,
+        ppo_epochs=1,
+        max_new_tokens=4,
+        ptx_coef=0.5,
+        ptx_batch_size=1,
+        validate_every=2,
+        validation_prompts=1,
+        collapse_reward_skew=None,
+        checkpoint_every=1,
     )
     prompts = [encode_prompt(tokenizer, p, 24) for p in PROMPTS]
     ptx = [[10, 11, 12, 2], [20, 21, 2]]
@@ -122,7 +151,9 @@ def test_resume_after_kill_matches_uninterrupted_run(tiny_dir, tokenizer, tmp_pa
             logged[step] = metrics
 
         models = four_models(tiny_dir)
-        train_ppo(*models, tokenizer, prompts[:5], prompts[5:], ptx, config, log, Checkpointer(str(root)), progress=False)
+        train_ppo(
+            *models, tokenizer, prompts[:5], prompts[5:], ptx, config, log, Checkpointer(str(root)), progress=False
+        )
         return logged
 
     full = run(tmp_path / "full", {})
@@ -137,12 +168,18 @@ def test_resume_after_kill_matches_uninterrupted_run(tiny_dir, tokenizer, tmp_pa
             assert resumed[step][key] == pytest.approx(value, abs=1e-6, nan_ok=True), (step, key)
 
 
-@pytest.mark.parametrize("action, expected_iterations, expected_rollbacks", [("stop", 3, 0), ("rollback", 5, 1), ("warn", 5, 0)])
-def test_collapse_guard_stops_rolls_back_or_warns(tiny_dir, tokenizer, tmp_path, monkeypatch, action, expected_iterations, expected_rollbacks):
+@pytest.mark.parametrize(
+    "action, expected_iterations, expected_rollbacks", [("stop", 3, 0), ("rollback", 5, 1), ("warn", 5, 0)]
+)
+def test_collapse_guard_stops_rolls_back_or_warns(
+    tiny_dir, tokenizer, tmp_path, monkeypatch, action, expected_iterations, expected_rollbacks
+):
     import rlhf.ppo as ppo_module
 
     # iteration 1 is critic pre-training, 2 validates and becomes best, 3 and 5 "collapse"
-    monkeypatch.setattr(ppo_module, "detect_collapse", lambda stats, baseline, config: "planted" if stats["step"] in (3, 5) else None)
+    monkeypatch.setattr(
+        ppo_module, "detect_collapse", lambda stats, baseline, config: "planted" if stats["step"] in (3, 5) else None
+    )
     real_make_experience = ppo_module.make_experience
     counter = {"step": 0}
 
@@ -153,14 +190,37 @@ def test_collapse_guard_stops_rolls_back_or_warns(tiny_dir, tokenizer, tmp_path,
 
     monkeypatch.setattr(ppo_module, "make_experience", make_experience)
     config = PPOConfig(
-        iterations=4, value_pretrain_iterations=1, rollout_batch_size=2, minibatch_size=2, ppo_epochs=1, max_new_tokens=4, policy_lr=1e-2,
-        validate_every=2, validation_prompts=1, on_collapse=action, max_rollbacks=1, checkpoint_every=1,
+        iterations=4,
+        value_pretrain_iterations=1,
+        rollout_batch_size=2,
+        minibatch_size=2,
+        ppo_epochs=1,
+        max_new_tokens=4,
+        policy_lr=1e-2,
+        validate_every=2,
+        validation_prompts=1,
+        on_collapse=action,
+        max_rollbacks=1,
+        checkpoint_every=1,
     )
     prompts = [encode_prompt(tokenizer, p, 24) for p in PROMPTS]
     logged = {}
     policy, reference, reward_model, value_model = four_models(tiny_dir)
     checkpointer = Checkpointer(str(tmp_path))
-    result = train_ppo(policy, reference, reward_model, value_model, tokenizer, prompts[:5], prompts[5:], [], config, lambda m, s: logged.__setitem__(s, m), checkpointer, progress=False)
+    result = train_ppo(
+        policy,
+        reference,
+        reward_model,
+        value_model,
+        tokenizer,
+        prompts[:5],
+        prompts[5:],
+        [],
+        config,
+        lambda m, s: logged.__setitem__(s, m),
+        checkpointer,
+        progress=False,
+    )
     assert max(logged) == expected_iterations
     assert sum(m.get("ppo/rollback", 0.0) for m in logged.values()) == expected_rollbacks
     assert (result.stopped_by is not None) == (action != "warn")

@@ -25,7 +25,9 @@ def test_preference_metrics_by_hand():
 
 def test_accuracy_on_shorter_chosen_pairs_only():
     # chosen shorter in pairs 0 and 2; pair 2 is wrong -> 0.5
-    metrics = preference_metrics(torch.tensor([1.0, 5.0, 0.0]), torch.tensor([0.0, 0.0, 1.0]), torch.tensor([1, 9, 1]), torch.tensor([2, 3, 2]))
+    metrics = preference_metrics(
+        torch.tensor([1.0, 5.0, 0.0]), torch.tensor([0.0, 0.0, 1.0]), torch.tensor([1, 9, 1]), torch.tensor([2, 3, 2])
+    )
     assert metrics["rm/accuracy_chosen_shorter"] == pytest.approx(0.5)
 
 
@@ -50,7 +52,15 @@ def test_centering_makes_mean_demonstration_score_zero(tiny_dir, tokenizer):
     torch.manual_seed(0)
     model = load_scalar_model(tiny_dir)
     torch.nn.init.normal_(model.score.weight, std=1.0)
-    demos = [encode_chat(tokenizer, [{"role": "user", "content": f"question {i}"}], [{"role": "assistant", "content": "answer " * (i + 1)}], 64).input_ids for i in range(7)]
+    demos = [
+        encode_chat(
+            tokenizer,
+            [{"role": "user", "content": f"question {i}"}],
+            [{"role": "assistant", "content": "answer " * (i + 1)}],
+            64,
+        ).input_ids
+        for i in range(7)
+    ]
     before = score_sequences(model, tokenizer, demos, batch_size=3)
     offset = center_rewards(model, tokenizer, demos, batch_size=3)
     after = score_sequences(model, tokenizer, demos, batch_size=3)
@@ -75,14 +85,20 @@ def test_reward_loss_is_bradley_terry_plus_lm_coef_times_imitation_loss(tiny_dir
     from rlhf.reward import RewardConfig, encode_pairs, train_reward_model
 
     examples = [
-        {"prompt": [{"role": "user", "content": f"q{i}"}], "chosen": [{"role": "assistant", "content": f"good {i}"}], "rejected": [{"role": "assistant", "content": f"bad answer {i}"}]}
+        {
+            "prompt": [{"role": "user", "content": f"q{i}"}],
+            "chosen": [{"role": "assistant", "content": f"good {i}"}],
+            "rejected": [{"role": "assistant", "content": f"bad answer {i}"}],
+        }
         for i in range(2)
     ]
     torch.manual_seed(0)
     model = load_scalar_model(tiny_dir)
     torch.nn.init.normal_(model.score.weight, std=1.0)
     logged = {}
-    config = RewardConfig(steps=1, batch_size=2, lr=0.0, warmup_steps=0, scheduler="constant", lm_coef=0.7, margin=0.5, max_length=64)
+    config = RewardConfig(
+        steps=1, batch_size=2, lr=0.0, warmup_steps=0, scheduler="constant", lm_coef=0.7, margin=0.5, max_length=64
+    )
     train_reward_model(model, tokenizer, examples, config, lambda m, s: logged.update(m), progress=False)
     pairs = encode_pairs(tokenizer, examples, 64)
     chosen = score_sequences(model, tokenizer, [c.input_ids for c, _ in pairs], 4)

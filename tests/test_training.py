@@ -1,8 +1,8 @@
 """Checkpoints and the shared supervised loop: atomic writes and exact resume (SFT and reward model)."""
 
 import pytest
-from conftest import Killed
 import torch
+from conftest import Killed
 
 from rlhf.models import load_causal_lm, load_scalar_model
 from rlhf.reward import RewardConfig, train_reward_model
@@ -10,7 +10,11 @@ from rlhf.sft import SFTConfig, train_sft
 from rlhf.training import Checkpointer, minibatch_indices
 
 EXAMPLES = [
-    {"prompt": [{"role": "user", "content": f"question {i}"}], "chosen": [{"role": "assistant", "content": f"good answer {i}"}], "rejected": [{"role": "assistant", "content": f"bad {i}"}]}
+    {
+        "prompt": [{"role": "user", "content": f"question {i}"}],
+        "chosen": [{"role": "assistant", "content": f"good answer {i}"}],
+        "rejected": [{"role": "assistant", "content": f"bad {i}"}],
+    }
     for i in range(6)
 ]
 
@@ -47,9 +51,17 @@ def test_supervised_training_resumes_exactly(tiny_dir, tokenizer, tmp_path, kind
 
         torch.manual_seed(0)
         if kind == "sft":
-            model, config, train = load_causal_lm(tiny_dir), SFTConfig(steps=5, batch_size=2, checkpoint_every=1, lr=1e-3), train_sft
+            model, config, train = (
+                load_causal_lm(tiny_dir),
+                SFTConfig(steps=5, batch_size=2, checkpoint_every=1, lr=1e-3),
+                train_sft,
+            )
         else:
-            model, config, train = load_scalar_model(tiny_dir), RewardConfig(steps=5, batch_size=2, checkpoint_every=1, lr=1e-3), train_reward_model
+            model, config, train = (
+                load_scalar_model(tiny_dir),
+                RewardConfig(steps=5, batch_size=2, checkpoint_every=1, lr=1e-3),
+                train_reward_model,
+            )
         train(model, tokenizer, EXAMPLES, config, log, Checkpointer(str(root)), progress=False)
         return model
 
@@ -60,8 +72,10 @@ def test_supervised_training_resumes_exactly(tiny_dir, tokenizer, tmp_path, kind
     resumed = run(tmp_path / "resumed", resumed_log)
     assert sorted(resumed_log) == sorted(full_log) == [1, 2, 3, 4, 5]
     for step in full_log:
-        assert resumed_log[step]["sft/loss" if kind == "sft" else "rm/loss"] == pytest.approx(full_log[step]["sft/loss" if kind == "sft" else "rm/loss"], abs=1e-6)
-    for (name, a), b in zip(full.state_dict().items(), resumed.state_dict().values()):
+        assert resumed_log[step]["sft/loss" if kind == "sft" else "rm/loss"] == pytest.approx(
+            full_log[step]["sft/loss" if kind == "sft" else "rm/loss"], abs=1e-6
+        )
+    for (name, a), b in zip(full.state_dict().items(), resumed.state_dict().values(), strict=True):
         assert torch.allclose(a, b, atol=1e-6), name
 
 

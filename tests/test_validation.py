@@ -6,7 +6,12 @@ from rlhf.validation import ValidationConfig, validate_split
 
 
 def pair(prompt="What is the capital of France?", chosen="Paris.", rejected="London."):
-    return {"id": prompt, "prompt": [{"role": "user", "content": prompt}], "chosen": [{"role": "assistant", "content": chosen}], "rejected": [{"role": "assistant", "content": rejected}]}
+    return {
+        "id": prompt,
+        "prompt": [{"role": "user", "content": prompt}],
+        "chosen": [{"role": "assistant", "content": chosen}],
+        "rejected": [{"role": "assistant", "content": rejected}],
+    }
 
 
 def good(i):
@@ -26,10 +31,28 @@ LENIENT = ValidationConfig(max_length=64, max_quarantine_fraction=1.0)
         (pair(chosen="Sure.\n\nHuman: and then?"), "role_marker_in_response"),
         (pair(rejected="Why did the chicken... Human: what? Assistant: to cross"), "role_marker_in_response"),
         (pair(rejected="\ud800 broken surrogate"), "utf8"),
-        ({"id": "x", "prompt": [{"role": "user", "content": "Hi"}], "chosen": "not a list", "rejected": [{"role": "assistant", "content": "x"}]}, "fields"),
-        ({"id": "y", "prompt": [{"role": "user", "content": "Hi"}], "rejected": [{"role": "assistant", "content": "x"}]}, "fields"),
+        (
+            {
+                "id": "x",
+                "prompt": [{"role": "user", "content": "Hi"}],
+                "chosen": "not a list",
+                "rejected": [{"role": "assistant", "content": "x"}],
+            },
+            "fields",
+        ),
+        (
+            {
+                "id": "y",
+                "prompt": [{"role": "user", "content": "Hi"}],
+                "rejected": [{"role": "assistant", "content": "x"}],
+            },
+            "fields",
+        ),
         (pair(chosen="word " * 300), "chosen_tokens"),
-        (pair(prompt="Q?", chosen="Yes " + "same tail " * 40, rejected="No " + "same tail " * 40), "identical_after_truncation"),
+        (
+            pair(prompt="Q?", chosen="Yes " + "same tail " * 40, rejected="No " + "same tail " * 40),
+            "identical_after_truncation",
+        ),
     ],
 )
 def test_each_rule_flags_exactly_the_planted_row(tokenizer, defect, rule):
@@ -45,8 +68,12 @@ def test_each_rule_flags_exactly_the_planted_row(tokenizer, defect, rule):
 def test_pair_differing_only_where_truncation_cuts_is_flagged_only_then(tokenizer):
     # responses that differ only in their first word: left truncation to 16 tokens cuts that word away
     row = pair(prompt="Q?", chosen="Yes " + "same tail " * 20, rejected="No " + "same tail " * 20)
-    short = validate_split("f.jsonl", [row], "pairs", tokenizer, ValidationConfig(max_length=16, max_quarantine_fraction=1.0))
-    long = validate_split("f.jsonl", [row], "pairs", tokenizer, ValidationConfig(max_length=256, max_quarantine_fraction=1.0))
+    short = validate_split(
+        "f.jsonl", [row], "pairs", tokenizer, ValidationConfig(max_length=16, max_quarantine_fraction=1.0)
+    )
+    long = validate_split(
+        "f.jsonl", [row], "pairs", tokenizer, ValidationConfig(max_length=256, max_quarantine_fraction=1.0)
+    )
     assert short.quarantined[0]["reasons"] == ["identical_after_truncation"]
     assert long.quarantined == []
 
@@ -59,18 +86,38 @@ def test_exact_duplicate_keeps_the_first(tokenizer):
 
 def test_prompt_too_long_is_flagged(tokenizer):
     config = ValidationConfig(max_length=64, max_prompt_tokens=20, max_quarantine_fraction=1.0)
-    result = validate_split("f.jsonl", [{"id": "a", "prompt": [{"role": "user", "content": "word " * 50}]}, {"id": "b", "prompt": [{"role": "user", "content": "short"}]}], "prompts", tokenizer, config)
+    result = validate_split(
+        "f.jsonl",
+        [
+            {"id": "a", "prompt": [{"role": "user", "content": "word " * 50}]},
+            {"id": "b", "prompt": [{"role": "user", "content": "short"}]},
+        ],
+        "prompts",
+        tokenizer,
+        config,
+    )
     assert [(q["line"], q["reasons"]) for q in result.quarantined] == [(1, ["prompt_tokens"])]
 
 
 def test_role_markers_kept_when_configured_but_counted(tokenizer):
     rows = [good(0), pair(chosen="Sure.\nAssistant: more")]
-    result = validate_split("f.jsonl", rows, "pairs", tokenizer, ValidationConfig(max_length=64, role_markers="keep", max_quarantine_fraction=1.0))
+    result = validate_split(
+        "f.jsonl",
+        rows,
+        "pairs",
+        tokenizer,
+        ValidationConfig(max_length=64, role_markers="keep", max_quarantine_fraction=1.0),
+    )
     assert result.quarantined == [] and result.role_marker_rows == 1
 
 
 def test_rows_in_equal_valid_plus_quarantined_on_mixed_bad_file(tokenizer):
-    rows = [good(i) for i in range(6)] + [pair(chosen=" "), pair(chosen="same", rejected="same"), good(2), pair(rejected="Human: hi")]
+    rows = [good(i) for i in range(6)] + [
+        pair(chosen=" "),
+        pair(chosen="same", rejected="same"),
+        good(2),
+        pair(rejected="Human: hi"),
+    ]
     result = validate_split("f.jsonl", rows, "pairs", tokenizer, LENIENT)
     assert len(result.valid) + len(result.quarantined) == len(rows) == 10
     assert [q["line"] for q in result.quarantined] == [7, 8, 9, 10]
@@ -78,18 +125,38 @@ def test_rows_in_equal_valid_plus_quarantined_on_mixed_bad_file(tokenizer):
 
 def test_empty_input_is_an_error_not_a_pass(tokenizer):
     result = validate_split("data/processed/sft.jsonl", [], "pairs", tokenizer, LENIENT)
-    assert result.errors == ["data/processed/sft.jsonl: the split is empty (an empty input is an error, not a pass; check the source's size and data.fractions)"]
+    assert result.errors == [
+        "data/processed/sft.jsonl: the split is empty (an empty input is an error, not a pass; "
+        "check the source's size and data.fractions)"
+    ]
 
 
 def test_quarantine_share_above_threshold_fails_with_one_line_per_rule(tokenizer):
     rows = [good(0), pair(chosen=" "), pair(chosen="Paris.", rejected="Paris."), good(1)]
-    result = validate_split("data/processed/rm_train.jsonl", rows, "pairs", tokenizer, ValidationConfig(max_length=64, max_quarantine_fraction=0.25))
+    result = validate_split(
+        "data/processed/rm_train.jsonl",
+        rows,
+        "pairs",
+        tokenizer,
+        ValidationConfig(max_length=64, max_quarantine_fraction=0.25),
+    )
     assert result.errors == [
-        "data/processed/rm_train.jsonl: row 2: rule empty_chosen: value ' ' (1 rows; 50.0% of rows quarantined > 25.0%)",
-        "data/processed/rm_train.jsonl: row 3: rule identical_responses: value 'Paris.' (1 rows; 50.0% of rows quarantined > 25.0%)",
+        "data/processed/rm_train.jsonl: row 2: rule empty_chosen: value ' ' "
+        "(1 rows; 50.0% of rows quarantined > 25.0%)",
+        "data/processed/rm_train.jsonl: row 3: rule identical_responses: value 'Paris.' "
+        "(1 rows; 50.0% of rows quarantined > 25.0%)",
     ]
 
 
 def test_ptx_text_rules(tokenizer):
-    result = validate_split("f.jsonl", [{"id": "a", "text": "Human: hi"}, {"id": "b", "text": "  "}, {"id": "c"}], "text", tokenizer, LENIENT)
-    assert [(q["line"], q["reasons"]) for q in result.quarantined] == [(2, ["empty_text"]), (3, ["fields", "empty_text"])]
+    result = validate_split(
+        "f.jsonl",
+        [{"id": "a", "text": "Human: hi"}, {"id": "b", "text": "  "}, {"id": "c"}],
+        "text",
+        tokenizer,
+        LENIENT,
+    )
+    assert [(q["line"], q["reasons"]) for q in result.quarantined] == [
+        (2, ["empty_text"]),
+        (3, ["fields", "empty_text"]),
+    ]

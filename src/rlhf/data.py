@@ -79,7 +79,10 @@ def parse_hh_dialogue(text: str) -> list[Message]:
     parts = _HH_TURN.split(text)
     if parts[0].strip() or len(parts) < 3:
         raise RowError("dialogue does not start with '\\n\\nHuman:'")
-    messages = [{"role": _HH_ROLES[role], "content": content.strip()} for role, content in zip(parts[1::2], parts[2::2])]
+    messages = [
+        {"role": _HH_ROLES[role], "content": content.strip()}
+        for role, content in zip(parts[1::2], parts[2::2], strict=True)
+    ]
     if messages[0]["role"] != "user":
         raise RowError("dialogue does not start with a Human turn")
     return messages
@@ -122,9 +125,15 @@ def split_pair(chosen: list[Message], rejected: list[Message]) -> tuple[list[Mes
 def _messages(value: Any, field: str, conversation: bool = False) -> list[Message]:
     if isinstance(value, str) and not conversation:
         return [{"role": "user" if field == "prompt" else "assistant", "content": value}]
-    if isinstance(value, list) and all(isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role") in ("system", "user", "assistant") for m in value):
+    if isinstance(value, list) and all(
+        isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role") in ("system", "user", "assistant")
+        for m in value
+    ):
         return [{"role": m["role"], "content": m["content"]} for m in value]
-    raise RowError(f"field '{field}' is not {'a list' if conversation else 'a string or a list'} of {{role, content}} messages with string content")
+    raise RowError(
+        f"field '{field}' is not {'a list' if conversation else 'a string or a list'} "
+        "of {role, content} messages with string content"
+    )
 
 
 FORMATS = ("auto", "hh", "pairs", "conversational", "ranking")
@@ -168,7 +177,11 @@ def expand_ranking(responses: list[Any], ranks: list[Any] | None) -> list[tuple[
     if not isinstance(responses, list) or len(responses) < 2:
         raise RowError("field 'responses' must be a list of at least 2 responses")
     ranks = list(range(len(responses))) if ranks is None else ranks
-    if not isinstance(ranks, list) or len(ranks) != len(responses) or not all(isinstance(r, (int, float)) and not isinstance(r, bool) for r in ranks):
+    if (
+        not isinstance(ranks, list)
+        or len(ranks) != len(responses)
+        or not all(isinstance(r, (int, float)) and not isinstance(r, bool) for r in ranks)
+    ):
         raise RowError(f"field 'ranks' must be a list of {len(responses)} numbers")
     pairs = []
     for i in range(len(responses)):
@@ -183,7 +196,9 @@ def _pair_from_prompt(prompt_value: Any, chosen_value: Any, rejected_value: Any)
     prompt = _messages(prompt_value, "prompt")
     if not prompt or prompt[-1]["role"] != "user":
         raise RowError("prompt does not end with a user turn")
-    prompt, chosen, rejected = split_pair(prompt + _messages(chosen_value, "chosen"), prompt + _messages(rejected_value, "rejected"))
+    prompt, chosen, rejected = split_pair(
+        prompt + _messages(chosen_value, "chosen"), prompt + _messages(rejected_value, "rejected")
+    )
     return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
 
 
@@ -213,7 +228,10 @@ def to_examples(row: Any, fmt: str = "auto", mapping: dict[str, str] | None = No
             prompt, chosen, rejected = split_pair(parse_hh_dialogue(row["chosen"]), parse_hh_dialogue(row["rejected"]))
             return [{"prompt": prompt, "chosen": chosen, "rejected": rejected}]
         if fmt == "conversational":
-            prompt, chosen, rejected = split_pair(_messages(row["chosen"], "chosen", conversation=True), _messages(row["rejected"], "rejected", conversation=True))
+            prompt, chosen, rejected = split_pair(
+                _messages(row["chosen"], "chosen", conversation=True),
+                _messages(row["rejected"], "rejected", conversation=True),
+            )
             return [{"prompt": prompt, "chosen": chosen, "rejected": rejected}]
         if fmt == "pairs":
             return [_pair_from_prompt(row["prompt"], row["chosen"], row["rejected"])]
@@ -307,7 +325,14 @@ def prepare_rows(sources: list[Source], fractions: dict[str, float]) -> Prepared
         try:
             examples = to_examples(row, source.format, source.mapping)
         except RowError as err:
-            quarantine.append({"source": source.path, "line": line, "reason": str(err), "row": None if isinstance(row, RowError) else row})
+            quarantine.append(
+                {
+                    "source": source.path,
+                    "line": line,
+                    "reason": str(err),
+                    "row": None if isinstance(row, RowError) else row,
+                }
+            )
             continue
         for number, example in enumerate(examples):
             key = prompt_key(example["prompt"])
@@ -346,4 +371,3 @@ def load_jsonl(path: str) -> list[dict[str, Any]]:
                 except json.JSONDecodeError as err:
                     raise ValueError(f"{path}:{number}: invalid JSON: {err.msg}") from err
     return rows
-

@@ -37,12 +37,26 @@ def win_rate(policy_scores: torch.Tensor, baseline_scores: torch.Tensor) -> floa
 
 
 @torch.no_grad()
-def _generate_and_score(model, reference, reward_model, tokenizer, prompts: list[list[int]], config: EvalConfig) -> dict[str, Any]:
+def _generate_and_score(
+    model, reference, reward_model, tokenizer, prompts: list[list[int]], config: EvalConfig
+) -> dict[str, Any]:
     torch.manual_seed(config.seed)
     scores, kls, lengths, texts = [], [], [], []
     for start in range(0, len(prompts), config.batch_size):
-        rollout = sample(model, tokenizer, prompts[start : start + config.batch_size], config.max_new_tokens, config.temperature, greedy=config.greedy)
-        ids, attn, begin, mask = rollout.input_ids, rollout.attention_mask, rollout.response_start, rollout.response_mask
+        rollout = sample(
+            model,
+            tokenizer,
+            prompts[start : start + config.batch_size],
+            config.max_new_tokens,
+            config.temperature,
+            greedy=config.greedy,
+        )
+        ids, attn, begin, mask = (
+            rollout.input_ids,
+            rollout.attention_mask,
+            rollout.response_start,
+            rollout.response_mask,
+        )
         scores.append(sequence_scores(reward_model, ids, attn))
         temperature = 1.0 if config.greedy else config.temperature
         logprobs, _ = response_logprobs(model, ids, attn, begin, temperature)

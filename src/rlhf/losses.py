@@ -142,7 +142,9 @@ def token_rewards(logratio: torch.Tensor, scores: torch.Tensor, mask: torch.Tens
     return rewards
 
 
-def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation and returns.
 
     ``delta_t = r_t + gamma V(s_{t+1}) - V(s_t)``, ``A_t = sum_l (gamma lam)^l delta_{t+l}``,
@@ -265,7 +267,9 @@ def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Te
     return torch.gather(F.log_softmax(logits.float(), dim=-1), 2, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-def next_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, token_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def next_token_logprobs(
+    logits: torch.Tensor, input_ids: torch.Tensor, token_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Shift a causal LM's outputs so position ``t`` of the result scores token ``t + 1``.
 
     Args:
@@ -317,7 +321,9 @@ def ppo_ptx_loss(policy_loss: torch.Tensor, ptx_lm_loss: torch.Tensor, ptx_coef:
     return policy_loss + ptx_coef * ptx_lm_loss
 
 
-def normalize_and_clip(scores: torch.Tensor, mean: float, std: float, clip: float | None, eps: float = 1e-8) -> torch.Tensor:
+def normalize_and_clip(
+    scores: torch.Tensor, mean: float, std: float, clip: float | None, eps: float = 1e-8
+) -> torch.Tensor:
     """Reward normalisation and clipping: ``clip((r - mean) / std, -delta, delta)``.
 
     Source: paper Eq. 18 (section 5.3.1), with the running (historical) mean
@@ -353,7 +359,9 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
 
 
 def adaptive_kl_coef(kl_coef: float, kl: float, target: float, horizon: int, steps: int) -> float:
-    """Adaptive KL controller of Ziegler et al. (2019): ``beta *= 1 + clip(KL / target - 1, -0.2, 0.2) * steps / horizon``.
+    """Adaptive KL controller of Ziegler et al. (2019).
+
+    ``beta *= 1 + clip(KL / target - 1, -0.2, 0.2) * steps / horizon``.
 
     Args:
         kl_coef: current beta.

@@ -29,7 +29,9 @@ from rlhf.losses import last_token_index, logprobs_from_logits
 PAD_TOKEN = "<|endoftext|>"
 """A pad token distinct from EOS (``<|im_end|>``), so a mask never hides a real end token."""
 
-_DEFAULT_SYSTEM_BLOCK = re.compile(r"\{%-?\s*if loop\.first and messages\[0\]\['role'\] != 'system'\s*-?%\}.*?\{%-?\s*endif\s*-?%\}", re.S)
+_DEFAULT_SYSTEM_BLOCK = re.compile(
+    r"\{%-?\s*if loop\.first and messages\[0\]\['role'\] != 'system'\s*-?%\}.*?\{%-?\s*endif\s*-?%\}", re.S
+)
 
 
 def resolve_model_source(source: str) -> tuple[str, str | None]:
@@ -83,7 +85,9 @@ def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizer
     return tokenizer
 
 
-def load_base_model(source: str, random_init: dict[str, Any] | None = None, seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def load_base_model(
+    source: str, random_init: dict[str, Any] | None = None, seed: int = 0
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load the base causal LM and its tokenizer, ready to save as safetensors.
 
     A GGUF source is dequantised to float32 and its quantization config removed
@@ -103,20 +107,31 @@ def load_base_model(source: str, random_init: dict[str, Any] | None = None, seed
     tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(path, gguf_file=gguf_file, trust_remote_code=False))
     if random_init is not None:
         torch.manual_seed(seed)
-        config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, **random_init)
+        config = LlamaConfig(
+            vocab_size=len(tokenizer),
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            **random_init,
+        )
         model: PreTrainedModel = LlamaForCausalLM(config)
     else:
-        model = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf_file, dtype=torch.float32, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, gguf_file=gguf_file, dtype=torch.float32, trust_remote_code=False
+        )
         if getattr(model, "hf_quantizer", None) is not None:
             model.hf_quantizer.remove_quantization_config(model)
     model.config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
     return model, tokenizer
 
 
 def load_causal_lm(path: str) -> PreTrainedModel:
     """Load a causal LM saved by this project (safetensors only, no remote code), dropout off."""
-    return disable_dropout(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, use_safetensors=True, trust_remote_code=False))
+    return disable_dropout(
+        AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, use_safetensors=True, trust_remote_code=False)
+    )
 
 
 def load_scalar_model(path: str) -> PreTrainedModel:
@@ -125,7 +140,9 @@ def load_scalar_model(path: str) -> PreTrainedModel:
     From a causal-LM folder the head is new (initialised by transformers); from
     a reward-model folder it is the trained head.
     """
-    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32, use_safetensors=True, trust_remote_code=False)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        path, num_labels=1, dtype=torch.float32, use_safetensors=True, trust_remote_code=False
+    )
     return disable_dropout(model)
 
 
@@ -149,7 +166,7 @@ def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
     attention reads ``attention_dropout`` from the module, not a Dropout layer).
     """
     config = getattr(model, "config", None)
-    for key, value in (config.to_dict().items() if config is not None else []):
+    for key, value in config.to_dict().items() if config is not None else []:
         if key.endswith("dropout") and isinstance(value, float):
             setattr(config, key, 0.0)
     for module in model.modules():
@@ -188,7 +205,9 @@ def token_scores(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask
     Returns:
         ``(B, T)`` float32.
     """
-    hidden = _backbone(model)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)).last_hidden_state
+    hidden = _backbone(model)(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)
+    ).last_hidden_state
     return model.score(hidden).squeeze(-1).float()
 
 
@@ -213,7 +232,12 @@ def sequence_scores(model: PreTrainedModel, input_ids: torch.Tensor, attention_m
 
 
 def response_logprobs(
-    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_start: int, temperature: float = 1.0, with_logits: bool = False
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_start: int,
+    temperature: float = 1.0,
+    with_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs of the response tokens ``input_ids[:, response_start:]`` under a causal LM.
 
@@ -232,7 +256,9 @@ def response_logprobs(
     Returns:
         ``(logprobs (B, T - response_start) float32, logits (B, T - response_start, V) or None)``.
     """
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)).logits
+    logits = model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)
+    ).logits
     logits = logits[:, response_start - 1 : -1].float() / temperature
     logprobs = logprobs_from_logits(logits, input_ids[:, response_start:])
     return logprobs, (logits if with_logits else None)
@@ -246,7 +272,9 @@ class Encoded:
     response_mask: list[bool]
 
 
-def encode_chat(tokenizer: PreTrainedTokenizerBase, prompt: list[dict], response: list[dict], max_length: int) -> Encoded:
+def encode_chat(
+    tokenizer: PreTrainedTokenizerBase, prompt: list[dict], response: list[dict], max_length: int
+) -> Encoded:
     """Tokenise prompt + response with the chat template; mark the assistant tokens of the response.
 
     Each assistant message of the response is marked from the end of its
@@ -297,13 +325,18 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: list[dict], max_le
 
 def pad(tokenizer: PreTrainedTokenizerBase, sequences: list[list[int]], side: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Pad token lists into ``(input_ids, attention_mask)``, both ``(B, T)`` int64, on ``side`` ("left"/"right")."""
-    batch = tokenizer.pad({"input_ids": sequences}, padding=True, padding_side=side, return_attention_mask=True, return_tensors="pt")
+    batch = tokenizer.pad(
+        {"input_ids": sequences}, padding=True, padding_side=side, return_attention_mask=True, return_tensors="pt"
+    )
     return batch["input_ids"], batch["attention_mask"]
 
 
 def pad_masks(masks: list[list[bool]], length: int, side: str) -> torch.Tensor:
     """Pad boolean lists with False to ``length`` on ``side``; returns ``(B, length)`` bool."""
-    rows = [([False] * (length - len(m)) + list(m)) if side == "left" else (list(m) + [False] * (length - len(m))) for m in masks]
+    rows = [
+        ([False] * (length - len(m)) + list(m)) if side == "left" else (list(m) + [False] * (length - len(m)))
+        for m in masks
+    ]
     return torch.tensor(rows, dtype=torch.bool)
 
 

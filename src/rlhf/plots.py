@@ -46,7 +46,9 @@ def signal_figures(histories: dict[str, dict[int, dict[str, float]]]) -> dict[st
 
 
 def reward_histograms(samples: dict[str, dict[int, list[float]]]) -> Figure:
-    """Reward-score histograms at the logged iterations, one column per run (paper appendix A: a long tail means collapse).
+    """Reward-score histograms at the logged iterations, one column per run.
+
+    Paper appendix A: a long tail means collapse.
 
     Args:
         samples: run name -> {iteration -> raw reward scores of that iteration's rollouts}.

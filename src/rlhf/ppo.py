@@ -20,7 +20,15 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf import losses
 from rlhf.models import pad, position_ids_from_mask, response_logprobs, sample, sequence_scores, token_scores
-from rlhf.training import Checkpointer, LogFn, clip_gradients, freeze_lower_layers, make_optimizer, make_scheduler, minibatch_indices
+from rlhf.training import (
+    Checkpointer,
+    LogFn,
+    clip_gradients,
+    freeze_lower_layers,
+    make_optimizer,
+    make_scheduler,
+    minibatch_indices,
+)
 
 
 @dataclass
@@ -159,7 +167,9 @@ class Experience:
     raw_scores: torch.Tensor  # (B,) float32
 
 
-def _value_predictions(value_model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_start: int) -> torch.Tensor:
+def _value_predictions(
+    value_model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_start: int
+) -> torch.Tensor:
     """``V(s_t)`` for each response token: the value head at the position that predicts token ``t``; ``(B, R)``."""
     return token_scores(value_model, input_ids, attention_mask)[:, response_start - 1 : -1]
 
@@ -296,7 +306,9 @@ def ppo_update(
             ids, attn, mask = experience.input_ids[idx], experience.attention_mask[idx], experience.mask[idx]
             stats: dict[str, float] = {}
             if update_policy:
-                stats.update(_policy_step(policy, optimisers, experience, idx, ids, attn, mask, config, next(ptx_iter, None)))
+                stats.update(
+                    _policy_step(policy, optimisers, experience, idx, ids, attn, mask, config, next(ptx_iter, None))
+                )
             stats.update(_value_step(value_model, optimisers, experience, idx, ids, attn, mask, config))
             for key, value in stats.items():
                 totals[key] = totals.get(key, 0.0) + value
@@ -313,15 +325,24 @@ def _policy_step(policy, optimisers, experience, idx, ids, attn, mask, config, p
         advantages = losses.masked_whiten(advantages, mask)
     if config.advantage_clip is not None:
         advantages = advantages.clamp(-config.advantage_clip, config.advantage_clip)
-    logprobs, logits = response_logprobs(policy, ids, attn, experience.response_start, config.temperature, with_logits=config.entropy_coef > 0)
+    logprobs, logits = response_logprobs(
+        policy, ids, attn, experience.response_start, config.temperature, with_logits=config.entropy_coef > 0
+    )
     loss, clip_stats = losses.ppo_clip_loss(logprobs, experience.logprobs[idx], advantages, mask, config.clip)
-    stats = {"ppo/loss/policy": loss.item(), "ppo/policy/clipfrac": float(clip_stats["clipfrac"]), "ppo/policy/approx_kl": float(clip_stats["approx_kl"]), "ppo/policy/ratio": float(clip_stats["ratio"])}
+    stats = {
+        "ppo/loss/policy": loss.item(),
+        "ppo/policy/clipfrac": float(clip_stats["clipfrac"]),
+        "ppo/policy/approx_kl": float(clip_stats["approx_kl"]),
+        "ppo/policy/ratio": float(clip_stats["ratio"]),
+    }
     if config.entropy_coef > 0:
         entropy = losses.masked_mean(losses.entropy_from_logits(logits), mask)
         loss = loss - config.entropy_coef * entropy
     if config.ptx_coef > 0 and ptx_batch is not None:
         ptx_ids, ptx_attn = ptx_batch
-        ptx_logits = policy(input_ids=ptx_ids, attention_mask=ptx_attn, position_ids=position_ids_from_mask(ptx_attn)).logits
+        ptx_logits = policy(
+            input_ids=ptx_ids, attention_mask=ptx_attn, position_ids=position_ids_from_mask(ptx_attn)
+        ).logits
         ptx_loss = losses.language_model_loss(ptx_logits, ptx_ids, ptx_attn.bool())
         loss = losses.ppo_ptx_loss(loss, ptx_loss, config.ptx_coef)
         stats["ppo/loss/ptx"] = ptx_loss.item()
@@ -334,12 +355,18 @@ def _policy_step(policy, optimisers, experience, idx, ids, attn, mask, config, p
 
 def _value_step(value_model, optimisers, experience, idx, ids, attn, mask, config) -> dict[str, float]:
     values = _value_predictions(value_model, ids, attn, experience.response_start)
-    loss, value_stats = losses.clipped_value_loss(values, experience.values[idx], experience.returns[idx], mask, config.value_clip)
+    loss, value_stats = losses.clipped_value_loss(
+        values, experience.values[idx], experience.returns[idx], mask, config.value_clip
+    )
     optimisers.value.zero_grad(set_to_none=True)
     loss.backward()
     grad_norm = clip_gradients(value_model, config.max_grad_norm)
     optimisers.value.step()
-    return {"ppo/loss/value": loss.item(), "ppo/value/clipfrac": float(value_stats["clipfrac"]), "ppo/value/grad_norm": grad_norm}
+    return {
+        "ppo/loss/value": loss.item(),
+        "ppo/value/clipfrac": float(value_stats["clipfrac"]),
+        "ppo/value/grad_norm": grad_norm,
+    }
 
 
 def detect_collapse(stats: dict[str, float], baseline: dict[str, float], config: PPOConfig) -> str | None:
@@ -355,7 +382,10 @@ def detect_collapse(stats: dict[str, float], baseline: dict[str, float], config:
     """
     if config.collapse_kl_max is not None and stats["ppo/kl"] > config.collapse_kl_max:
         return f"KL {stats['ppo/kl']:.2f} > {config.collapse_kl_max}"
-    for key, ratio in (("ppo/response_length", config.collapse_length_ratio), ("ppo/perplexity", config.collapse_perplexity_ratio)):
+    for key, ratio in (
+        ("ppo/response_length", config.collapse_length_ratio),
+        ("ppo/perplexity", config.collapse_perplexity_ratio),
+    ):
         if ratio is not None and baseline.get(key, 0) > 0:
             change = stats[key] / baseline[key]
             if change > ratio or change < 1 / ratio:
@@ -366,23 +396,41 @@ def detect_collapse(stats: dict[str, float], baseline: dict[str, float], config:
 
 
 @torch.no_grad()
-def validation_reward(policy: PreTrainedModel, reward_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]], config: PPOConfig) -> float:
+def validation_reward(
+    policy: PreTrainedModel,
+    reward_model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[list[int]],
+    config: PPOConfig,
+) -> float:
     """Mean reward-model score of greedy responses on held-out prompts: the measure the best checkpoint is kept by."""
     rollout = sample(policy, tokenizer, prompts, config.max_new_tokens, config.temperature, greedy=True)
     return float(sequence_scores(reward_model, rollout.input_ids, rollout.attention_mask).mean())
 
 
-def _ptx_batches(tokenizer, ptx_texts: list[list[int]], config: PPOConfig, iteration: int) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+def _ptx_batches(
+    tokenizer, ptx_texts: list[list[int]], config: PPOConfig, iteration: int
+) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
     """The ptx minibatches of one iteration, one per policy step, in an order fixed by the iteration."""
     if config.ptx_coef <= 0 or not ptx_texts:
         return None
     steps = config.ppo_epochs * -(-config.rollout_batch_size // config.minibatch_size)
-    return [pad(tokenizer, [ptx_texts[i] for i in minibatch_indices(iteration * steps + s, len(ptx_texts), config.ptx_batch_size, config.seed)], "right") for s in range(steps)]
+    return [
+        pad(
+            tokenizer,
+            [
+                ptx_texts[i]
+                for i in minibatch_indices(iteration * steps + s, len(ptx_texts), config.ptx_batch_size, config.seed)
+            ],
+            "right",
+        )
+        for s in range(steps)
+    ]
 
 
 @dataclass
 class PPOResult:
-    """What :func:`train_ppo` leaves: the summary, the per-iteration metrics, the reward samples for histograms, why it stopped."""
+    """What :func:`train_ppo` leaves: summary, per-iteration metrics, reward samples, why it stopped."""
 
     summary: dict[str, float]
     history: dict[int, dict[str, float]]
@@ -391,20 +439,34 @@ class PPOResult:
     best_iteration: int
 
 
-def _save(checkpointer: Checkpointer, step: int, policy, value_model, opt: Optimisers, moments: RunningMoments, state: dict[str, Any]) -> None:
+def _save(
+    checkpointer: Checkpointer,
+    step: int,
+    policy,
+    value_model,
+    opt: Optimisers,
+    moments: RunningMoments,
+    state: dict[str, Any],
+) -> None:
     """Checkpoint everything a resumed run needs to continue exactly."""
     checkpointer.save(
         step,
         {"policy": policy, "value": value_model},
         {
-            "policy_optimizer": opt.policy.state_dict(), "value_optimizer": opt.value.state_dict(),
-            "policy_schedule": opt.policy_schedule.state_dict(), "value_schedule": opt.value_schedule.state_dict(),
-            "moments": moments.state_dict(), "rng": torch.get_rng_state(), "trainer": state,
+            "policy_optimizer": opt.policy.state_dict(),
+            "value_optimizer": opt.value.state_dict(),
+            "policy_schedule": opt.policy_schedule.state_dict(),
+            "value_schedule": opt.value_schedule.state_dict(),
+            "moments": moments.state_dict(),
+            "rng": torch.get_rng_state(),
+            "trainer": state,
         },
     )
 
 
-def _restore(checkpointer: Checkpointer, path: str, policy, value_model, opt: Optimisers, moments: RunningMoments) -> dict[str, Any]:
+def _restore(
+    checkpointer: Checkpointer, path: str, policy, value_model, opt: Optimisers, moments: RunningMoments
+) -> dict[str, Any]:
     """Load what :func:`_save` wrote; returns the trainer state."""
     saved = checkpointer.load_state(path)
     checkpointer.load_model_weights(path, "policy", policy)
@@ -418,7 +480,9 @@ def _restore(checkpointer: Checkpointer, path: str, policy, value_model, opt: Op
     return saved["trainer"]
 
 
-def _on_collapse(line: str, config: PPOConfig, state: dict[str, Any], policy, opt: Optimisers, best_dir: str, say) -> float:
+def _on_collapse(
+    line: str, config: PPOConfig, state: dict[str, Any], policy, opt: Optimisers, best_dir: str, say
+) -> float:
     """Act on a detected collapse as ``on_collapse`` says; returns 1.0 when the policy was rolled back."""
     say(line)
     best = Checkpointer(best_dir).latest()
@@ -426,7 +490,10 @@ def _on_collapse(line: str, config: PPOConfig, state: dict[str, Any], policy, op
         Checkpointer(best_dir).load_model_weights(best, "policy", policy)
         opt.policy.state.clear()  # the optimiser moments of the collapsed trajectory go too
         state["rollbacks"] += 1
-        say(f"rolled the policy back to iteration {state['best_iteration']} ({state['rollbacks']}/{config.max_rollbacks})")
+        say(
+            f"rolled the policy back to iteration {state['best_iteration']} "
+            f"({state['rollbacks']}/{config.max_rollbacks})"
+        )
         return 1.0
     if config.on_collapse != "warn":
         state["stopped_by"] = line
@@ -487,26 +554,44 @@ def train_ppo(
         freeze_lower_layers(model, config.trainable_layers)
     total = config.value_pretrain_iterations + config.iterations
     policy_updates = max(config.iterations, 1)
-    policy_optimizer, value_optimizer = make_optimizer(policy, config.policy_lr), make_optimizer(value_model, config.value_lr)
+    policy_optimizer, value_optimizer = (
+        make_optimizer(policy, config.policy_lr),
+        make_optimizer(value_model, config.value_lr),
+    )
     opt = Optimisers(
-        policy_optimizer, value_optimizer,
+        policy_optimizer,
+        value_optimizer,
         make_scheduler(policy_optimizer, config.scheduler, config.warmup_steps, policy_updates),
         make_scheduler(value_optimizer, config.scheduler, config.warmup_steps, total),
     )
     moments = RunningMoments()
-    state: dict[str, Any] = {"iteration": 0, "kl_coef": config.kl_coef, "baseline": {}, "best_reward": -math.inf, "best_iteration": 0, "reward_samples": {}, "stopped_by": None, "history": {}, "rollbacks": 0}
+    state: dict[str, Any] = {
+        "iteration": 0,
+        "kl_coef": config.kl_coef,
+        "baseline": {},
+        "best_reward": -math.inf,
+        "best_iteration": 0,
+        "reward_samples": {},
+        "stopped_by": None,
+        "history": {},
+        "rollbacks": 0,
+    }
     torch.manual_seed(config.seed)
     resume = checkpointer.latest()
     if resume:
         state = _restore(checkpointer, resume, policy, value_model, opt, moments)
     best_dir = os.path.join(checkpointer.root, "best")
-    bar = tqdm(range(state["iteration"], total), desc="ppo", initial=state["iteration"], total=total, disable=not progress)
+    bar = tqdm(
+        range(state["iteration"], total), desc="ppo", initial=state["iteration"], total=total, disable=not progress
+    )
     for iteration in bar:
         if state["stopped_by"]:
             break
         step = iteration + 1
         batch = [prompts[i] for i in minibatch_indices(iteration, len(prompts), config.rollout_batch_size, config.seed)]
-        experience, stats = make_experience(policy, reference, reward_model, value_model, tokenizer, batch, config, moments, state["kl_coef"])
+        experience, stats = make_experience(
+            policy, reference, reward_model, value_model, tokenizer, batch, config, moments, state["kl_coef"]
+        )
         update_policy = iteration >= config.value_pretrain_iterations
         generator = torch.Generator().manual_seed(config.seed * 100003 + iteration)
         ptx = _ptx_batches(tokenizer, ptx_texts, config, iteration) if update_policy else None
@@ -515,20 +600,32 @@ def train_ppo(
         stats["ppo/value/lr"] = opt.value_schedule.get_last_lr()[0]
         stats["ppo/phase_value_pretrain"] = float(not update_policy)
         if config.adaptive_kl and update_policy:
-            state["kl_coef"] = losses.adaptive_kl_coef(state["kl_coef"], stats["ppo/kl"], config.kl_target, config.kl_horizon, len(batch))
+            state["kl_coef"] = losses.adaptive_kl_coef(
+                state["kl_coef"], stats["ppo/kl"], config.kl_target, config.kl_horizon, len(batch)
+            )
         if config.histogram_every and (step % config.histogram_every == 0 or step == 1):
             state["reward_samples"][step] = experience.raw_scores.tolist()
         if not state["baseline"]:
             state["baseline"] = {k: stats[k] for k in ("ppo/response_length", "ppo/perplexity")}
         reason = detect_collapse(stats, state["baseline"], config) if update_policy else None
         stats["ppo/collapse"] = float(reason is not None)
-        if update_policy and config.validate_every and validation and (step % config.validate_every == 0 or step == total) and reason is None:
+        if (
+            update_policy
+            and config.validate_every
+            and validation
+            and (step % config.validate_every == 0 or step == total)
+            and reason is None
+        ):
             stats["ppo/validation_reward"] = validation_reward(policy, reward_model, tokenizer, validation, config)
             if stats["ppo/validation_reward"] > state["best_reward"]:
                 state["best_reward"], state["best_iteration"] = stats["ppo/validation_reward"], step
-                Checkpointer(best_dir, keep=1).save(step, {"policy": policy}, {"iteration": step, "validation_reward": state["best_reward"]})
+                Checkpointer(best_dir, keep=1).save(
+                    step, {"policy": policy}, {"iteration": step, "validation_reward": state["best_reward"]}
+                )
         if reason is not None:
-            stats["ppo/rollback"] = _on_collapse(f"pattern collapse at iteration {step}: {reason}", config, state, policy, opt, best_dir, bar.write)
+            stats["ppo/rollback"] = _on_collapse(
+                f"pattern collapse at iteration {step}: {reason}", config, state, policy, opt, best_dir, bar.write
+            )
         log(stats, step)
         state["history"][step] = stats
         bar.set_postfix(reward=f"{stats['ppo/reward/mean']:.3f}", kl=f"{stats['ppo/kl']:.3f}")
@@ -539,5 +636,16 @@ def train_ppo(
     if best is not None:
         Checkpointer(best_dir).load_model_weights(best, "policy", policy)
     last = state["history"].get(state["iteration"], {})
-    summary = {**{k: v for k, v in last.items() if isinstance(v, float)}, "ppo/iterations": float(state["iteration"]), "ppo/best_iteration": float(state["best_iteration"] or state["iteration"]), "ppo/best_validation_reward": state["best_reward"] if state["best_iteration"] else float("nan")}
-    return PPOResult(summary=summary, history=state["history"], reward_samples=state["reward_samples"], stopped_by=state["stopped_by"], best_iteration=state["best_iteration"] or state["iteration"])
+    summary = {
+        **{k: v for k, v in last.items() if isinstance(v, float)},
+        "ppo/iterations": float(state["iteration"]),
+        "ppo/best_iteration": float(state["best_iteration"] or state["iteration"]),
+        "ppo/best_validation_reward": state["best_reward"] if state["best_iteration"] else float("nan"),
+    }
+    return PPOResult(
+        summary=summary,
+        history=state["history"],
+        reward_samples=state["reward_samples"],
+        stopped_by=state["stopped_by"],
+        best_iteration=state["best_iteration"] or state["iteration"],
+    )

@@ -34,9 +34,17 @@ class RewardConfig:
     seed: int = 0
 
 
-def encode_pairs(tokenizer: PreTrainedTokenizerBase, examples: list[dict[str, Any]], max_length: int) -> list[tuple[Encoded, Encoded]]:
+def encode_pairs(
+    tokenizer: PreTrainedTokenizerBase, examples: list[dict[str, Any]], max_length: int
+) -> list[tuple[Encoded, Encoded]]:
     """Tokenise each pair as ``(prompt + chosen, prompt + rejected)`` with the chat template."""
-    return [(encode_chat(tokenizer, ex["prompt"], ex["chosen"], max_length), encode_chat(tokenizer, ex["prompt"], ex["rejected"], max_length)) for ex in examples]
+    return [
+        (
+            encode_chat(tokenizer, ex["prompt"], ex["chosen"], max_length),
+            encode_chat(tokenizer, ex["prompt"], ex["rejected"], max_length),
+        )
+        for ex in examples
+    ]
 
 
 def _lm_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
@@ -80,13 +88,18 @@ def train_reward_model(
     def step(indices: list[int]) -> tuple[torch.Tensor, dict[str, float]]:
         batch = [pairs[i][0] for i in indices] + [pairs[i][1] for i in indices]
         input_ids, attention_mask = pad(tokenizer, [e.input_ids for e in batch], "right")
-        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)).last_hidden_state
+        hidden = backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)
+        ).last_hidden_state
         token_scores = model.score(hidden).squeeze(-1)
         last = last_token_index(attention_mask)
         scores = token_scores[torch.arange(len(batch)), last]
         chosen, rejected = scores[: len(indices)], scores[len(indices) :]
         loss = bradley_terry_loss(chosen, rejected, config.margin)
-        metrics = {"rm/train_accuracy": (chosen > rejected).float().mean().item(), "rm/train_margin": (chosen - rejected).mean().item()}
+        metrics = {
+            "rm/train_accuracy": (chosen > rejected).float().mean().item(),
+            "rm/train_margin": (chosen - rejected).mean().item(),
+        }
         if config.lm_coef > 0:
             target = pad_masks([e.response_mask for e in batch[: len(indices)]], input_ids.shape[1], "right")
             lm_loss = language_model_loss(_lm_logits(model, hidden[: len(indices)]), input_ids[: len(indices)], target)
@@ -95,14 +108,28 @@ def train_reward_model(
         return loss, metrics
 
     return supervised_loop(
-        model, step, len(pairs), steps=config.steps, batch_size=config.batch_size, lr=config.lr, warmup_steps=config.warmup_steps,
-        scheduler=config.scheduler, max_grad_norm=config.max_grad_norm, seed=config.seed, prefix="rm", log=log,
-        checkpointer=checkpointer, checkpoint_every=config.checkpoint_every, progress=progress,
+        model,
+        step,
+        len(pairs),
+        steps=config.steps,
+        batch_size=config.batch_size,
+        lr=config.lr,
+        warmup_steps=config.warmup_steps,
+        scheduler=config.scheduler,
+        max_grad_norm=config.max_grad_norm,
+        seed=config.seed,
+        prefix="rm",
+        log=log,
+        checkpointer=checkpointer,
+        checkpoint_every=config.checkpoint_every,
+        progress=progress,
     )
 
 
 @torch.no_grad()
-def score_sequences(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, sequences: list[list[int]], batch_size: int) -> torch.Tensor:
+def score_sequences(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, sequences: list[list[int]], batch_size: int
+) -> torch.Tensor:
     """Reward-model scores of token sequences, ``(N,)`` float32, in the input order.
 
     Batches are formed from length-sorted sequences so little compute goes to padding.
@@ -117,7 +144,9 @@ def score_sequences(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, 
     return scores
 
 
-def center_rewards(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, demonstrations: list[list[int]], batch_size: int) -> float:
+def center_rewards(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, demonstrations: list[list[int]], batch_size: int
+) -> float:
     """Shift the reward model so the mean score of the demonstrations is 0; returns the offset.
 
     Tutorial stage 2 ("shifted so that their average is 0"; InstructGPT centred
@@ -169,7 +198,9 @@ def pearson(x: torch.Tensor, y: torch.Tensor) -> float:
     return float((x * y).sum()) / denominator if denominator > 0 else 0.0
 
 
-def preference_metrics(chosen: torch.Tensor, rejected: torch.Tensor, chosen_lengths: torch.Tensor, rejected_lengths: torch.Tensor) -> dict[str, float]:
+def preference_metrics(
+    chosen: torch.Tensor, rejected: torch.Tensor, chosen_lengths: torch.Tensor, rejected_lengths: torch.Tensor
+) -> dict[str, float]:
     """Held-out reward-model metrics from scores and response lengths.
 
     Args:
@@ -195,7 +226,13 @@ def preference_metrics(chosen: torch.Tensor, rejected: torch.Tensor, chosen_leng
     }
 
 
-def evaluate_reward_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, examples: list[dict[str, Any]], max_length: int, batch_size: int) -> tuple[dict[str, float], torch.Tensor]:
+def evaluate_reward_model(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    examples: list[dict[str, Any]],
+    max_length: int,
+    batch_size: int,
+) -> tuple[dict[str, float], torch.Tensor]:
     """Score held-out pairs; returns :func:`preference_metrics` and the ``(N,)`` margins (for the histogram)."""
     pairs = encode_pairs(tokenizer, examples, max_length)
     chosen = score_sequences(model, tokenizer, [c.input_ids for c, _ in pairs], batch_size)

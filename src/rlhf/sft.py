@@ -61,12 +61,26 @@ def train_sft(
         batch = [encoded[i] for i in indices]
         input_ids, attention_mask = pad(tokenizer, [e.input_ids for e in batch], "right")
         target = pad_masks([e.response_mask for e in batch], input_ids.shape[1], "right")
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)).logits
+        logits = model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)
+        ).logits
         return language_model_loss(logits, input_ids, target), {"sft/tokens": float(target.sum())}
 
     summary = supervised_loop(
-        model, step, len(encoded), steps=config.steps, batch_size=config.batch_size, lr=config.lr, warmup_steps=config.warmup_steps,
-        scheduler=config.scheduler, max_grad_norm=config.max_grad_norm, seed=config.seed, prefix="sft", log=log,
-        checkpointer=checkpointer, checkpoint_every=config.checkpoint_every, progress=progress,
+        model,
+        step,
+        len(encoded),
+        steps=config.steps,
+        batch_size=config.batch_size,
+        lr=config.lr,
+        warmup_steps=config.warmup_steps,
+        scheduler=config.scheduler,
+        max_grad_norm=config.max_grad_norm,
+        seed=config.seed,
+        prefix="sft",
+        log=log,
+        checkpointer=checkpointer,
+        checkpoint_every=config.checkpoint_every,
+        progress=progress,
     )
     return {**summary, "sft/examples": float(len(encoded))}

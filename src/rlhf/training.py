@@ -29,9 +29,13 @@ def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.0)
     return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay)
 
 
-def make_scheduler(optimizer: torch.optim.Optimizer, name: str, warmup_steps: int, total_steps: int) -> torch.optim.lr_scheduler.LRScheduler:
+def make_scheduler(
+    optimizer: torch.optim.Optimizer, name: str, warmup_steps: int, total_steps: int
+) -> torch.optim.lr_scheduler.LRScheduler:
     """A transformers learning-rate schedule (``constant_with_warmup``, ``linear``, ``cosine``, ...)."""
-    return get_scheduler(name, optimizer=optimizer, num_warmup_steps=warmup_steps, num_training_steps=max(total_steps, 1))
+    return get_scheduler(
+        name, optimizer=optimizer, num_warmup_steps=warmup_steps, num_training_steps=max(total_steps, 1)
+    )
 
 
 def minibatch_indices(step: int, n: int, batch_size: int, seed: int) -> list[int]:
@@ -125,7 +129,9 @@ class Checkpointer:
         kept = sorted(d for d in os.listdir(self.root) if d.startswith("step-"))
         for old in kept[: -self.keep]:
             shutil.rmtree(os.path.join(self.root, old), ignore_errors=True)
-        for leftover in (d for d in os.listdir(self.root) if d.startswith(".tmp-") and os.path.join(self.root, d) != tmp):
+        for leftover in (
+            d for d in os.listdir(self.root) if d.startswith(".tmp-") and os.path.join(self.root, d) != tmp
+        ):
             shutil.rmtree(os.path.join(self.root, leftover), ignore_errors=True)
         return final
 
@@ -135,14 +141,14 @@ class Checkpointer:
 
     def load_model_weights(self, path: str, name: str, model: PreTrainedModel) -> None:
         """Copy the weights of checkpointed model ``name`` into ``model`` (safetensors, no remote code)."""
-        saved = type(model).from_pretrained(os.path.join(path, name), dtype=torch.float32, use_safetensors=True, trust_remote_code=False)
+        saved = type(model).from_pretrained(
+            os.path.join(path, name), dtype=torch.float32, use_safetensors=True, trust_remote_code=False
+        )
         model.load_state_dict(saved.state_dict())
 
     def clear(self) -> None:
         """Delete every checkpoint (after the stage's final outputs are written)."""
         shutil.rmtree(self.root, ignore_errors=True)
-
-
 
 
 def write_json(path: str, payload: dict[str, Any]) -> None:
@@ -211,12 +217,30 @@ def supervised_loop(
         optimizer.step()
         schedule.step()
         losses.append(loss.item())
-        log({f"{prefix}/loss": losses[-1], f"{prefix}/grad_norm": grad_norm, f"{prefix}/lr": schedule.get_last_lr()[0], **metrics}, step + 1)
+        log(
+            {
+                f"{prefix}/loss": losses[-1],
+                f"{prefix}/grad_norm": grad_norm,
+                f"{prefix}/lr": schedule.get_last_lr()[0],
+                **metrics,
+            },
+            step + 1,
+        )
         if checkpointer and checkpoint_every and (step + 1) % checkpoint_every == 0 and step + 1 < steps:
-            state = {"optimizer": optimizer.state_dict(), "scheduler": schedule.state_dict(), "rng": torch.get_rng_state(), "step": step + 1, "losses": losses}
+            state = {
+                "optimizer": optimizer.state_dict(),
+                "scheduler": schedule.state_dict(),
+                "rng": torch.get_rng_state(),
+                "step": step + 1,
+                "losses": losses,
+            }
             checkpointer.save(step + 1, {"model": model}, state)
     tail = losses[-10:]
-    return {f"{prefix}/loss_first": losses[0] if losses else float("nan"), f"{prefix}/loss_last": sum(tail) / max(len(tail), 1), f"{prefix}/steps": float(steps)}
+    return {
+        f"{prefix}/loss_first": losses[0] if losses else float("nan"),
+        f"{prefix}/loss_last": sum(tail) / max(len(tail), 1),
+        f"{prefix}/steps": float(steps),
+    }
 
 
 def config_from_params(cls: type, params: dict[str, Any], section: str) -> Any:

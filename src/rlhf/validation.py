@@ -54,7 +54,9 @@ class SplitResult:
 def _text(messages: Any) -> str | None:
     if isinstance(messages, str):
         return messages
-    if isinstance(messages, list) and all(isinstance(m, dict) and isinstance(m.get("content"), str) and isinstance(m.get("role"), str) for m in messages):
+    if isinstance(messages, list) and all(
+        isinstance(m, dict) and isinstance(m.get("content"), str) and isinstance(m.get("role"), str) for m in messages
+    ):
         return "\n".join(m["content"] for m in messages)
     return None
 
@@ -76,7 +78,9 @@ def _normalized(text: str | None) -> str:
     return " ".join(unicodedata.normalize("NFKC", text or "").split())
 
 
-def derive_columns(rows: list[dict[str, Any]], kind: str, tokenizer: PreTrainedTokenizerBase, config: ValidationConfig) -> pd.DataFrame:
+def derive_columns(
+    rows: list[dict[str, Any]], kind: str, tokenizer: PreTrainedTokenizerBase, config: ValidationConfig
+) -> pd.DataFrame:
     """The columns the expectations read, one row per input row.
 
     Args:
@@ -95,19 +99,28 @@ def derive_columns(rows: list[dict[str, Any]], kind: str, tokenizer: PreTrainedT
         record = {"prompt": _safe(prompt), "prompt_tokens": 0}
         responses = ("chosen", "rejected") if kind == "pairs" else ()
         texts = {name: _text(row.get(name)) for name in responses}
-        record["fields_ok"] = prompt is not None and isinstance(row.get("prompt"), list) and all(t is not None and isinstance(row.get(n), list) for n, t in texts.items())
+        record["fields_ok"] = (
+            prompt is not None
+            and isinstance(row.get("prompt"), list)
+            and all(t is not None and isinstance(row.get(n), list) for n, t in texts.items())
+        )
         record["utf8_ok"] = all(_utf8(t) for t in [prompt, *texts.values()])
         if record["fields_ok"] and record["utf8_ok"]:
             record["prompt_tokens"] = len(encode_prompt(tokenizer, row["prompt"], 10**9))
         for name, text in texts.items():
             record[name] = _safe(text)
-            record[f"{name}_tokens"] = len(tokenizer(text, add_special_tokens=False)["input_ids"]) if text and record["utf8_ok"] else 0
+            record[f"{name}_tokens"] = (
+                len(tokenizer(text, add_special_tokens=False)["input_ids"]) if text and record["utf8_ok"] else 0
+            )
             record[f"{name}_role_marker"] = bool(ROLE_MARKER.search(text or ""))
         if kind == "pairs":
             record["distinct"] = _normalized(texts["chosen"]) != _normalized(texts["rejected"])
             same = False
             if record["fields_ok"] and record["utf8_ok"] and record["distinct"]:
-                same = encode_chat(tokenizer, row["prompt"], row["chosen"], config.max_length).input_ids == encode_chat(tokenizer, row["prompt"], row["rejected"], config.max_length).input_ids
+                same = (
+                    encode_chat(tokenizer, row["prompt"], row["chosen"], config.max_length).input_ids
+                    == encode_chat(tokenizer, row["prompt"], row["rejected"], config.max_length).input_ids
+                )
             record["differs_after_truncation"] = not same
             record["role_marker"] = record["chosen_role_marker"] or record["rejected_role_marker"]
             key = (_normalized(prompt), _normalized(texts["chosen"]), _normalized(texts["rejected"]))
@@ -134,23 +147,43 @@ def _rules(kind: str, config: ValidationConfig) -> list[tuple[str, Any]]:
         ("utf8", E.ExpectColumnValuesToBeInSet(column="utf8_ok", value_set=[True])),
         ("empty_prompt", E.ExpectColumnValuesToMatchRegex(column="prompt", regex=r"\S")),
         ("duplicate", E.ExpectColumnValuesToBeInSet(column="is_duplicate", value_set=[False])),
-        ("prompt_tokens", E.ExpectColumnValuesToBeBetween(column="prompt_tokens", min_value=1, max_value=config.max_prompt_tokens)),
+        (
+            "prompt_tokens",
+            E.ExpectColumnValuesToBeBetween(column="prompt_tokens", min_value=1, max_value=config.max_prompt_tokens),
+        ),
     ]
     if kind == "pairs":
         rules += [
             ("empty_chosen", E.ExpectColumnValuesToMatchRegex(column="chosen", regex=r"\S")),
             ("empty_rejected", E.ExpectColumnValuesToMatchRegex(column="rejected", regex=r"\S")),
-            ("chosen_tokens", E.ExpectColumnValuesToBeBetween(column="chosen_tokens", min_value=1, max_value=config.max_response_tokens)),
-            ("rejected_tokens", E.ExpectColumnValuesToBeBetween(column="rejected_tokens", min_value=1, max_value=config.max_response_tokens)),
+            (
+                "chosen_tokens",
+                E.ExpectColumnValuesToBeBetween(
+                    column="chosen_tokens", min_value=1, max_value=config.max_response_tokens
+                ),
+            ),
+            (
+                "rejected_tokens",
+                E.ExpectColumnValuesToBeBetween(
+                    column="rejected_tokens", min_value=1, max_value=config.max_response_tokens
+                ),
+            ),
             ("identical_responses", E.ExpectColumnValuesToBeInSet(column="distinct", value_set=[True])),
-            ("identical_after_truncation", E.ExpectColumnValuesToBeInSet(column="differs_after_truncation", value_set=[True])),
+            (
+                "identical_after_truncation",
+                E.ExpectColumnValuesToBeInSet(column="differs_after_truncation", value_set=[True]),
+            ),
         ]
         if config.role_markers == "quarantine":
-            rules.append(("role_marker_in_response", E.ExpectColumnValuesToBeInSet(column="role_marker", value_set=[False])))
+            rules.append(
+                ("role_marker_in_response", E.ExpectColumnValuesToBeInSet(column="role_marker", value_set=[False]))
+            )
     return rules
 
 
-def validate_split(path: str, rows: list[dict[str, Any]], kind: str, tokenizer: PreTrainedTokenizerBase, config: ValidationConfig) -> SplitResult:
+def validate_split(
+    path: str, rows: list[dict[str, Any]], kind: str, tokenizer: PreTrainedTokenizerBase, config: ValidationConfig
+) -> SplitResult:
     """Run the suite on one split; quarantine the rows that break a rule.
 
     Args:
@@ -172,10 +205,24 @@ def validate_split(path: str, rows: list[dict[str, Any]], kind: str, tokenizer: 
     if kind not in ("pairs", "prompts", "text"):
         raise ValueError(f"unknown split kind {kind!r}")
     if not rows:
-        return SplitResult([], [], {}, 0, [f"{path}: the split is empty (an empty input is an error, not a pass; check the source's size and data.fractions)"])
+        return SplitResult(
+            [],
+            [],
+            {},
+            0,
+            [
+                f"{path}: the split is empty (an empty input is an error, not a pass; "
+                "check the source's size and data.fractions)"
+            ],
+        )
     frame = derive_columns(rows, kind, tokenizer, config)
     context = gx.get_context(mode="ephemeral")
-    batch = context.data_sources.add_pandas("rlhf").add_dataframe_asset(kind).add_batch_definition_whole_dataframe("all").get_batch(batch_parameters={"dataframe": frame})
+    batch = (
+        context.data_sources.add_pandas("rlhf")
+        .add_dataframe_asset(kind)
+        .add_batch_definition_whole_dataframe("all")
+        .get_batch(batch_parameters={"dataframe": frame})
+    )
     suite = gx.ExpectationSuite(name=f"preference_{kind}")
     rules = _rules(kind, config)
     for name, expectation in rules:
@@ -193,7 +240,10 @@ def validate_split(path: str, rows: list[dict[str, Any]], kind: str, tokenizer: 
         for position, index in enumerate(indices):
             reasons.setdefault(int(index), []).append(rule)
             if position == 0:
-                first_failure[rule] = (int(index) + 1, _shown_value(frame, rule, int(index), values[0] if values else None))
+                first_failure[rule] = (
+                    int(index) + 1,
+                    _shown_value(frame, rule, int(index), values[0] if values else None),
+                )
     valid = [row for i, row in enumerate(rows) if i not in reasons]
     quarantined = [{"file": path, "line": i + 1, "reasons": reasons[i], "row": rows[i]} for i in sorted(reasons)]
     if len(valid) + len(quarantined) != len(rows):
@@ -203,7 +253,10 @@ def validate_split(path: str, rows: list[dict[str, Any]], kind: str, tokenizer: 
     if share > config.max_quarantine_fraction:
         for rule, (line, value) in sorted(first_failure.items()):
             shown = repr(value)[:80]
-            errors.append(f"{path}: row {line}: rule {rule}: value {shown} ({counts[rule]} rows; {share:.1%} of rows quarantined > {config.max_quarantine_fraction:.1%})")
+            errors.append(
+                f"{path}: row {line}: rule {rule}: value {shown} ({counts[rule]} rows; "
+                f"{share:.1%} of rows quarantined > {config.max_quarantine_fraction:.1%})"
+            )
     marker_rows = int(frame["role_marker"].sum()) if "role_marker" in frame else 0
     return SplitResult(valid, quarantined, counts, marker_rows, errors, result.to_json_dict())
 
