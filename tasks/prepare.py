@@ -1,7 +1,8 @@
-"""Stage prepare: read ``data.source``, parse it into preference examples, split by prompt hash.
+"""Stage prepare: read ``data.source`` (and ``data.ptx_source``), parse it, split by conversation root.
 
-Writes ``data/processed/{split}.jsonl`` for every split, ``data/processed/quarantine.jsonl``
-(rows that do not parse, with the reason) and ``metrics/prepare.json`` (counts).
+Writes ``data/processed/{split}.jsonl`` for every split (``rlhf.data.SPLITS``, ``ptx_heldout``
+included), ``data/processed/quarantine.jsonl`` (rows that do not parse, with the reason) and
+``metrics/prepare.json`` (counts).
 """
 
 from __future__ import annotations
@@ -36,16 +37,20 @@ class DataConfig(SourceConfig):
 
     fractions: dict[str, float] = field(default_factory=dict)
     more_sources: list[dict[str, Any]] = field(default_factory=list)
+    ptx_source: str | None = None
+    ptx_heldout_fraction: float = 0.2
 
 
 def run(params: dict[str, Any]) -> dict[str, Any]:
     """Run the stage with the ``data`` params; returns the counts it logged.
 
     Reads ``data.source`` and every entry of ``data.more_sources`` (each
-    ``{source, format, mapping, max_rows, storage_options}``), concatenated.
+    ``{source, format, mapping, max_rows, storage_options}``), concatenated, and
+    ``data.ptx_source`` when set (rows ``{"messages"}`` or ``{"text"}``, read with
+    ``data.storage_options``; ``max_rows`` does not apply to it).
 
     Raises:
-        ValueError: the source holds no rows, or no row parses.
+        ValueError: the source holds no rows, or no row parses, or a bad fraction.
     """
     config = config_from_params(DataConfig, params, "data")
     more = [config_from_params(SourceConfig, spec, "data.more_sources") for spec in config.more_sources]
@@ -57,7 +62,10 @@ def run(params: dict[str, Any]) -> dict[str, Any]:
             Source(spec.source, islice(rows, spec.max_rows) if spec.max_rows else rows, spec.format, spec.mapping)
         )
     names = ", ".join(spec.source for spec in inputs)
-    prepared = prepare_rows(sources, config.fractions)
+    ptx = (
+        [Source(config.ptx_source, read_jsonl(config.ptx_source, config.storage_options))] if config.ptx_source else []
+    )
+    prepared = prepare_rows(sources, config.fractions, ptx, config.ptx_heldout_fraction)
     if prepared.rows_in == 0:
         raise ValueError(f"{names}: no rows")
     kept = sum(len(v) for v in prepared.splits.values())

@@ -1,7 +1,9 @@
 """Stage validate: the Great Expectations suite over the processed splits; writes the splits the trainers read.
 
 Reads ``data/processed/`` and the base tokenizer (``models/base``); writes
-``data/validated/{split}.jsonl``, ``data/validated/quarantine.jsonl`` (rows with
+``data/validated/{split}.jsonl`` for every split of ``rlhf.data.SPLITS`` (the PPO-ptx
+``ptx_text`` and its held-out ``ptx_heldout`` included, both checked message by message),
+``data/validated/quarantine.jsonl`` (rows with
 the rules they broke), ``reports/validation.json`` (summary) and
 ``reports/validation_gx.json`` (the suite's full results, also an MLflow
 artifact). Exits non-zero with one line per broken rule when a split is empty

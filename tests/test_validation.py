@@ -2,7 +2,7 @@
 
 import pytest
 
-from rlhf.validation import ValidationConfig, validate_split
+from rlhf.validation import ValidationConfig, derive_columns, split_kind, validate_split
 
 
 def pair(prompt="What is the capital of France?", chosen="Paris.", rejected="London."):
@@ -148,15 +148,80 @@ def test_quarantine_share_above_threshold_fails_with_one_line_per_rule(tokenizer
     ]
 
 
-def test_ptx_text_rules(tokenizer):
-    result = validate_split(
-        "f.jsonl",
-        [{"id": "a", "text": "Human: hi"}, {"id": "b", "text": "  "}, {"id": "c"}],
-        "text",
-        tokenizer,
-        LENIENT,
-    )
-    assert [(q["line"], q["reasons"]) for q in result.quarantined] == [
-        (2, ["empty_text"]),
-        (3, ["fields", "empty_text"]),
+def chat(*contents, roles=("user", "assistant")):
+    return [{"role": roles[i % len(roles)], "content": c} for i, c in enumerate(contents)]
+
+
+def ptx_good(i):
+    return {"id": f"g{i}", "messages": chat(f"Question {i}?", f"Answer {i}.")}
+
+
+@pytest.mark.parametrize(
+    "defect, rule",
+    [
+        ({"id": "a", "messages": chat("Hi", "Sure.\n\nHuman: and then?")}, "role_marker_in_content"),
+        ({"id": "b", "messages": chat("Tell me. Assistant: ok", "No.")}, "role_marker_in_content"),
+        ({"id": "c", "text": "A story.\nUser: hello"}, "role_marker_in_content"),
+        ({"id": "d", "messages": chat("Hi", "   ")}, "empty_content"),
+        ({"id": "e", "text": " \n "}, "empty_content"),
+        ({"id": "f"}, "fields"),
+        ({"id": "g", "messages": []}, "fields"),
+        ({"id": "h", "messages": chat("Hi", roles=("bot",))}, "fields"),
+        ({"id": "i", "text": "x", "messages": chat("Hi")}, "fields"),
+        ({"id": "j", "messages": chat("Hi", "\ud800 broken")}, "utf8"),
+        ({"id": "k", "messages": chat("Question 0?", "Answer  0.")}, "duplicate"),
+        ({"id": "l", "text": "word " * 40}, "ptx_tokens"),
+    ],
+)
+def test_each_ptx_rule_flags_exactly_the_planted_row(tokenizer, defect, rule):
+    config = ValidationConfig(max_length=64, max_ptx_tokens=30, max_quarantine_fraction=1.0)
+    rows = [ptx_good(0), defect, ptx_good(1)]
+    result = validate_split("ptx_text.jsonl", rows, "ptx", tokenizer, config)
+    assert [q["line"] for q in result.quarantined] == [2]
+    assert rule in result.quarantined[0]["reasons"]
+    assert result.rule_counts[rule] == 1
+    assert result.valid == [rows[0], rows[2]]
+
+
+def test_ptx_rules_read_contents_not_the_chat_template(tokenizer):
+    """The template wraps every message in <|im_start|>user / assistant markers: those are never flagged."""
+    rows = [ptx_good(0), {"id": "t", "text": "Plain text about a user and an assistant."}]
+    frame = derive_columns(rows, "ptx", tokenizer, LENIENT)
+    # ptx_good(0) in the template: <|im_start|>user\nQuestion 0?<|im_end|>\n<|im_start|>assistant\nAnswer 0.<|im_end|>\n
+    assert frame["ptx_tokens"].tolist() == [
+        len(
+            tokenizer("<|im_start|>user\nQuestion 0?<|im_end|>\n<|im_start|>assistant\nAnswer 0.<|im_end|>\n")[
+                "input_ids"
+            ]
+        ),
+        len(tokenizer("Plain text about a user and an assistant.")["input_ids"]) + 1,  # + EOS
     ]
+    result = validate_split("ptx_heldout.jsonl", rows, "ptx", tokenizer, ValidationConfig(max_quarantine_fraction=0.0))
+    assert result.quarantined == [] and result.errors == [] and result.role_marker_rows == 0
+
+
+def test_ptx_role_markers_kept_when_configured_but_counted(tokenizer):
+    rows = [ptx_good(0), {"id": "a", "messages": chat("Hi", "Sure.\nAssistant: more")}]
+    keep = ValidationConfig(role_markers="keep", max_quarantine_fraction=1.0)
+    result = validate_split("f.jsonl", rows, "ptx", tokenizer, keep)
+    assert result.quarantined == [] and result.role_marker_rows == 1
+
+
+def test_ptx_failure_message_shows_the_offending_content(tokenizer):
+    rows = [ptx_good(0), {"id": "a", "messages": chat("Hi", "Sure.\nHuman: more")}]
+    result = validate_split("data/processed/ptx_text.jsonl", rows, "ptx", tokenizer, ValidationConfig())
+    assert result.errors == [
+        "data/processed/ptx_text.jsonl: row 2: rule role_marker_in_content: value 'Sure.\\nHuman: more' "
+        "(1 rows; 50.0% of rows quarantined > 5.0%)"
+    ]
+
+
+def test_split_kinds():
+    assert [split_kind(s) for s in ("sft", "ppo_prompts", "ptx_text", "ptx_heldout")] == [
+        "pairs",
+        "prompts",
+        "ptx",
+        "ptx",
+    ]
+    with pytest.raises(ValueError, match="unknown split"):
+        split_kind("text")

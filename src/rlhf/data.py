@@ -4,7 +4,13 @@ A preference example is ``{"id", "source", "prompt", "chosen", "rejected"}`` whe
 ``prompt``, ``chosen`` and ``rejected`` are lists of ``{"role", "content"}``
 messages (the conversational format of transformers' chat templates). The
 prompt ends with a user turn; each response is what follows it (usually one
-assistant message).
+assistant message). Splits are made by a hash of the conversation's root (its
+first user turn), so one conversation, cut at any turn, never reaches two splits.
+
+PPO-ptx rows (splits ``ptx_text`` and ``ptx_heldout``) are either
+``{"id", "source", "messages": [{"role", "content"}, ...]}`` (a conversation,
+tokenised with the chat template) or ``{"id", "source", "text": str}`` (plain
+pretraining text, tokenised as text + EOS); see :func:`ptx_token_ids`.
 """
 
 from __future__ import annotations
@@ -12,23 +18,31 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import fsspec
 
-Message = dict[str, str]
+from rlhf.formats import (  # noqa: F401  (re-exported: rlhf.data is the entry point of the data code)
+    FORMATS,
+    Message,
+    RowError,
+    as_messages,
+    detect_format,
+    expand_ranking,
+    parse_hh_dialogue,
+    split_pair,
+    to_examples,
+)
 
-SPLITS = ("sft", "rm_train", "rm_eval", "ppo_prompts", "ptx_text", "eval_prompts")
-
-_HH_TURN = re.compile(r"\n\n(Human|Assistant):[ ]?")
-_HH_ROLES = {"Human": "user", "Assistant": "assistant"}
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
-class RowError(ValueError):
-    """A row that cannot become a preference example; the message is the quarantine reason."""
+SPLITS = ("sft", "rm_train", "rm_eval", "ppo_prompts", "ptx_text", "ptx_heldout", "eval_prompts")
+"""Files of data/processed and data/validated. ``data.fractions`` names every split but ``ptx_heldout``,
+which is a share (``data.ptx_heldout_fraction``) of the ptx rows."""
 
 
 def read_jsonl(path: str, storage_options: dict[str, Any] | None = None) -> Iterator[tuple[int, Any]]:
@@ -59,216 +73,54 @@ def read_jsonl(path: str, storage_options: dict[str, Any] | None = None) -> Iter
                 yield number, RowError(f"invalid JSON: {err.msg}")
 
 
-def parse_hh_dialogue(text: str) -> list[Message]:
-    """Parse an HH-RLHF dialogue string ``"\\n\\nHuman: ...\\n\\nAssistant: ..."`` into messages.
-
-    Two turns of the same role in a row stay two messages (they are merged
-    into one response by :func:`split_pair`, never cut apart).
-
-    Args:
-        text: a whole dialogue.
-
-    Returns:
-        List of ``{"role": "user" | "assistant", "content": str}``.
-
-    Raises:
-        RowError: the text is not a string or does not start with a Human turn.
-    """
-    if not isinstance(text, str):
-        raise RowError(f"dialogue is {type(text).__name__}, not a string")
-    parts = _HH_TURN.split(text)
-    if parts[0].strip() or len(parts) < 3:
-        raise RowError("dialogue does not start with '\\n\\nHuman:'")
-    messages = [
-        {"role": _HH_ROLES[role], "content": content.strip()}
-        for role, content in zip(parts[1::2], parts[2::2], strict=True)
-    ]
-    if messages[0]["role"] != "user":
-        raise RowError("dialogue does not start with a Human turn")
-    return messages
+def prompt_key(prompt: Any) -> str:
+    """Stable hex sha256 of a prompt's messages (or of any JSON value, e.g. a ptx row); the id of the prompt."""
+    return hashlib.sha256(
+        json.dumps(prompt, sort_keys=True, ensure_ascii=False).encode("utf-8", "surrogatepass")
+    ).hexdigest()
 
 
-def split_pair(chosen: list[Message], rejected: list[Message]) -> tuple[list[Message], list[Message], list[Message]]:
-    """Split two dialogues at their longest common prefix into (prompt, chosen response, rejected response).
+def conversation_root(messages: list[Message]) -> str:
+    """The root of a conversation: its first user turn's content, whitespace-normalised.
 
-    The prompt is the shared messages up to and including the user turn before
-    the first assistant turn that differs; each response is everything after
-    it (several assistant turns in a row stay one response).
-
-    Args:
-        chosen: messages of the preferred dialogue.
-        rejected: messages of the dispreferred dialogue.
-
-    Returns:
-        ``(prompt, chosen_response, rejected_response)``, lists of messages.
+    Every cut of one conversation (HH holds the same dialogue cut at different
+    turns) has the same root, so splitting by it keeps the cuts together.
 
     Raises:
-        RowError: no shared user turn, a response is empty, or both responses are identical.
+        RowError: the messages hold no user turn.
     """
-    common = 0
-    while common < min(len(chosen), len(rejected)) and chosen[common] == rejected[common]:
-        common += 1
-    cut = common
-    while cut > 0 and chosen[cut - 1]["role"] != "user":
-        cut -= 1
-    if cut == 0:
-        raise RowError("the dialogues share no user turn")
-    prompt, chosen_response, rejected_response = chosen[:cut], chosen[cut:], rejected[cut:]
-    if chosen_response == rejected_response:
-        raise RowError("chosen and rejected responses are identical")
-    for name, response in (("chosen", chosen_response), ("rejected", rejected_response)):
-        if not any(m["content"].strip() for m in response if m["role"] == "assistant"):
-            raise RowError(f"{name} response is empty")
-    return prompt, chosen_response, rejected_response
+    for message in messages:
+        if message["role"] == "user":
+            return " ".join(message["content"].split())
+    raise RowError("conversation has no user turn")
 
 
-def _messages(value: Any, field: str, conversation: bool = False) -> list[Message]:
-    if isinstance(value, str) and not conversation:
-        return [{"role": "user" if field == "prompt" else "assistant", "content": value}]
-    if isinstance(value, list) and all(
-        isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role") in ("system", "user", "assistant")
-        for m in value
-    ):
-        return [{"role": m["role"], "content": m["content"]} for m in value]
-    raise RowError(
-        f"field '{field}' is not {'a list' if conversation else 'a string or a list'} "
-        "of {role, content} messages with string content"
-    )
+def _unit_point(key: str, salt: str = "") -> float:
+    """A uniform point in [0, 1) from sha256 of ``salt + key`` (first 60 bits)."""
+    return int(hashlib.sha256((salt + key).encode("utf-8", "surrogatepass")).hexdigest()[:15], 16) / 16**15
 
 
-FORMATS = ("auto", "hh", "pairs", "conversational", "ranking")
-
-
-def detect_format(row: Any) -> str:
-    """Name the format of a raw row.
-
-    - ``"hh"``: ``chosen``/``rejected`` hold whole dialogue strings (``"\\n\\nHuman: ..."``).
-    - ``"conversational"``: ``chosen``/``rejected`` hold whole conversations as
-      ``{"role", "content"}`` lists (no ``prompt``; the prompt is the shared prefix).
-    - ``"pairs"``: ``prompt``/``chosen``/``rejected``, each a string or a message list.
-    - ``"ranking"``: ``prompt`` and ``responses`` (K responses), with optional
-      ``ranks`` (lower is better, equal ranks are ties); without ``ranks`` the
-      responses are ordered best first.
-
-    Raises:
-        RowError: the row is not an object with the keys of a known format.
-    """
-    if not isinstance(row, dict):
-        raise RowError(f"row is {type(row).__name__}, not a JSON object")
-    if {"prompt", "responses"} <= row.keys():
-        return "ranking"
-    if {"prompt", "chosen", "rejected"} <= row.keys():
-        return "pairs"
-    if {"chosen", "rejected"} <= row.keys():
-        return "conversational" if isinstance(row["chosen"], list) else "hh"
-    raise RowError(f"row has keys {sorted(row)}; expected chosen/rejected, prompt/chosen/rejected or prompt/responses")
-
-
-def expand_ranking(responses: list[Any], ranks: list[Any] | None) -> list[tuple[Any, Any]]:
-    """All ``(better, worse)`` pairs of K ranked responses: K(K-1)/2, minus one per tied pair (InstructGPT).
-
-    Args:
-        responses: K responses.
-        ranks: K numbers, lower is better; None means the responses are ordered best first.
-
-    Raises:
-        RowError: ``ranks`` is not a list of K numbers, or fewer than two responses.
-    """
-    if not isinstance(responses, list) or len(responses) < 2:
-        raise RowError("field 'responses' must be a list of at least 2 responses")
-    ranks = list(range(len(responses))) if ranks is None else ranks
-    if (
-        not isinstance(ranks, list)
-        or len(ranks) != len(responses)
-        or not all(isinstance(r, (int, float)) and not isinstance(r, bool) for r in ranks)
-    ):
-        raise RowError(f"field 'ranks' must be a list of {len(responses)} numbers")
-    pairs = []
-    for i in range(len(responses)):
-        for j in range(i + 1, len(responses)):
-            if ranks[i] != ranks[j]:
-                better, worse = (i, j) if ranks[i] < ranks[j] else (j, i)
-                pairs.append((responses[better], responses[worse]))
-    return pairs
-
-
-def _pair_from_prompt(prompt_value: Any, chosen_value: Any, rejected_value: Any) -> dict[str, list[Message]]:
-    prompt = _messages(prompt_value, "prompt")
-    if not prompt or prompt[-1]["role"] != "user":
-        raise RowError("prompt does not end with a user turn")
-    prompt, chosen, rejected = split_pair(
-        prompt + _messages(chosen_value, "chosen"), prompt + _messages(rejected_value, "rejected")
-    )
-    return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
-
-
-def to_examples(row: Any, fmt: str = "auto", mapping: dict[str, str] | None = None) -> list[dict[str, list[Message]]]:
-    """Turn one raw row into preference examples ``{"prompt", "chosen", "rejected"}`` (message lists).
-
-    A ranking row gives one example per ordered pair; every other format gives one.
-
-    Args:
-        row: a parsed JSON row.
-        fmt: one of :data:`FORMATS`.
-        mapping: renames the row's keys first (``{"question": "prompt", ...}``).
-
-    Raises:
-        RowError: the row does not parse; the message says why.
-        ValueError: an unknown format name.
-    """
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown data format {fmt!r}; expected one of {FORMATS}")
-    if isinstance(row, RowError):
-        raise row
-    if mapping and isinstance(row, dict):
-        row = {mapping.get(key, key): value for key, value in row.items()}
-    fmt = detect_format(row) if fmt == "auto" else fmt
-    try:
-        if fmt == "hh":
-            prompt, chosen, rejected = split_pair(parse_hh_dialogue(row["chosen"]), parse_hh_dialogue(row["rejected"]))
-            return [{"prompt": prompt, "chosen": chosen, "rejected": rejected}]
-        if fmt == "conversational":
-            prompt, chosen, rejected = split_pair(
-                _messages(row["chosen"], "chosen", conversation=True),
-                _messages(row["rejected"], "rejected", conversation=True),
-            )
-            return [{"prompt": prompt, "chosen": chosen, "rejected": rejected}]
-        if fmt == "pairs":
-            return [_pair_from_prompt(row["prompt"], row["chosen"], row["rejected"])]
-        examples, reasons = [], []
-        for better, worse in expand_ranking(row["responses"], row.get("ranks")):
-            try:
-                examples.append(_pair_from_prompt(row["prompt"], better, worse))
-            except RowError as err:
-                reasons.append(str(err))
-        if not examples:
-            raise RowError(f"ranking gives no usable pair ({reasons[0] if reasons else 'all responses tie'})")
-        return examples
-    except (KeyError, TypeError) as err:
-        raise RowError(f"row does not fit format {fmt!r}: missing or wrong field {err}") from err
-
-
-def prompt_key(prompt: list[Message]) -> str:
-    """Stable hex sha256 of a prompt's messages; the id of the prompt."""
-    return hashlib.sha256(json.dumps(prompt, sort_keys=True, ensure_ascii=False).encode("utf-8")).hexdigest()
+def _check_fractions(fractions: dict[str, float]) -> None:
+    if any(f < 0 for f in fractions.values()) or abs(sum(fractions.values()) - 1.0) > 1e-6:
+        raise ValueError(f"split fractions must be >= 0 and sum to 1, got {fractions}")
 
 
 def assign_split(prompt: list[Message], fractions: dict[str, float]) -> str:
-    """Pick the split of a prompt from a hash of it, so one prompt never lands in two splits.
+    """Pick the split of a prompt from a hash of its conversation root (see :func:`conversation_root`).
 
     Args:
-        prompt: the prompt's messages.
+        prompt: the prompt's messages (at least one user turn).
         fractions: split name -> fraction, in order; fractions must sum to 1.
 
     Returns:
-        The split name.
+        The split name: the first whose cumulative fraction exceeds the root's hash point.
 
     Raises:
         ValueError: the fractions are negative or do not sum to 1 (1e-6).
+        RowError: the prompt has no user turn.
     """
-    if any(f < 0 for f in fractions.values()) or abs(sum(fractions.values()) - 1.0) > 1e-6:
-        raise ValueError(f"split fractions must be >= 0 and sum to 1, got {fractions}")
-    point = int(prompt_key(prompt)[:15], 16) / 16**15
+    _check_fractions(fractions)
+    point = _unit_point(conversation_root(prompt))
     edge = 0.0
     for name, fraction in fractions.items():
         edge += fraction
@@ -277,10 +129,78 @@ def assign_split(prompt: list[Message], fractions: dict[str, float]) -> str:
     return name
 
 
-def dialogue_text(messages: list[Message]) -> str:
-    """Plain text of a dialogue (``"Human: ...\\n\\nAssistant: ..."``), used as PPO-ptx language-model text."""
-    names = {"user": "Human", "assistant": "Assistant", "system": "System"}
-    return "\n\n".join(f"{names[m['role']]}: {m['content']}" for m in messages)
+def parse_ptx_row(row: Any) -> dict[str, Any]:
+    """Check the shape of a PPO-ptx row: exactly one of ``messages`` (a non-empty list of
+    ``{"role": "system" | "user" | "assistant", "content": str}``) or ``text`` (a string).
+
+    Returns:
+        ``{"messages": [...]}`` or ``{"text": str}`` (other keys dropped).
+
+    Raises:
+        RowError: neither or both keys, or a malformed value (the message is the quarantine reason).
+    """
+    if not isinstance(row, dict) or ("messages" in row) == ("text" in row):
+        keys = sorted(row) if isinstance(row, dict) else type(row).__name__
+        raise RowError(f"ptx row has keys {keys}; expected exactly one of 'messages' or 'text'")
+    if "text" in row:
+        if not isinstance(row["text"], str):
+            raise RowError(f"ptx field 'text' is {type(row['text']).__name__}, not a string")
+        return {"text": row["text"]}
+    messages = as_messages(row["messages"], "messages", conversation=True)
+    if not messages:
+        raise RowError("ptx field 'messages' is an empty list")
+    return {"messages": messages}
+
+
+def ptx_key(row: dict[str, Any]) -> str:
+    """What groups PPO-ptx rows for the held-out share: the conversation root of a ``messages`` row
+    with a user turn, else its whitespace-normalised contents (``text`` rows: the text)."""
+    if "messages" in row and any(m["role"] == "user" for m in row["messages"]):
+        return conversation_root(row["messages"])
+    contents = [m["content"] for m in row["messages"]] if "messages" in row else [row["text"]]
+    return " ".join(" ".join(contents).split())
+
+
+def is_ptx_heldout(row: dict[str, Any], heldout_fraction: float) -> bool:
+    """Whether a ptx row goes to ``ptx_heldout``: a hash of :func:`ptx_key`, salted so it is
+    independent of the split hash, falls below ``heldout_fraction``."""
+    return _unit_point(ptx_key(row), salt="ptx_heldout\x1f") < heldout_fraction
+
+
+def ptx_token_ids(tokenizer: PreTrainedTokenizerBase, row: dict[str, Any], max_length: int) -> list[int]:
+    """Token ids of one PPO-ptx row, the input of the LM term of PPO-ptx (tutorial Eq. 14).
+
+    A ``messages`` row is ``tokenizer.apply_chat_template(messages, tokenize=False)``
+    (no generation prompt; template markers included, every token is an LM target);
+    a ``text`` row is ``text + eos_token``. Both are tokenised without added
+    special tokens and cut on the right to ``max_length`` (the start is kept).
+
+    Args:
+        tokenizer: the policy's tokenizer, with a chat template.
+        row: a ptx row (see :func:`parse_ptx_row`).
+        max_length: the most tokens to keep (>= 1).
+
+    Returns:
+        ``list[int]`` of length ``1..max_length``.
+
+    Raises:
+        ValueError: ``max_length < 1``, the row is malformed (names its id and why), or it gives no tokens.
+    """
+    if max_length < 1:
+        raise ValueError(f"ptx max_length must be >= 1, got {max_length}")
+    name = row.get("id", "?") if isinstance(row, dict) else "?"
+    try:
+        parsed = parse_ptx_row(row)
+    except RowError as err:
+        raise ValueError(f"ptx row {name}: {err}") from None
+    if "messages" in parsed:
+        text = tokenizer.apply_chat_template(parsed["messages"], tokenize=False)
+    else:
+        text = parsed["text"] + tokenizer.eos_token
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"][:max_length]
+    if not ids:
+        raise ValueError(f"ptx row {name}: no tokens")
+    return ids
 
 
 @dataclass
@@ -302,51 +222,91 @@ class Source:
     mapping: dict[str, str] | None = None
 
 
-def prepare_rows(sources: list[Source], fractions: dict[str, float]) -> PreparedData:
-    """Parse raw rows of one or more sources, quarantine the unparseable ones and split the rest by prompt hash.
+def prepare_rows(
+    sources: list[Source],
+    fractions: dict[str, float],
+    ptx_sources: list[Source] | None = None,
+    ptx_heldout_fraction: float = 0.2,
+) -> PreparedData:
+    """Parse raw rows, quarantine the unparseable ones and split the rest by conversation root.
 
     Output rows: ``sft``, ``rm_train``, ``rm_eval`` hold whole pairs
     ``{"id", "source", "prompt", "chosen", "rejected"}``; ``ppo_prompts`` and
     ``eval_prompts`` hold ``{"id", "source", "prompt"}`` (one row per distinct
-    prompt); ``ptx_text`` holds ``{"id", "source", "text"}`` (the chosen dialogue
-    as plain text). Quarantine rows are ``{"source", "line", "reason", "row"}``.
-    Each row keeps the path of its source.
+    prompt). The ptx share (``fractions["ptx_text"]``) of the preference data
+    gives ``{"id", "source", "messages"}`` rows (prompt + chosen response); every
+    row of ``ptx_sources`` (``{"messages"}`` or ``{"text"}``, see
+    :func:`parse_ptx_row`) is added to them, unless its conversation root is in
+    another split of the preference data (then it is quarantined: it would leak).
+    Of all ptx rows, a hashed ``ptx_heldout_fraction`` (by :func:`ptx_key`) goes
+    to ``ptx_heldout``, the rest to ``ptx_text``. Ids: pair and ptx rows
+    ``<sha256[:16]>-<line>`` (``-<k>`` for the k-th pair of a ranking row,
+    ``-s<i>`` for the i-th source after the first); prompt rows ``<sha256[:16]>``.
+    Quarantine rows are ``{"source", "line", "reason", "row"}``.
 
     Args:
-        sources: the inputs, concatenated in order.
+        sources: the preference inputs, concatenated in order.
         fractions: split fractions (see :func:`assign_split`).
+        ptx_sources: optional PPO-ptx corpora (``data.ptx_source``).
+        ptx_heldout_fraction: share of the ptx rows held out, in (0, 1).
+
+    Raises:
+        ValueError: fractions that do not sum to 1, or ``ptx_heldout_fraction`` outside (0, 1).
     """
+    _check_fractions(fractions)
+    if not 0 < ptx_heldout_fraction < 1:
+        raise ValueError(f"data.ptx_heldout_fraction must be in (0, 1), got {ptx_heldout_fraction}")
     splits: dict[str, list[dict[str, Any]]] = {name: [] for name in SPLITS}
     quarantine: list[dict[str, Any]] = []
     seen_prompts: set[tuple[str, str]] = set()
+    root_split: dict[str, str] = {}
     rows_in = 0
-    for source, line, row in ((src, line, row) for src in sources for line, row in src.rows):
-        rows_in += 1
-        try:
-            examples = to_examples(row, source.format, source.mapping)
-        except RowError as err:
-            quarantine.append(
-                {
-                    "source": source.path,
-                    "line": line,
-                    "reason": str(err),
-                    "row": None if isinstance(row, RowError) else row,
-                }
-            )
-            continue
-        for number, example in enumerate(examples):
-            key = prompt_key(example["prompt"])
-            split = assign_split(example["prompt"], fractions)
-            record = {"id": f"{key[:16]}-{line}" + (f"-{number}" if len(examples) > 1 else ""), "source": source.path}
-            if split in ("ppo_prompts", "eval_prompts"):
-                if (split, key) in seen_prompts:
-                    continue
-                seen_prompts.add((split, key))
-                splits[split].append({**record, "id": key[:16], "prompt": example["prompt"]})
-            elif split == "ptx_text":
-                splits[split].append({**record, "text": dialogue_text(example["prompt"] + example["chosen"])})
-            else:
-                splits[split].append({**record, **example})
+
+    def ptx(record: dict[str, Any]) -> None:
+        splits["ptx_heldout" if is_ptx_heldout(record, ptx_heldout_fraction) else "ptx_text"].append(record)
+
+    def reject(source: Source, line: int, row: Any, reason: str) -> None:
+        quarantine.append(
+            {"source": source.path, "line": line, "reason": reason, "row": None if isinstance(row, RowError) else row}
+        )
+
+    for index, source in enumerate(sources):
+        for line, row in source.rows:
+            rows_in += 1
+            try:
+                examples = to_examples(row, source.format, source.mapping)
+            except RowError as err:
+                reject(source, line, row, str(err))
+                continue
+            for number, example in enumerate(examples):
+                key = prompt_key(example["prompt"])
+                split = assign_split(example["prompt"], fractions)
+                root_split[conversation_root(example["prompt"])] = split
+                suffix = (f"-{number}" if len(examples) > 1 else "") + (f"-s{index}" if index else "")
+                record = {"id": f"{key[:16]}-{line}{suffix}", "source": source.path}
+                if split in ("ppo_prompts", "eval_prompts"):
+                    if (split, key) not in seen_prompts:
+                        seen_prompts.add((split, key))
+                        splits[split].append({**record, "id": key[:16], "prompt": example["prompt"]})
+                elif split == "ptx_text":
+                    ptx({**record, "messages": example["prompt"] + example["chosen"]})
+                else:
+                    splits[split].append({**record, **example})
+    for index, source in enumerate(ptx_sources or []):
+        for line, row in source.rows:
+            rows_in += 1
+            try:
+                if isinstance(row, RowError):
+                    raise row
+                parsed = parse_ptx_row(row)
+                other = root_split.get(ptx_key(parsed), "ptx_text") if "messages" in parsed else "ptx_text"
+                if other != "ptx_text":
+                    raise RowError(f"ptx conversation's first user turn is also in split '{other}' (it would leak)")
+            except RowError as err:
+                reject(source, line, row, str(err))
+                continue
+            key = prompt_key(parsed)
+            ptx({"id": f"{key[:16]}-{line}" + (f"-p{index}" if index else ""), "source": source.path, **parsed})
     return PreparedData(splits=splits, quarantine=quarantine, rows_in=rows_in)
 
 

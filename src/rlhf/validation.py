@@ -1,11 +1,14 @@
 """The preference-data suite: Great Expectations rules over the processed splits, with quarantine.
 
 Each rule is one expectation over a column derived from the rows (text,
-flags, token lengths). A row that breaks any rule is quarantined with the
-names of the rules it broke; the rest is valid. Rows in = valid rows +
-quarantined rows, always. The split fails when it is empty or when the share
-of quarantined rows exceeds ``max_quarantine_fraction``; the failure message
-has one line per broken rule (file, row, rule, value).
+flags, token lengths). Split kinds: ``pairs`` (prompt/chosen/rejected),
+``prompts`` and ``ptx`` (PPO-ptx rows, ``{"messages"}`` or ``{"text"}``, whose
+rules read each message's content, never the chat template's own markers).
+A row that breaks any rule is quarantined with the names of the rules it
+broke; the rest is valid. Rows in = valid rows + quarantined rows, always. The
+split fails when it is empty or when the share of quarantined rows exceeds
+``max_quarantine_fraction``; the failure message has one line per broken rule
+(file, row, rule, value).
 """
 
 from __future__ import annotations
@@ -19,13 +22,15 @@ import great_expectations as gx
 import pandas as pd
 from transformers import PreTrainedTokenizerBase
 
+from rlhf.data import RowError, parse_ptx_row, ptx_token_ids
 from rlhf.models import encode_chat, encode_prompt
 
 ROLE_MARKER = re.compile(r"(?:^|\s)(?:Human|Assistant|User|System):")
-"""A speaker tag inside a response, at a line start or mid-line ("... Human: what? Assistant: ...")."""
+"""A speaker tag inside a response or a ptx message, at a line start or mid-line ("... Human: what? Assistant: ...")."""
 PAIR_SPLITS = ("sft", "rm_train", "rm_eval")
 PROMPT_SPLITS = ("ppo_prompts", "eval_prompts")
-TEXT_SPLITS = ("ptx_text",)
+PTX_SPLITS = ("ptx_text", "ptx_heldout")
+KINDS = ("pairs", "prompts", "ptx")
 
 
 @dataclass
@@ -35,7 +40,8 @@ class ValidationConfig:
     max_length: int = 256  # tokens of prompt + response, as the trainers truncate (keep equal to sft/reward max_length)
     max_prompt_tokens: int = 2048
     max_response_tokens: int = 1024
-    role_markers: str = "quarantine"  # quarantine | keep: what to do with "Human:"/"Assistant:" inside a response
+    role_markers: str = "quarantine"  # quarantine | keep: "Human:"/"Assistant:" inside a response or ptx content
+    max_ptx_tokens: int = 2048  # tokens of a ptx row as PPO-ptx reads it (chat template or text + EOS)
     max_quarantine_fraction: float = 0.05
 
 
@@ -78,6 +84,35 @@ def _normalized(text: str | None) -> str:
     return " ".join(unicodedata.normalize("NFKC", text or "").split())
 
 
+def _ptx_record(row: Any, index: int, tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
+    """Derived columns of one ptx row: the rules read each message's content (or the text), one by one."""
+    try:
+        parsed = parse_ptx_row(row)
+    except RowError:
+        parsed = None
+    messages = (parsed or {}).get("messages") or []
+    contents = [m["content"] for m in messages] if parsed and "messages" in parsed else [(parsed or {}).get("text")]
+    contents = [c for c in contents if c is not None]
+    utf8 = all(_utf8(c) for c in contents)
+    marker = next((c for c in contents if ROLE_MARKER.search(c)), None)
+    if parsed is None:
+        key = f"\x00invalid row {index}"  # a malformed row is reported by 'fields', not as a duplicate
+    elif "messages" in parsed:
+        key = "\x1f".join(f"{m['role']}\x1e{_normalized(m['content'])}" for m in messages)
+    else:
+        key = f"text\x1e{_normalized(parsed['text'])}"
+    return {
+        "fields_ok": parsed is not None,
+        "utf8_ok": utf8,
+        "text": _safe("\n".join(contents)),
+        "contents_nonempty": bool(contents) and all(c.strip() for c in contents),
+        "role_marker": marker is not None,
+        "marker_content": _safe(marker),
+        "ptx_tokens": len(ptx_token_ids(tokenizer, row, 10**9)) if parsed is not None and utf8 else 0,
+        "key": _safe(key),
+    }
+
+
 def derive_columns(
     rows: list[dict[str, Any]], kind: str, tokenizer: PreTrainedTokenizerBase, config: ValidationConfig
 ) -> pd.DataFrame:
@@ -85,15 +120,14 @@ def derive_columns(
 
     Args:
         rows: the split's rows.
-        kind: ``"pairs"``, ``"prompts"`` or ``"text"``.
+        kind: one of :data:`KINDS`.
         tokenizer: the base tokenizer (token lengths, truncation).
         config: :class:`ValidationConfig`.
     """
     records = []
     for row in rows:
-        if kind == "text":
-            text = row.get("text") if isinstance(row.get("text"), str) else None
-            records.append({"fields_ok": text is not None, "text": _safe(text), "utf8_ok": _utf8(text)})
+        if kind == "ptx":
+            records.append(_ptx_record(row, len(records), tokenizer))
             continue
         prompt = _text(row.get("prompt"))
         record = {"prompt": _safe(prompt), "prompt_tokens": 0}
@@ -136,12 +170,22 @@ def derive_columns(
 def _rules(kind: str, config: ValidationConfig) -> list[tuple[str, Any]]:
     """(rule name, expectation) pairs of the suite for a kind of split."""
     E = gx.expectations
-    if kind == "text":
-        return [
+    if kind == "ptx":
+        rules = [
             ("fields", E.ExpectColumnValuesToBeInSet(column="fields_ok", value_set=[True])),
             ("utf8", E.ExpectColumnValuesToBeInSet(column="utf8_ok", value_set=[True])),
-            ("empty_text", E.ExpectColumnValuesToMatchRegex(column="text", regex=r"\S")),
+            ("empty_content", E.ExpectColumnValuesToBeInSet(column="contents_nonempty", value_set=[True])),
+            ("duplicate", E.ExpectColumnValuesToBeInSet(column="is_duplicate", value_set=[False])),
+            (
+                "ptx_tokens",
+                E.ExpectColumnValuesToBeBetween(column="ptx_tokens", min_value=1, max_value=config.max_ptx_tokens),
+            ),
         ]
+        if config.role_markers == "quarantine":
+            rules.append(
+                ("role_marker_in_content", E.ExpectColumnValuesToBeInSet(column="role_marker", value_set=[False]))
+            )
+        return rules
     rules = [
         ("fields", E.ExpectColumnValuesToBeInSet(column="fields_ok", value_set=[True])),
         ("utf8", E.ExpectColumnValuesToBeInSet(column="utf8_ok", value_set=[True])),
@@ -189,7 +233,7 @@ def validate_split(
     Args:
         path: the file the rows came from (named in messages).
         rows: its rows, in file order (row numbers are 1-based lines).
-        kind: ``"pairs"``, ``"prompts"`` or ``"text"``.
+        kind: one of :data:`KINDS`.
         tokenizer: the base tokenizer.
         config: :class:`ValidationConfig`.
 
@@ -202,7 +246,7 @@ def validate_split(
     """
     if config.role_markers not in ("quarantine", "keep"):
         raise ValueError(f"validate.role_markers must be quarantine or keep, got {config.role_markers!r}")
-    if kind not in ("pairs", "prompts", "text"):
+    if kind not in KINDS:
         raise ValueError(f"unknown split kind {kind!r}")
     if not rows:
         return SplitResult(
@@ -265,17 +309,20 @@ def _shown_value(frame: pd.DataFrame, rule: str, index: int, value: Any) -> Any:
     """The text a person needs to see for a broken rule (the response or prompt, not the derived flag)."""
     if rule == "role_marker_in_response":
         return frame.at[index, "chosen" if frame.at[index, "chosen_role_marker"] else "rejected"]
+    if "marker_content" in frame:  # a ptx split
+        column = {"role_marker_in_content": "marker_content", "empty_content": "text", "duplicate": "text"}.get(rule)
+        return frame.at[index, column] if column else value
     column = {"duplicate": "prompt", "identical_responses": "chosen", "identical_after_truncation": "chosen"}.get(rule)
     return frame.at[index, column] if column else value
 
 
 def split_kind(split: str) -> str:
-    """``"pairs"``, ``"prompts"`` or ``"text"`` for a split name.
+    """The kind (:data:`KINDS`) of a split name: ``"pairs"``, ``"prompts"`` or ``"ptx"``.
 
     Raises:
         ValueError: unknown split.
     """
-    for names, kind in ((PAIR_SPLITS, "pairs"), (PROMPT_SPLITS, "prompts"), (TEXT_SPLITS, "text")):
+    for names, kind in ((PAIR_SPLITS, "pairs"), (PROMPT_SPLITS, "prompts"), (PTX_SPLITS, "ptx")):
         if split in names:
             return kind
     raise ValueError(f"unknown split {split!r}")
