@@ -28,7 +28,7 @@ SUMMARY = {
     "base_model": [],
     "validate": ["validate/valid", "validate/quarantined"],
     "sft": ["sft/loss_first", "sft/loss_last"],
-    "reward": ["rm/accuracy", "rm/margin", "rm/ece"],
+    "reward": ["rm/accuracy", "rm/pairs", "rm/ties", "rm/accuracy_chosen_shorter", "rm/margin", "rm/ece"],
     "ppo": ["ppo/iterations", "ppo/reward/mean", "ppo/kl"],
     "evaluate": [
         "eval/sft/reward",
@@ -124,19 +124,53 @@ def rlhf_pipeline(stages: list[str] | None = None) -> dict[str, dict]:
     return metrics
 
 
+def _figure(values: dict, key: str) -> str | None:
+    """``key=value``, with ``[low, high]`` when the file holds ``<key>_low`` and ``<key>_high``; None if absent.
+
+    A rate that is undefined (NaN, written as null) shows as ``n/a``.
+    """
+    if key not in values:
+        return None
+    value, low, high = values[key], values.get(f"{key}_low"), values.get(f"{key}_high")
+    if not isinstance(value, (int, float)):
+        return f"{key}=n/a" if value is None else None
+    if isinstance(low, (int, float)) and isinstance(high, (int, float)):
+        return f"{key}={value:.3f} [{low:.3f}, {high:.3f}]"
+    return f"{key}={value:.3f}"
+
+
+def summary_warnings(metrics: dict[str, dict]) -> list[str]:
+    """Loud lines for the summary: the reward model's accuracy interval includes chance (or is below it, or undefined).
+
+    Reads ``rm/accuracy``, ``rm/accuracy_low`` and ``rm/accuracy_high`` of the
+    reward stage's metrics file (NaN is stored as null); the rule and wording
+    are :func:`rlhf.stats.chance_warning`'s, as printed by the reward stage.
+    """
+    from rlhf.stats import chance_warning
+
+    reward = metrics.get("reward", {})
+    if "rm/accuracy_low" not in reward:
+        return []
+    warning = chance_warning(
+        "rm_eval accuracy", reward.get("rm/accuracy"), reward.get("rm/accuracy_low"), reward.get("rm/accuracy_high")
+    )
+    return [f"WARNING: {warning}: the reward model has not learned to rank"] if warning else []
+
+
 def print_summary(metrics: dict[str, dict]) -> None:
-    """Print the time of each stage and the headline figures."""
+    """Print the time of each stage and the headline figures (rates with their interval), then any warning."""
     table = Table(title="RLHF pipeline")
     table.add_column("stage")
     table.add_column("seconds", justify="right")
     table.add_column("figures")
     for stage, values in metrics.items():
         seconds = values.get("seconds")
-        figures = ", ".join(
-            f"{k}={values[k]:.3f}" for k in SUMMARY.get(stage, []) if isinstance(values.get(k), (int, float))
-        )
+        figures = ", ".join(f for f in (_figure(values, k) for k in SUMMARY.get(stage, [])) if f)
         table.add_row(stage, f"{seconds:.0f}" if isinstance(seconds, (int, float)) else "-", figures)
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    for line in summary_warnings(metrics):
+        console.print(line, style="bold red", markup=False, highlight=False, soft_wrap=True)
 
 
 def main(stage: list[str] = typer.Option(None, help="run only these stages (repeatable)")) -> None:

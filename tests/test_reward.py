@@ -106,3 +106,89 @@ def test_reward_loss_is_bradley_terry_plus_lm_coef_times_imitation_loss(tiny_dir
     expected = bradley_terry_loss(chosen, rejected, margin=0.5).item() + 0.7 * logged["rm/lm_loss"]
     assert logged["rm/loss"] == pytest.approx(expected, abs=1e-5)
     assert logged["rm/lm_loss"] > 0
+
+
+def test_empty_response_metrics_by_hand():
+    from rlhf.reward import empty_response_metrics
+
+    # empty [0.5, -1.0, 2.0] vs chosen [0.0, 0.0, 3.0]: means 0.5 and 1.0; empty wins on prompt 0 only -> 1/3
+    metrics = empty_response_metrics(torch.tensor([0.5, -1.0, 2.0]), torch.tensor([0.0, 0.0, 3.0]))
+    assert metrics == pytest.approx(
+        {"rm/empty_score_mean": 0.5, "rm/chosen_score_mean": 1.0, "rm/empty_beats_chosen": 1 / 3}
+    )
+
+
+def test_preference_metrics_ties_intervals_and_length_bias_by_hand():
+    from rlhf.stats import TiesWarning
+
+    chosen, rejected = torch.tensor([2.0, 1.0, 0.0, 3.0, 1.0]), torch.tensor([1.0, 2.0, -1.0, 3.0, 1.0])
+    chosen_lengths, rejected_lengths = torch.tensor([5, 10, 3, 4, 6]), torch.tensor([8, 4, 9, 4, 2])
+    # pair 0: right, chosen shorter; 1: wrong, chosen longer; 2: right, chosen shorter;
+    # 3: tie, equal lengths (in neither subset); 4: tie, chosen longer
+    # accuracy 2 of 3 decisive (a tie used to count as wrong: 2/5 = 0.4); ties 2
+    # Wilson 2 of 3: p = 0.666667, z^2/n = 1.280486, den = 2.280486, center = (0.666667 + 0.640243) / 2.280486
+    # = 0.573084; half = 1.959964 * sqrt(0.074074 + 0.106707) / 2.280486 = 1.959964 * 0.425183 / 2.280486 = 0.365424
+    # -> [0.2077, 0.9385]
+    # chosen shorter: pairs 0, 2 -> 2/2 = 1.0 (n 2); chosen longer: pair 1 wrong, pair 4 tied -> 0/1 = 0.0 (n 1)
+    with pytest.warns(TiesWarning, match="2 of 5 rm_eval pairs tied"):
+        metrics = preference_metrics(chosen, rejected, chosen_lengths, rejected_lengths)
+    assert metrics["rm/accuracy"] == pytest.approx(2 / 3)
+    assert metrics["rm/accuracy_low"] == pytest.approx(0.2077, abs=5e-5)
+    assert metrics["rm/accuracy_high"] == pytest.approx(0.9385, abs=5e-5)
+    assert (metrics["rm/pairs"], metrics["rm/ties"]) == (3, 2)
+    assert (metrics["rm/accuracy_chosen_shorter"], metrics["rm/pairs_chosen_shorter"]) == (1.0, 2)
+    assert (metrics["rm/accuracy_chosen_longer"], metrics["rm/pairs_chosen_longer"]) == (0.0, 1)
+    assert metrics["rm/margin"] == pytest.approx((1 - 1 + 1 + 0 + 0) / 5)
+
+
+def test_preference_metrics_of_a_constant_model_are_undefined_not_zero():
+    from rlhf.stats import TiesWarning
+
+    scores = torch.full((4,), 0.25)
+    with pytest.warns(TiesWarning, match="4 of 4"):
+        metrics = preference_metrics(scores, scores.clone(), torch.tensor([1, 2, 3, 4]), torch.tensor([4, 3, 2, 1]))
+    for key in ("rm/accuracy", "rm/accuracy_low", "rm/accuracy_high", "rm/accuracy_chosen_shorter"):
+        assert math.isnan(metrics[key]), key
+    assert (metrics["rm/pairs"], metrics["rm/ties"]) == (0, 4)
+    assert (metrics["rm/pairs_chosen_shorter"], metrics["rm/pairs_chosen_longer"]) == (0, 0)
+
+
+def test_reward_stage_and_flow_summary_warn_loudly_when_accuracy_includes_chance(capsys, monkeypatch):
+    import os
+
+    monkeypatch.syspath_prepend(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tasks/, flows/
+    from flows.pipeline import print_summary
+    from tasks.reward import summary_lines
+
+    metrics = {
+        "rm/accuracy": 0.53,
+        "rm/accuracy_low": 0.46,
+        "rm/accuracy_high": 0.60,
+        "rm/pairs": 196.0,
+        "rm/ties": 0.0,
+        "rm/accuracy_chosen_shorter": 0.4,
+        "rm/pairs_chosen_shorter": 90.0,
+        "rm/accuracy_chosen_longer": 0.6,
+        "rm/pairs_chosen_longer": 100.0,
+        "rm/margin": 0.1,
+        "rm/loss_last": 0.6,
+    }
+    expected = (
+        "WARNING: rm_eval accuracy 0.53 [0.46, 0.60] includes chance (0.5): the reward model has not learned to rank"
+    )
+    lines = summary_lines(metrics)
+    assert lines[0].startswith("[reward] rm_eval accuracy 0.530 [0.460, 0.600] (Wilson 95%) over 196 decisive pairs")
+    assert lines[-1] == f"[reward] {expected}"
+    # the metrics file as the flow reads it back; 120 of 196 ([0.5425, 0.6777]) is clear of chance: no warning
+    monkeypatch.setenv("COLUMNS", "300")  # a table row on one line
+    print_summary({"reward": {**metrics, "seconds": 3.0}})
+    out = capsys.readouterr().out
+    assert expected in out and "rm/accuracy=0.530 [0.460, 0.600]" in out
+    good = {**metrics, "rm/accuracy": 120 / 196, "rm/accuracy_low": 0.5425, "rm/accuracy_high": 0.6777}
+    assert not any("WARNING" in line for line in summary_lines(good))
+    print_summary({"reward": good})
+    assert "WARNING" not in capsys.readouterr().out
+    # a constant model: NaN is written as null in metrics/reward.json
+    print_summary({"reward": {**metrics, "rm/accuracy": None, "rm/accuracy_low": None, "rm/accuracy_high": None}})
+    out = capsys.readouterr().out
+    assert "WARNING: rm_eval accuracy is undefined" in out and "rm/accuracy=n/a" in out

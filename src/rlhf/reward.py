@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,7 +12,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.losses import bradley_terry_loss, language_model_loss, last_token_index
 from rlhf.models import Encoded, encode_chat, pad, pad_masks, position_ids_from_mask, sequence_scores
-from rlhf.training import Checkpointer, LogFn, freeze_lower_layers, supervised_loop
+from rlhf.stats import TiesWarning, paired_rate
+from rlhf.training import Checkpointer, LogFn, check_schedule, freeze_lower_layers, supervised_loop
 
 
 @dataclass
@@ -32,6 +34,10 @@ class RewardConfig:
     checkpoint_every: int = 10
     trainable_layers: int | None = None  # train only the top N blocks (CPU budget); None: all
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        """Refuse a warm-up the schedule would ignore (:func:`rlhf.training.check_schedule`)."""
+        check_schedule("reward", self.scheduler, self.warmup_steps)
 
 
 def encode_pairs(
@@ -203,27 +209,55 @@ def preference_metrics(
 ) -> dict[str, float]:
     """Held-out reward-model metrics from scores and response lengths.
 
+    Accuracies follow the product's tie rule (:func:`rlhf.stats.paired_rate`):
+    a pair is right when chosen > rejected, wrong when chosen < rejected, and a
+    tie (equal scores) is not decisive: it is left out of the accuracy and its
+    count, counted in ``rm/ties``, and a :class:`rlhf.stats.TiesWarning` is
+    issued. A constant model thus gets ``rm/accuracy`` NaN, ``rm/pairs`` 0 and
+    ``rm/ties`` N (not an accuracy of 0.0).
+
     Args:
         chosen, rejected: ``(N,)`` float scores.
         chosen_lengths, rejected_lengths: ``(N,)`` response lengths in tokens.
 
     Returns:
-        ``rm/accuracy`` (share with chosen > rejected), ``rm/margin`` (mean
-        chosen - rejected), ``rm/ece`` (of ``sigmoid(margin)`` against the label
-        "chosen wins"), ``rm/length_corr`` (Pearson of score with length over all
-        responses), ``rm/accuracy_chosen_shorter`` (accuracy on pairs whose chosen
-        response is strictly shorter; NaN when there are none) and ``rm/pairs``.
+        ``rm/accuracy`` (share of decisive pairs with chosen > rejected; NaN
+        when none), ``rm/accuracy_low`` and ``rm/accuracy_high`` (its Wilson 95%
+        interval), ``rm/pairs`` (decisive pairs, the accuracy's denominator),
+        ``rm/ties`` (pairs with equal scores; ``rm/pairs + rm/ties = N``),
+        ``rm/accuracy_chosen_shorter`` / ``rm/pairs_chosen_shorter`` (the same
+        on pairs whose chosen response is strictly shorter, and their decisive
+        count), ``rm/accuracy_chosen_longer`` / ``rm/pairs_chosen_longer``
+        (chosen strictly longer; equal lengths are in neither), ``rm/margin``
+        (mean chosen - rejected over all N), ``rm/ece`` (of ``sigmoid(margin)``
+        against the label "chosen wins") and ``rm/length_corr`` (Pearson of
+        score with length over all responses).
+
+    Raises:
+        ValueError: a NaN score.
     """
     margin = chosen - rejected
-    shorter = chosen_lengths < rejected_lengths
-    return {
-        "rm/accuracy": float((margin > 0).float().mean()),
+    overall = paired_rate(chosen, rejected, what="rm_eval pairs")
+    metrics = {
+        "rm/accuracy": overall.rate,
+        "rm/accuracy_low": overall.low,
+        "rm/accuracy_high": overall.high,
+        "rm/pairs": float(overall.n),
+        "rm/ties": float(overall.ties),
         "rm/margin": float(margin.mean()),
         "rm/ece": expected_calibration_error(torch.sigmoid(margin), torch.ones_like(margin)),
         "rm/length_corr": pearson(torch.cat([chosen, rejected]), torch.cat([chosen_lengths, rejected_lengths]).float()),
-        "rm/accuracy_chosen_shorter": float((margin[shorter] > 0).float().mean()) if shorter.any() else float("nan"),
-        "rm/pairs": float(len(margin)),
     }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TiesWarning)  # already reported once for all pairs above
+        for name, subset in (
+            ("chosen_shorter", chosen_lengths < rejected_lengths),
+            ("chosen_longer", chosen_lengths > rejected_lengths),
+        ):
+            part = paired_rate(chosen[subset], rejected[subset])
+            metrics[f"rm/accuracy_{name}"] = part.rate
+            metrics[f"rm/pairs_{name}"] = float(part.n)
+    return metrics
 
 
 def evaluate_reward_model(
@@ -233,10 +267,44 @@ def evaluate_reward_model(
     max_length: int,
     batch_size: int,
 ) -> tuple[dict[str, float], torch.Tensor]:
-    """Score held-out pairs; returns :func:`preference_metrics` and the ``(N,)`` margins (for the histogram)."""
+    """Score held-out pairs; returns the metrics and the ``(N,)`` margins (for the histogram).
+
+    Metrics: :func:`preference_metrics`, plus :func:`empty_response_metrics` of the
+    same prompts (what the model says of an empty answer, a known hack).
+    """
     pairs = encode_pairs(tokenizer, examples, max_length)
     chosen = score_sequences(model, tokenizer, [c.input_ids for c, _ in pairs], batch_size)
     rejected = score_sequences(model, tokenizer, [r.input_ids for _, r in pairs], batch_size)
     chosen_lengths = torch.tensor([sum(c.response_mask) for c, _ in pairs])
     rejected_lengths = torch.tensor([sum(r.response_mask) for _, r in pairs])
-    return preference_metrics(chosen, rejected, chosen_lengths, rejected_lengths), chosen - rejected
+    empty = [
+        encode_chat(tokenizer, ex["prompt"], [{"role": "assistant", "content": ""}], max_length) for ex in examples
+    ]
+    empty_scores = score_sequences(model, tokenizer, [e.input_ids for e in empty], batch_size)
+    metrics = {
+        **preference_metrics(chosen, rejected, chosen_lengths, rejected_lengths),
+        **empty_response_metrics(empty_scores, chosen),
+    }
+    return metrics, chosen - rejected
+
+
+def empty_response_metrics(empty_scores: torch.Tensor, chosen_scores: torch.Tensor) -> dict[str, float]:
+    """How the reward model scores an empty response (EOS first) against the chosen one, prompt by prompt.
+
+    An empty answer is a known hack on harmless data: the reward model never
+    saw one in training, so PPO treats it like a missing EOS unless configured
+    otherwise (``generation.empty_response``).
+
+    Args:
+        empty_scores: ``(N,)`` float, the score of ``prompt + ""`` for each prompt.
+        chosen_scores: ``(N,)`` float, the score of ``prompt + chosen`` for the same prompts.
+
+    Returns:
+        ``rm/empty_score_mean``, ``rm/chosen_score_mean`` and ``rm/empty_beats_chosen`` (share of
+        prompts whose empty response scores strictly above the chosen response).
+    """
+    return {
+        "rm/empty_score_mean": float(empty_scores.mean()),
+        "rm/chosen_score_mean": float(chosen_scores.mean()),
+        "rm/empty_beats_chosen": float((empty_scores > chosen_scores).float().mean()),
+    }

@@ -6,6 +6,7 @@ import nothing of Prefect, MLflow or DVC.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -29,10 +30,39 @@ def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.0)
     return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay)
 
 
+def check_schedule(section: str, name: str, warmup_steps: int) -> None:
+    """Refuse warm-up with the ``constant`` schedule, which would silently ignore it.
+
+    Args:
+        section: params.yaml section named in the message (e.g. ``"ppo"``), or ``""``.
+        name: schedule name; warmup_steps: optimiser steps of warm-up.
+
+    Raises:
+        ValueError: ``warmup_steps > 0`` with ``constant``.
+    """
+    if warmup_steps and name == "constant":
+        prefix = f"{section}." if section else ""
+        raise ValueError(
+            f"{prefix}warmup_steps is {warmup_steps} but {prefix}scheduler 'constant' has no warm-up: "
+            "use constant_with_warmup (or linear, cosine), or set warmup_steps to 0"
+        )
+
+
 def make_scheduler(
     optimizer: torch.optim.Optimizer, name: str, warmup_steps: int, total_steps: int
 ) -> torch.optim.lr_scheduler.LRScheduler:
-    """A transformers learning-rate schedule (``constant_with_warmup``, ``linear``, ``cosine``, ...)."""
+    """A transformers learning-rate schedule (``constant_with_warmup``, ``linear``, ``cosine``, ...).
+
+    Args:
+        optimizer: the optimiser whose learning rate the schedule sets.
+        name: a transformers ``SchedulerType`` name.
+        warmup_steps: optimiser steps of linear warm-up.
+        total_steps: optimiser steps of the whole run.
+
+    Raises:
+        ValueError: see :func:`check_schedule`.
+    """
+    check_schedule("", name, warmup_steps)
     return get_scheduler(
         name, optimizer=optimizer, num_warmup_steps=warmup_steps, num_training_steps=max(total_steps, 1)
     )
@@ -71,12 +101,30 @@ def clip_gradients(model: torch.nn.Module, max_norm: float | None) -> float:
 
 
 def atomic_write_text(path: str, text: str) -> None:
-    """Write a text file atomically (write a temporary file beside it, then rename)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tmp-")
-    with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        handle.write(text)
-    os.replace(tmp, path)
+    """Write a text file atomically (write a temporary file beside it, then rename).
+
+    The file gets the usual mode of a new file, ``0o666 & ~umask`` (``mkstemp``
+    alone would leave it 0600), as :func:`tasks.common.atomic_dir` does for
+    folders. On an error the temporary file is removed and ``path`` is left as it was.
+
+    Args:
+        path: the file to write (its folder is created if needed).
+        text: the content, written as UTF-8.
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            umask = os.umask(0)
+            os.umask(umask)
+            os.fchmod(handle.fileno(), 0o666 & ~umask)
+            handle.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        raise
 
 
 class Checkpointer:

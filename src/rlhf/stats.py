@@ -1,0 +1,152 @@
+"""The product's one binomial interval and its one tie rule.
+
+Every rate the pipeline reports from paired comparisons (reward-model accuracy
+on held-out pairs, the policy's win rate over the SFT model, the gate's
+decisions) goes through :func:`paired_rate`, so all of them count ties the same
+way and carry the same interval:
+
+- Tie rule: a pair whose two scores are exactly equal is *not decisive*. It
+  is left out of ``n`` (neither a success nor a failure, not one half) and
+  reported apart as ``ties``; when any occur a :class:`TiesWarning` is issued
+  (``warnings.warn``), and the count is always in the result, so callers that
+  silence warnings still see it. A constant scorer therefore has ``n = 0``,
+  ``ties = N`` and an undefined (NaN) rate, never 0.0 or 0.5.
+- Interval: the Wilson score interval (Wilson, 1927; Brown, Cai & DasGupta,
+  2001, "Interval Estimation for a Binomial Proportion", Eq. 4), 95% by
+  default (``z = 1.959964``), computed by :func:`wilson_interval`.
+
+Imports nothing but the standard library (scores may be torch tensors, NumPy
+arrays or anything that compares elementwise and has ``.sum()``).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+Z95 = 1.959964  # two-sided 95% standard-normal quantile
+
+
+class TiesWarning(UserWarning):
+    """Some compared pairs scored exactly equal; they were left out of the rate (see :func:`paired_rate`)."""
+
+
+@dataclass(frozen=True)
+class PairedRate:
+    """A rate over decisive paired comparisons with its Wilson interval.
+
+    Attributes:
+        rate: ``wins / n``; NaN when ``n == 0``.
+        low, high: Wilson score interval bounds in [0, 1]; NaN when ``n == 0``.
+        wins: pairs where the first score is strictly greater.
+        n: decisive pairs (``wins + losses``; ties excluded).
+        ties: pairs with exactly equal scores (not in ``n``).
+    """
+
+    rate: float
+    low: float
+    high: float
+    wins: int
+    n: int
+    ties: int
+
+    @property
+    def pairs(self) -> int:
+        """All pairs compared: ``n + ties``."""
+        return self.n + self.ties
+
+    def includes(self, value: float) -> bool:
+        """True when ``value`` lies in ``[low, high]``, or when the rate is undefined (``n == 0``)."""
+        return self.n == 0 or self.low <= value <= self.high
+
+
+def wilson_interval(successes: int, n: int, z: float = Z95) -> tuple[float, float]:
+    """Wilson score interval of a binomial proportion.
+
+    ``center = (p + z^2 / 2n) / (1 + z^2 / n)``,
+    ``half = z / (1 + z^2 / n) * sqrt(p (1 - p) / n + z^2 / 4n^2)``, with
+    ``p = successes / n`` (Brown, Cai & DasGupta 2001, Eq. 4). Unlike the Wald
+    interval it stays inside [0, 1] and is not empty at ``p = 0`` or ``p = 1``.
+
+    Args:
+        successes: number of successes, ``0 <= successes <= n``.
+        n: number of trials, ``>= 0``.
+        z: standard-normal quantile (``Z95`` for a two-sided 95% interval).
+
+    Returns:
+        ``(low, high)`` in [0, 1]; ``(nan, nan)`` when ``n == 0``.
+
+    Raises:
+        ValueError: ``n < 0`` or ``successes`` outside ``[0, n]``.
+    """
+    if n < 0 or not 0 <= successes <= n:
+        raise ValueError(f"wilson_interval needs 0 <= successes <= n, got successes={successes}, n={n}")
+    if n == 0:
+        return float("nan"), float("nan")
+    p = successes / n
+    z2 = z * z
+    denominator = 1 + z2 / n
+    center = (p + z2 / (2 * n)) / denominator
+    half = z / denominator * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
+    return max(0.0, center - half), min(1.0, center + half)
+
+
+def paired_rate(first: Any, second: Any, z: float = Z95, what: str = "pairs") -> PairedRate:
+    """The share of pairs where ``first`` beats ``second``, by the product's tie rule, with its Wilson interval.
+
+    A pair is a win when ``first > second``, a loss when ``first < second``
+    and a tie (not decisive: out of ``n``, counted in ``ties``) when they are
+    exactly equal. Any tie issues a :class:`TiesWarning`.
+
+    Args:
+        first, second: ``(N,)`` float scores paired by index (torch tensors or
+            NumPy arrays), e.g. chosen and rejected scores, or policy and SFT
+            scores of the same prompt.
+        z: standard-normal quantile of the interval (default 95%).
+        what: what the pairs are, for the warning's text.
+
+    Returns:
+        :class:`PairedRate` (``rate``, ``low``, ``high`` NaN when every pair ties or ``N == 0``).
+
+    Raises:
+        ValueError: the shapes differ, or a score is NaN (a NaN pair is neither won, lost nor tied).
+    """
+    if tuple(first.shape) != tuple(second.shape) or len(first.shape) != 1:
+        raise ValueError(f"paired_rate needs two (N,) score arrays, got {tuple(first.shape)} and {tuple(second.shape)}")
+    wins, losses = int((first > second).sum()), int((first < second).sum())
+    ties = int((first == second).sum())
+    if wins + losses + ties != first.shape[0]:
+        raise ValueError(f"{first.shape[0] - wins - losses - ties} of {first.shape[0]} {what} have a NaN score")
+    n = wins + losses
+    if ties:
+        warnings.warn(
+            f"{ties} of {n + ties} {what} tied (equal scores); left out of the rate (n={n})", TiesWarning, stacklevel=2
+        )
+    low, high = wilson_interval(wins, n, z)
+    return PairedRate(rate=wins / n if n else float("nan"), low=low, high=high, wins=wins, n=n, ties=ties)
+
+
+def chance_warning(name: str, rate: float | None, low: float | None, high: float | None, chance: float = 0.5) -> str:
+    """The loud line for a rate whose interval includes chance (or lies below it), or ``""`` when it is above.
+
+    Args:
+        name: what the rate is, e.g. ``"rm_eval accuracy"``.
+        rate, low, high: the rate and its interval (None or NaN when undefined,
+            as read back from a metrics file where NaN is written as null).
+        chance: the rate of a model that has learned nothing (0.5 for pairs).
+
+    Returns:
+        ``"rm_eval accuracy 0.53 [0.46, 0.60] includes chance (0.5)"``,
+        ``"rm_eval accuracy 0.20 [0.10, 0.30] is below chance (0.5)"`` (it ranks
+        backwards), ``"rm_eval accuracy is undefined (...)"``; ``""`` when the
+        interval lies wholly above chance.
+    """
+    if any(v is None or not math.isfinite(v) for v in (rate, low, high)):
+        return f"{name} is undefined (no decisive pairs: every pair tied), so it cannot be told from chance ({chance})"
+    if low <= chance <= high:
+        return f"{name} {rate:.2f} [{low:.2f}, {high:.2f}] includes chance ({chance})"
+    if high < chance:
+        return f"{name} {rate:.2f} [{low:.2f}, {high:.2f}] is below chance ({chance})"
+    return ""

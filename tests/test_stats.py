@@ -1,0 +1,101 @@
+"""The one binomial interval (Wilson 95%) and the one tie rule, on hand-worked values; win_rate follows them."""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from rlhf.evaluation import win_rate
+from rlhf.stats import Z95, PairedRate, TiesWarning, chance_warning, paired_rate, wilson_interval
+
+
+def test_wilson_120_of_196_by_hand():
+    # p = 120/196 = 0.612245; z = 1.959964, z^2 = 3.841459
+    # z^2/n = 0.019599, so the denominator 1 + z^2/n = 1.019599
+    # center = (p + z^2/(2n)) / 1.019599 = (0.612245 + 0.009800) / 1.019599 = 0.610087
+    # p(1-p)/n = 0.612245 * 0.387755 / 196 = 0.0012112; z^2/(4n^2) = 3.841459 / 153664 = 0.0000250
+    # half = z * sqrt(0.0012362) / 1.019599 = 1.959964 * 0.035160 / 1.019599 = 0.067588
+    # -> [0.610087 - 0.067588, 0.610087 + 0.067588] = [0.5425, 0.6777]
+    low, high = wilson_interval(120, 196)
+    assert low == pytest.approx(0.5425, abs=5e-5)
+    assert high == pytest.approx(0.6777, abs=5e-5)
+    assert Z95 == 1.959964
+
+
+def test_wilson_3_of_4_and_the_edges_by_hand():
+    # p = 0.75, z^2/n = 0.960365, denominator 1.960365
+    # center = (0.75 + 0.480182) / 1.960365 = 0.627527
+    # half = 1.959964 * sqrt(0.046875 + 0.060023) / 1.960365 = 1.959964 * 0.326953 / 1.960365 = 0.326886
+    assert wilson_interval(3, 4) == pytest.approx((0.3006, 0.9544), abs=5e-5)
+    # p = 1 (5 of 5): half = z/den * z/(2n), so low = (1 + z^2/2n - z^2/2n) / den = 1 / (1 + z^2/5) = 1 / 1.768292
+    # = 0.5655 and high = (1 + z^2/n) / den = 1
+    assert wilson_interval(5, 5) == pytest.approx((0.5655, 1.0), abs=5e-5)
+    # p = 0 (0 of 5): the mirror image
+    assert wilson_interval(0, 5) == pytest.approx((0.0, 0.4345), abs=5e-5)
+    low, high = wilson_interval(0, 0)
+    assert math.isnan(low) and math.isnan(high)
+    with pytest.raises(ValueError, match="successes"):
+        wilson_interval(3, 2)
+    with pytest.raises(ValueError, match="successes"):
+        wilson_interval(-1, 2)
+
+
+def test_ties_are_left_out_of_n_and_reported_apart_with_a_warning():
+    # pairs: win, win, loss, tie, win, tie -> 3 wins of n = 4 decisive, 2 ties
+    first = torch.tensor([2.0, 1.0, 0.0, 5.0, 3.0, -1.0])
+    second = torch.tensor([1.0, 0.0, 1.0, 5.0, 2.0, -1.0])
+    with pytest.warns(TiesWarning, match="2 of 6 pairs tied"):
+        result = paired_rate(first, second)
+    # rate 3/4 with the 3-of-4 interval worked out above
+    assert isinstance(result, PairedRate)
+    assert (result.rate, result.wins, result.n, result.ties) == (0.75, 3, 4, 2)
+    assert (result.low, result.high) == pytest.approx((0.3006, 0.9544), abs=5e-5)
+    assert result.pairs == 6
+
+
+def test_no_ties_no_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        result = paired_rate(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0]))
+    # 1 of 2: center 0.5, half = 1.959964 * sqrt(0.125 + 0.240091) / 2.920729 = 0.405469
+    assert (result.rate, result.n, result.ties) == (0.5, 2, 0)
+    assert (result.low, result.high) == pytest.approx((0.0945, 0.9055), abs=5e-5)
+
+
+def test_constant_scores_give_nan_with_n_zero_not_zero_or_one_half():
+    scores = torch.zeros(5)
+    with pytest.warns(TiesWarning):
+        result = paired_rate(scores, scores.clone())
+    assert math.isnan(result.rate) and math.isnan(result.low) and math.isnan(result.high)
+    assert (result.wins, result.n, result.ties) == (0, 0, 5)
+    assert result.includes(0.5)  # an undefined rate cannot be told from chance
+
+
+def test_nan_scores_and_shape_mismatch_are_errors():
+    with pytest.raises(ValueError, match="1 of 2 pairs have a NaN score"):
+        paired_rate(torch.tensor([1.0, float("nan")]), torch.tensor([0.0, 0.0]))
+    with pytest.raises(ValueError, match=r"\(N,\)"):
+        paired_rate(torch.zeros(2), torch.zeros(3))
+
+
+def test_win_rate_follows_the_tie_rule_by_hand():
+    # policy vs SFT per prompt: win, tie, loss, win, win -> 3 wins of n = 4, 1 tie (before: (3 + 0.5) / 5 = 0.7)
+    policy = torch.tensor([1.0, 0.5, -1.0, 2.0, 0.3])
+    sft = torch.tensor([0.0, 0.5, 0.0, 1.0, 0.2])
+    with pytest.warns(TiesWarning, match="1 of 5 evaluation prompts tied"):
+        result = win_rate(policy, sft)
+    assert isinstance(result, PairedRate)
+    assert (result.rate, result.wins, result.n, result.ties) == (0.75, 3, 4, 1)
+    assert (result.low, result.high) == pytest.approx((0.3006, 0.9544), abs=5e-5)
+    with pytest.warns(TiesWarning):
+        constant = win_rate(torch.ones(4), torch.ones(4))
+    assert math.isnan(constant.rate) and (constant.n, constant.ties) == (0, 4)
+
+
+def test_chance_warning():
+    assert chance_warning("acc", 0.53, 0.46, 0.60) == "acc 0.53 [0.46, 0.60] includes chance (0.5)"
+    assert chance_warning("acc", 0.61, 0.5425, 0.6777) == ""
+    assert chance_warning("acc", 0.2, 0.1, 0.3) == "acc 0.20 [0.10, 0.30] is below chance (0.5)"  # ranks backwards
+    assert "undefined" in chance_warning("acc", None, None, None)
+    assert "undefined" in chance_warning("acc", float("nan"), float("nan"), float("nan"))
