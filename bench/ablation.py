@@ -9,7 +9,7 @@ figure per signal and the reward histograms into ``reports/ablation/`` and the
 MLflow run "ablation", and prints a table of the first and last figures.
 
 Usage:
-    python -m bench.ablation --iterations 40 --set policy_lr=2e-5 --set max_new_tokens=16 --vanilla kl_coef=0
+    python -m bench.ablation --iterations 40 --set policy_lr=2e-5 --generation max_new_tokens=16 --vanilla kl_coef=0
 """
 
 from __future__ import annotations
@@ -52,10 +52,11 @@ def main(
     set_: list[str] = typer.Option([], "--set", help="override for both presets, key=value"),
     vanilla: list[str] = typer.Option([], help="override for vanilla only, key=value"),
     ppo_max: list[str] = typer.Option([], "--ppo-max", help="override for ppo_max only, key=value"),
+    generation: list[str] = typer.Option([], "--generation", help="override of the generation section, key=value"),
 ) -> None:
     """Run both presets and write the comparison."""
     params = common.read_params()
-    common.setup_torch(params.get("seed", 0))
+    sampling = {**common.stage_params("generation", params), **overrides(generation)}
     histories, samples, summaries = {}, {}, {}
     os.environ["RLHF_PIPELINE_RUN_ID"] = os.environ.get("RLHF_PIPELINE_RUN_ID") or "ablation"
     for preset, own in (("vanilla", overrides(vanilla)), ("ppo_max", overrides(ppo_max))):
@@ -70,6 +71,7 @@ def main(
         with common.StageRun(f"ablation-{preset}", stage_params) as stage:
             result = ppo.run(
                 stage_params,
+                sampling,
                 stage.log,
                 out_dir=os.path.join("bench", "out", "ablation", preset),
                 checkpoint_name=f"ablation-{preset}",

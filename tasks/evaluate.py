@@ -17,8 +17,9 @@ import matplotlib.pyplot as plt
 from rlhf.data import load_jsonl
 from rlhf.evaluation import EvalConfig, evaluate_policy
 from rlhf.models import load_causal_lm, load_scalar_model, load_tokenizer
+from rlhf.rollout import GenerationSettings
 from rlhf.training import config_from_params
-from tasks.common import StageRun, atomic_dir, cli, read_params, setup_torch, stage_params, write_metrics
+from tasks.common import StageRun, atomic_dir, cli, setup_torch, stage_params, write_metrics
 
 PROMPTS, SFT, POLICY, REWARD = "data/validated/eval_prompts.jsonl", "models/sft", "models/policy", "models/reward"
 REPORTS = "reports/eval"
@@ -39,13 +40,17 @@ def samples_markdown(samples: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run(params: dict[str, Any]) -> tuple[dict[str, float], list[dict[str, Any]], EvalConfig]:
-    """Evaluate; returns ``(metrics, samples, config)``."""
+def run(
+    params: dict[str, Any], generation: dict[str, Any]
+) -> tuple[dict[str, float], list[dict[str, Any]], EvalConfig]:
+    """Evaluate with the ``generation`` section PPO used; returns ``(metrics, samples, config)``."""
     config = config_from_params(EvalConfig, params, "evaluate")
+    settings = config_from_params(GenerationSettings, generation, "generation")
+    setup_torch(config.seed)
     prompts = [row["prompt"] for row in sorted(load_jsonl(PROMPTS), key=lambda row: row["id"])]
     tokenizer = load_tokenizer(SFT)
     metrics, samples = evaluate_policy(
-        load_causal_lm(SFT), load_causal_lm(POLICY), load_scalar_model(REWARD), tokenizer, prompts, config
+        load_causal_lm(SFT), load_causal_lm(POLICY), load_scalar_model(REWARD), tokenizer, prompts, config, settings
     )
     return metrics, samples, config
 
@@ -54,10 +59,9 @@ def main() -> None:
     """DVC stage command."""
     import mlflow
 
-    params = stage_params("evaluate")
-    setup_torch(read_params().get("seed", 0))
-    with StageRun("evaluate", params) as stage:
-        metrics, samples, config = run(params)
+    params, generation = stage_params("evaluate"), stage_params("generation")
+    with StageRun("evaluate", {**params, "generation": generation}) as stage:
+        metrics, samples, config = run(params, generation)
         stage.log(metrics, 0)
         mlflow.log_table({key: [s[key] for s in samples] for key in samples[0]}, artifact_file="samples.json")
         with atomic_dir(REPORTS) as tmp:

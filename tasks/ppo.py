@@ -11,16 +11,17 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from rlhf.data import load_jsonl
+from rlhf.data import load_jsonl, ptx_token_ids
 from rlhf.models import encode_prompt, load_causal_lm, load_scalar_model, load_tokenizer
 from rlhf.plots import reward_histograms, signal_figures
-from rlhf.ppo import PPOConfig, PPOResult, train_ppo
+from rlhf.ppo import PPOModels, train_ppo
+from rlhf.ppo_config import PPOConfig
+from rlhf.rollout import GenerationSettings
 from rlhf.training import config_from_params
 from tasks.common import (
     StageRun,
     atomic_dir,
     cli,
-    read_params,
     run_checkpointer,
     setup_torch,
     stage_params,
@@ -36,22 +37,21 @@ PROMPTS, PTX, SFT, REWARD = (
 OUT_DIR, REPORTS = "models/policy", "reports/ppo"
 
 
-def run(params: dict[str, Any], log, out_dir: str = OUT_DIR, checkpoint_name: str = "ppo") -> PPOResult:
+def run(params: dict[str, Any], generation: dict[str, Any], log, out_dir: str = OUT_DIR, checkpoint_name: str = "ppo"):
     """Train and save the policy; returns the trainer's result.
 
     The last ``validation_prompts`` prompts (in id order) are held out to pick the best checkpoint.
+    ``ppo.seed`` is set before any model is built, so it owns the value head of ``value_init: sft``.
 
     Raises:
-        ValueError: ``value_init`` is neither ``reward`` nor ``sft``; fewer prompts than the validation set needs.
+        ValueError: a bad setting; fewer prompts than the validation set needs.
     """
-    value_init = params.get("value_init", "reward")
-    if value_init not in ("reward", "sft"):
-        raise ValueError(f"params.yaml ppo.value_init must be reward or sft, got {value_init!r}")
-    config = config_from_params(PPOConfig, {k: v for k, v in params.items() if k != "value_init"}, "ppo")
+    config = config_from_params(PPOConfig, params, "ppo")
+    settings = config_from_params(GenerationSettings, generation, "generation")
+    setup_torch(config.seed)
     tokenizer = load_tokenizer(SFT)
-    policy, reference, reward_model = load_causal_lm(SFT), load_causal_lm(SFT), load_scalar_model(REWARD)
-    value_model = load_scalar_model(REWARD if value_init == "reward" else SFT)
-    value_model.config.reward_offset = 0.0  # the value head predicts returns; it has no centring offset
+    value_model = load_scalar_model(REWARD if config.value_init == "reward" else SFT)
+    models = PPOModels(load_causal_lm(SFT), load_causal_lm(SFT), load_scalar_model(REWARD), value_model)
     rows = sorted(load_jsonl(PROMPTS), key=lambda row: row["id"])
     held_out = config.validation_prompts if config.validate_every else 0
     if len(rows) <= held_out:
@@ -59,29 +59,14 @@ def run(params: dict[str, Any], log, out_dir: str = OUT_DIR, checkpoint_name: st
     encoded = [encode_prompt(tokenizer, row["prompt"], config.max_prompt_length) for row in rows]
     train_prompts, validation = encoded[: len(encoded) - held_out], encoded[len(encoded) - held_out :]
     ptx = (
-        [
-            tokenizer(row["text"] + tokenizer.eos_token, add_special_tokens=False)["input_ids"][: config.ptx_max_length]
-            for row in load_jsonl(PTX)
-        ]
-        if config.ptx_coef > 0
-        else []
+        [ptx_token_ids(tokenizer, row, config.ptx_max_length) for row in load_jsonl(PTX)] if config.ptx_coef > 0 else []
     )
-    checkpointer = run_checkpointer(checkpoint_name, params, [PROMPTS, PTX, SFT, REWARD])
-    result = train_ppo(
-        policy,
-        reference,
-        reward_model,
-        value_model,
-        tokenizer,
-        train_prompts,
-        validation,
-        ptx,
-        config,
-        log,
-        checkpointer,
+    checkpointer = run_checkpointer(
+        checkpoint_name, {"ppo": params, "generation": generation}, [PROMPTS, PTX, SFT, REWARD]
     )
+    result = train_ppo(models, tokenizer, train_prompts, validation, ptx, config, settings, log, checkpointer)
     with atomic_dir(out_dir) as tmp:
-        policy.save_pretrained(tmp, safe_serialization=True)
+        models.policy.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
     checkpointer.clear()
     return result
@@ -105,19 +90,28 @@ def main() -> None:
     """DVC stage command."""
     import mlflow
 
-    params = stage_params("ppo")
-    setup_torch(read_params().get("seed", 0))
-    with StageRun("ppo", params) as stage:
-        result = run(params, stage.log)
+    params, generation = stage_params("ppo"), stage_params("generation")
+    with StageRun("ppo", {**params, "generation": generation}) as stage:
+        result = run(params, generation, stage.log)
         with atomic_dir(REPORTS) as tmp:
             save_figures({"ppo": result.history}, {"ppo": result.reward_samples}, tmp)
         mlflow.log_artifacts(REPORTS, "ppo")
         if result.stopped_by:
             mlflow.set_tag("rlhf.collapse", result.stopped_by)
     summary = {**result.summary, "stopped_by": result.stopped_by, "seconds": stage.seconds}
+    nan = float("nan")
     print(
-        f"[ppo] {int(summary['ppo/iterations'])} iterations, best at {result.best_iteration}; "
-        f"reward {summary.get('ppo/reward/mean', float('nan')):.3f}, KL {summary.get('ppo/kl', float('nan')):.3f}"
+        f"[ppo] {int(summary['ppo/iterations'])} rollouts, {int(summary['ppo/policy_iterations'])} policy updates; "
+        f"critic pre-training: {summary.get('ppo/value/pretrain_iterations', 0):.0f} iterations, "
+        f"explained variance {summary.get('ppo/value/pretrain_explained_variance', nan):.3f}"
+    )
+    print(
+        f"[ppo] shipped policy: iteration {result.best_iteration} (0 = SFT); validation reward "
+        f"{summary.get('ppo/validation/reward', nan):.3f}, EOS rate {summary.get('ppo/validation/eos_rate', nan):.2f}, "
+        f"KL {summary.get('ppo/validation/kl', nan):.3f}; "
+        f"last rollout: reward {summary.get('ppo/last/reward/mean', nan):.3f}, "
+        f"EOS rate {summary.get('ppo/last/eos_rate', nan):.2f}, "
+        f"explained variance {summary.get('ppo/last/value/explained_variance', nan):.3f}"
     )
     write_metrics("metrics/ppo.json", summary)
 

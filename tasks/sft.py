@@ -12,7 +12,6 @@ from tasks.common import (
     StageRun,
     atomic_dir,
     cli,
-    read_params,
     run_checkpointer,
     setup_torch,
     stage_params,
@@ -27,6 +26,7 @@ OUT_DIR = "models/sft"
 def run(params: dict[str, Any], log) -> dict[str, float]:
     """Train and save the SFT model; returns the summary metrics."""
     config = config_from_params(SFTConfig, params, "sft")
+    setup_torch(config.seed)  # before the model is built: the seed owns any new head's initialisation
     tokenizer, model = load_tokenizer(BASE), load_causal_lm(BASE)
     checkpointer = run_checkpointer("sft", params, [DATA, BASE])
     metrics = train_sft(model, tokenizer, load_jsonl(DATA), config, log, checkpointer)
@@ -40,7 +40,6 @@ def run(params: dict[str, Any], log) -> dict[str, float]:
 def main() -> None:
     """DVC stage command."""
     params = stage_params("sft")
-    setup_torch(read_params().get("seed", 0))
     with StageRun("sft", params) as stage:
         metrics = run(params, stage.log)
     write_metrics("metrics/sft.json", {**metrics, "seconds": stage.seconds})

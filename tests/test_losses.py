@@ -141,3 +141,45 @@ def test_language_model_loss_by_hand():
 def test_last_token_index_left_and_right_padding():
     mask = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 1, 1, 1], [0, 0, 0, 0, 0]])
     assert losses.last_token_index(mask).tolist() == [2, 4, 0]
+
+
+@pytest.mark.parametrize("planted", [math.inf, -math.inf, math.nan])
+def test_losses_ignore_inf_or_nan_planted_in_padded_positions(planted):
+    # the same two real tokens, with and without garbage in the padded third position:
+    # losses and gradients must be equal and finite
+    mask = torch.tensor([[True, True, False]])
+    clean = torch.tensor([[-1.0, -2.0, 0.0]])
+    dirty = torch.tensor([[-1.0, -2.0, planted]])
+    for values in (clean, dirty):
+        logprobs = values.clone().requires_grad_(True)
+        loss, _ = losses.ppo_clip_loss(logprobs, dirty.detach(), torch.tensor([[1.0, -1.0, planted]]), mask, 0.2)
+        loss.backward()
+        assert torch.isfinite(loss) and torch.isfinite(logprobs.grad).all()
+        # ratio 1 on both real tokens: loss = -(1 * 1 + (-1) * 1) / 2 = 0
+        assert loss.item() == pytest.approx(0.0, abs=1e-6)
+        value, _ = losses.clipped_value_loss(values.clone().requires_grad_(True), dirty, dirty, mask, 0.2)
+        assert value.item() == pytest.approx(0.0, abs=1e-6)  # the real positions predict their returns exactly
+    rewards, values = torch.tensor([[0.0, 1.0, planted]]), torch.tensor([[0.5, 0.5, planted]])
+    advantages, returns = losses.gae(rewards, values, mask, gamma=1.0, lam=1.0)
+    # A1 = 1 - 0.5 = 0.5; A0 = 0 + 0.5 - 0.5 + 0.5 = 0.5
+    assert advantages.tolist() == [[0.5, 0.5, 0.0]] and returns.tolist() == [[1.0, 1.0, 0.0]]
+    assert losses.masked_mean(torch.tensor([[2.0, 4.0, planted]]), mask).item() == 3.0
+
+
+def test_adaptive_kl_controller_on_a_sequence_at_the_demo_batch_size():
+    # 8 samples per iteration, horizon 160 (steps / horizon = 0.05), target 6, beta 0.1:
+    # KL 12 -> error +0.2 (clipped): 0.1 * 1.01 = 0.101
+    # KL 3 -> error -0.5 -> -0.2: 0.101 * 0.99 = 0.09999
+    # KL 6.6 -> error +0.1: 0.09999 * 1.005 = 0.10048995
+    # KL 6 -> error 0: unchanged
+    beta = 0.1
+    expected = [0.101, 0.09999, 0.10048995, 0.10048995]
+    for kl, want in zip([12.0, 3.0, 6.6, 6.0], expected, strict=True):
+        beta = losses.adaptive_kl_coef(beta, kl=kl, target=6.0, horizon=160, steps=8)
+        assert beta == pytest.approx(want, rel=1e-9)
+    # ten iterations at twice the target raise beta by 1.01^10 = 1.1046: no longer inert (the old horizon
+    # of 10,000 at 8 samples moved it by 1.00016^10 = 1.0016)
+    beta = 0.1
+    for _ in range(10):
+        beta = losses.adaptive_kl_coef(beta, kl=12.0, target=6.0, horizon=160, steps=8)
+    assert beta == pytest.approx(0.1 * 1.01**10, rel=1e-9)

@@ -10,7 +10,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.losses import language_model_loss
 from rlhf.models import encode_chat, pad, pad_masks, position_ids_from_mask
-from rlhf.training import Checkpointer, LogFn, freeze_lower_layers, supervised_loop
+from rlhf.training import Checkpointer, LogFn, check_schedule, freeze_lower_layers, supervised_loop
 
 
 @dataclass
@@ -27,6 +27,10 @@ class SFTConfig:
     checkpoint_every: int = 10
     trainable_layers: int | None = None  # train only the top N blocks (CPU budget); None: all
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        """Refuse a warm-up the schedule would ignore (:func:`rlhf.training.check_schedule`)."""
+        check_schedule("sft", self.scheduler, self.warmup_steps)
 
 
 def train_sft(

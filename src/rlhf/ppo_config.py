@@ -1,0 +1,135 @@
+"""The PPO settings: one typed config of every PPO / PPO-max switch (params.yaml section ``ppo``).
+
+How responses are sampled and how an unfinished one is scored is not here: that
+is :class:`rlhf.rollout.GenerationSettings` (params.yaml section ``generation``),
+shared with the evaluation so the two can never disagree.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from rlhf.training import check_schedule
+
+
+def max_skewness(n: int) -> float:
+    """The largest absolute sample skewness ``n`` values can have: ``(n - 2) / sqrt(n - 1)``.
+
+    Reached by ``n - 1`` equal values and one outlier. A skew threshold at or
+    above it can never fire.
+
+    Args:
+        n: number of values (>= 2).
+
+    Returns:
+        The bound (0.0 for ``n <= 2``).
+    """
+    return (n - 2) / math.sqrt(n - 1) if n > 2 else 0.0
+
+
+@dataclass
+class PPOConfig:
+    """PPO hyperparameters and PPO-max switches (params.yaml section ``ppo``; defaults = the PPO-max preset).
+
+    Every switch acts alone; none silently depends on another. Settings that
+    no run could use, or a collapse threshold that is out of mathematical
+    reach at the configured sizes, are refused when the config is built.
+    """
+
+    value_init: str = "reward"  # reward | sft: where the value model starts (paper section 5.3.3)
+    iterations: int = 12  # policy iterations (after critic pre-training)
+    rollout_batch_size: int = 8  # prompts per iteration: the (small) experience buffer
+    minibatch_size: int = 4
+    ppo_epochs: int = 2
+    policy_lr: float = 1e-6
+    value_lr: float = 3e-6
+    scheduler: str = "constant"  # a transformers schedule, stepped once per optimiser step
+    warmup_steps: int = 0  # optimiser steps
+    max_prompt_length: int = 192
+    gamma: float = 1.0
+    lam: float = 0.95
+    clip: float = 0.2
+    # token-level KL penalty (tutorial Eq. 11) and optional adaptive controller (Ziegler et al. 2019)
+    kl_coef: float = 0.05
+    adaptive_kl: bool = False
+    kl_target: float = 6.0  # nats per response
+    kl_horizon: int = 160  # samples; Ziegler's 10,000 at batch 512 moves beta by up to 1% a step, as 160 at batch 8
+    # reward normalisation and clipping by running statistics (paper Eq. 18)
+    reward_normalize: bool = True
+    reward_clip: float | None = 5.0
+    # advantage normalisation / clipping (off in PPO-max: appendix B.1)
+    advantage_normalize: bool = False
+    advantage_clip: float | None = None
+    # value-loss clipping (paper section 5.3; None disables)
+    value_clip: float | None = 0.2
+    # critic pre-training (paper 5.3.3): value-only iterations until the explained variance on a fresh
+    # rollout reaches the threshold, at most value_pretrain_iterations of them (0: none)
+    value_pretrain_iterations: int = 4
+    value_pretrain_explained_variance: float = 0.5
+    # global gradient-norm clipping, policy and value separately (None disables)
+    max_grad_norm: float | None = 1.0
+    # PPO-ptx (tutorial Eq. 14): LM loss on pretraining-style text
+    ptx_coef: float = 0.0
+    ptx_batch_size: int = 2
+    ptx_max_length: int = 128
+    entropy_coef: float = 0.0
+    # monitoring
+    histogram_every: int = 5
+    # pattern-collapse guard (paper section 5.2), checked on each rollout before the update; None disables a check
+    collapse_window: int = 4  # iterations of rollouts the skew and truncation checks pool
+    collapse_kl_max: float | None = 20.0
+    collapse_length_ratio: float | None = 3.0  # mean length falls below first / ratio
+    collapse_perplexity_ratio: float | None = 3.0  # perplexity moves above first * ratio or below first / ratio
+    collapse_reward_skew: float | None = 3.0  # |skew| of the raw scores over the window
+    collapse_truncated_share: float | None = 0.9  # share of the window's responses cut at max_new_tokens
+    on_collapse: str = "stop"  # stop | rollback (to the best policy, fresh policy optimiser) | warn
+    max_rollbacks: int = 2  # after this many rollbacks a further collapse stops the run
+    validate_every: int = 4
+    validation_prompts: int = 8
+    checkpoint_every: int = 1
+    trainable_layers: int | None = None  # train only the top N blocks of policy and value model (CPU budget); None: all
+    seed: int = 0  # rollout sampling, minibatch order and the value head of a value model initialised from SFT
+
+    def __post_init__(self) -> None:
+        """Reject settings no run could use, before any model is loaded.
+
+        Raises:
+            ValueError: an unknown choice, a size below 1, warm-up with a schedule
+                that has none, an inert adaptive-KL horizon, or a collapse
+                threshold that cannot fire at these sizes (names the key).
+        """
+        if self.on_collapse not in ("stop", "rollback", "warn"):
+            raise ValueError(f"ppo.on_collapse must be stop, rollback or warn, got {self.on_collapse!r}")
+        if self.value_init not in ("reward", "sft"):
+            raise ValueError(f"ppo.value_init must be reward or sft, got {self.value_init!r}")
+        for name in ("rollout_batch_size", "minibatch_size", "ppo_epochs", "collapse_window", "kl_horizon"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ppo.{name} must be at least 1, got {getattr(self, name)}")
+        check_schedule("ppo", self.scheduler, self.warmup_steps)
+        if self.adaptive_kl and 0.2 * self.rollout_batch_size / self.kl_horizon < 0.001:
+            raise ValueError(
+                f"ppo.kl_horizon {self.kl_horizon} makes the adaptive KL controller inert at rollout_batch_size "
+                f"{self.rollout_batch_size} (beta moves at most {0.2 * self.rollout_batch_size / self.kl_horizon:.4%} "
+                "per iteration): the horizon counts samples, e.g. 160 for 8 per iteration"
+            )
+        window = self.collapse_window * self.rollout_batch_size
+        if self.collapse_reward_skew is not None and self.collapse_reward_skew >= max_skewness(window):
+            raise ValueError(
+                f"ppo.collapse_reward_skew {self.collapse_reward_skew} can never fire: the skewness of "
+                f"{window} scores (collapse_window x rollout_batch_size) is at most {max_skewness(window):.2f}"
+            )
+        if self.collapse_truncated_share is not None and not 0 < self.collapse_truncated_share < 1:
+            raise ValueError(f"ppo.collapse_truncated_share must be in (0, 1), got {self.collapse_truncated_share}")
+        if self.value_pretrain_explained_variance > 1:
+            raise ValueError(
+                f"ppo.value_pretrain_explained_variance {self.value_pretrain_explained_variance} is out of reach "
+                "(explained variance is at most 1)"
+            )
+        for name in ("collapse_length_ratio", "collapse_perplexity_ratio"):
+            if getattr(self, name) is not None and getattr(self, name) <= 1:
+                raise ValueError(f"ppo.{name} must be above 1 (a factor of change), got {getattr(self, name)}")
+
+    def steps_per_iteration(self) -> int:
+        """Optimiser steps per PPO iteration: ``ppo_epochs x ceil(rollout_batch_size / minibatch_size)``."""
+        return self.ppo_epochs * -(-self.rollout_batch_size // self.minibatch_size)

@@ -1,0 +1,361 @@
+"""Experience: sample responses, score them, and turn them into token rewards, advantages and returns.
+
+One rollout: sample from the policy (temperature only), score each response with
+the reward model where the reward model learned to read (at the end-of-turn
+token; an unfinished or empty response is treated as :class:`GenerationSettings`
+says), normalise the scores with running statistics (paper Eq. 18), add the KL
+penalty per token (tutorial Eq. 11), and run GAE against the value model's
+predictions (paper Eq. 9).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from rlhf import losses
+from rlhf.models import Rollout, response_logprobs, sample, sequence_scores, token_scores
+from rlhf.ppo_config import PPOConfig
+
+NO_EOS_CHOICES = ("penalty", "constant", "score")
+
+
+@dataclass
+class GenerationSettings:
+    """How responses are sampled and how an unfinished one is scored (params.yaml section ``generation``).
+
+    PPO (rollouts and validation) and the evaluation read this one section, so
+    they always score responses the same way.
+    """
+
+    max_new_tokens: int = 64
+    temperature: float = 0.7
+    # a response cut at max_new_tokens without EOS: penalty (TRL: score - no_eos_value), constant (the N+
+    # implementation details: the score becomes no_eos_value) or score (read as if it had ended)
+    no_eos: str = "constant"
+    no_eos_value: float | None = -1.0
+    empty_response: str = "no_eos"  # no_eos (an EOS-first or blank response counts as unfinished) | score
+
+    def __post_init__(self) -> None:
+        """Refuse unknown choices and a value that the choice would not use.
+
+        Raises:
+            ValueError: names the key and the rule.
+        """
+        if self.no_eos not in NO_EOS_CHOICES:
+            raise ValueError(f"generation.no_eos must be one of {NO_EOS_CHOICES}, got {self.no_eos!r}")
+        if (self.no_eos == "score") != (self.no_eos_value is None):
+            raise ValueError(
+                f"generation.no_eos_value must be set for no_eos penalty or constant and null for score "
+                f"(got no_eos {self.no_eos!r}, no_eos_value {self.no_eos_value!r})"
+            )
+        if self.empty_response not in ("no_eos", "score"):
+            raise ValueError(f"generation.empty_response must be no_eos or score, got {self.empty_response!r}")
+        if self.max_new_tokens < 1 or self.temperature <= 0:
+            raise ValueError("generation.max_new_tokens must be at least 1 and generation.temperature above 0")
+
+
+def treat_unfinished(scores: torch.Tensor, unfinished: torch.Tensor, settings: GenerationSettings) -> torch.Tensor:
+    """The score an unfinished response gets: ``score - value`` (penalty), ``value`` (constant) or the score.
+
+    Args:
+        scores: ``(B,)`` float, raw reward-model scores.
+        unfinished: ``(B,)`` bool, True where the response has no EOS (or is empty, see
+            :func:`unfinished_responses`).
+        settings: :class:`GenerationSettings`.
+
+    Returns:
+        ``(B,)`` float; finished responses keep their score.
+    """
+    if settings.no_eos == "penalty":
+        return scores - settings.no_eos_value * unfinished.to(scores.dtype)
+    if settings.no_eos == "constant":
+        return torch.where(unfinished, torch.full_like(scores, settings.no_eos_value), scores)
+    return scores
+
+
+def unfinished_responses(
+    rollout: Rollout, tokenizer: PreTrainedTokenizerBase, settings: GenerationSettings
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which responses the reward model never learned to score: no EOS, or (unless configured) empty.
+
+    A response is empty when its text before the EOS is blank (EOS first,
+    or only whitespace and special tokens).
+
+    Returns:
+        ``(unfinished (B,) bool, empty (B,) bool)``.
+    """
+    start = rollout.response_start
+    content = rollout.response_mask & (rollout.input_ids[:, start:] != tokenizer.eos_token_id)
+    texts = tokenizer.batch_decode(
+        [row[keep].tolist() for row, keep in zip(rollout.input_ids[:, start:], content, strict=True)],
+        skip_special_tokens=True,
+    )
+    empty = torch.tensor([not text.strip() for text in texts], dtype=torch.bool, device=rollout.ended.device)
+    unfinished = ~rollout.ended
+    if settings.empty_response == "no_eos":
+        unfinished = unfinished | empty
+    return unfinished, empty
+
+
+@dataclass
+class ScoredRollout:
+    """A rollout with its reward-model scores: raw, after the unfinished-response rule, and the flags."""
+
+    rollout: Rollout
+    raw_scores: torch.Tensor  # (B,) float32, the reward model at the last response token
+    scores: torch.Tensor  # (B,) float32, after treat_unfinished
+    unfinished: torch.Tensor  # (B,) bool
+    empty: torch.Tensor  # (B,) bool
+
+
+@torch.no_grad()
+def sample_and_score(
+    policy: PreTrainedModel,
+    reward_model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[list[int]],
+    settings: GenerationSettings,
+    greedy: bool = False,
+) -> ScoredRollout:
+    """Sample one response per prompt and score it as the settings say (PPO, validation and evaluation)."""
+    rollout = sample(policy, tokenizer, prompts, settings.max_new_tokens, settings.temperature, greedy=greedy)
+    raw = sequence_scores(reward_model, rollout.input_ids, rollout.attention_mask)
+    unfinished, empty = unfinished_responses(rollout, tokenizer, settings)
+    return ScoredRollout(rollout, raw, treat_unfinished(raw, unfinished, settings), unfinished, empty)
+
+
+class RunningMoments:
+    """Running mean and population std of all reward-model scores seen so far (Chan et al. parallel update).
+
+    ``normalize`` raises while no statistics exist, so turning normalisation on
+    cannot silently pass rewards through unchanged.
+    """
+
+    def __init__(self) -> None:
+        self.count, self.mean, self.m2 = 0, 0.0, 0.0
+
+    @property
+    def std(self) -> float:
+        """Population standard deviation of everything seen."""
+        return math.sqrt(self.m2 / self.count) if self.count else float("nan")
+
+    def update(self, values: torch.Tensor) -> None:
+        """Fold a batch ``(N,)`` of values into the statistics."""
+        values = values.double().flatten()
+        n = values.numel()
+        if n == 0:
+            return
+        batch_mean = float(values.mean())
+        batch_m2 = float(((values - batch_mean) ** 2).sum())
+        total = self.count + n
+        delta = batch_mean - self.mean
+        self.mean += delta * n / total
+        self.m2 += batch_m2 + delta**2 * self.count * n / total
+        self.count = total
+
+    def normalize(self, values: torch.Tensor, clip: float | None) -> torch.Tensor:
+        """Paper Eq. 18 with these statistics.
+
+        Raises:
+            RuntimeError: no statistics yet.
+        """
+        if self.count == 0:
+            raise RuntimeError("reward normalisation is on but no reward statistics exist yet")
+        return losses.normalize_and_clip(values, self.mean, self.std, clip)
+
+    def state_dict(self) -> dict[str, float]:
+        """For checkpoints."""
+        return {"count": self.count, "mean": self.mean, "m2": self.m2}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.count, self.mean, self.m2 = int(state["count"]), float(state["mean"]), float(state["m2"])
+
+
+def value_predictions(
+    value_model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_start: int
+) -> torch.Tensor:
+    """``V(s_t)`` for each response token: the value head at the position that predicts token ``t``.
+
+    The head's output is mapped by the model's calibration (``config.value_shift``,
+    ``config.value_scale``; 0 and 1 unless :func:`calibrate_value_head` set them):
+    ``V = (head - shift) * scale``.
+
+    Args:
+        input_ids, attention_mask: ``(B, T)``; response tokens start at ``response_start``.
+
+    Returns:
+        ``(B, T - response_start)`` float32.
+    """
+    head = token_scores(value_model, input_ids, attention_mask)[:, response_start - 1 : -1]
+    shift = float(getattr(value_model.config, "value_shift", 0.0))
+    scale = float(getattr(value_model.config, "value_scale", 1.0))
+    return (head - shift) * scale
+
+
+def calibrate_value_head(value_model: PreTrainedModel, offset: float, moments: RunningMoments | None) -> None:
+    """Put a value model initialised from the reward model on the scale of the rewards PPO optimises.
+
+    The reward model's head reads raw scores; PPO's final reward is the score
+    minus the reward model's centring ``offset``, normalised by the running
+    ``moments`` when normalisation is on (paper Eq. 18). So ``V`` starts as
+    ``(head - offset - mean) / std`` (or ``head - offset``).
+
+    Args:
+        value_model: initialised from the reward model.
+        offset: the reward model's ``config.reward_offset``.
+        moments: the running reward statistics, or None when normalisation is off.
+    """
+    mean = moments.mean if moments is not None else 0.0
+    std = moments.std if moments is not None and moments.std > 0 else 1.0
+    value_model.config.value_shift = offset + mean
+    value_model.config.value_scale = 1.0 / std
+
+
+@dataclass
+class Experience:
+    """A scored buffer of rollouts. Shapes: ``B`` rollouts, ``T`` = prompt + response tokens, ``R`` response tokens."""
+
+    input_ids: torch.Tensor  # (B, T) int64
+    attention_mask: torch.Tensor  # (B, T) int64
+    response_start: int
+    mask: torch.Tensor  # (B, R) bool
+    logprobs: torch.Tensor  # (B, R) float32, policy at rollout time (temperature-scaled)
+    values: torch.Tensor  # (B, R) float32, value model at rollout time
+    advantages: torch.Tensor  # (B, R) float32
+    returns: torch.Tensor  # (B, R) float32
+    raw_scores: torch.Tensor  # (B,) float32
+    ended: torch.Tensor  # (B,) bool, an EOS was generated
+
+
+@torch.no_grad()
+def make_experience(
+    models: tuple[PreTrainedModel, PreTrainedModel, PreTrainedModel, PreTrainedModel],
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[list[int]],
+    config: PPOConfig,
+    settings: GenerationSettings,
+    moments: RunningMoments,
+    kl_coef: float,
+    calibrate_value: bool = False,
+) -> tuple[Experience, dict[str, float]]:
+    """Roll out, score and turn a batch of prompts into advantages and returns.
+
+    Args:
+        models: ``(policy, reference, reward_model, value_model)``, dropout off.
+        tokenizer: shared tokenizer.
+        prompts: token lists (chat template with generation header).
+        config: :class:`PPOConfig`; settings: :class:`GenerationSettings`.
+        moments: running reward statistics (updated here when normalisation is on).
+        kl_coef: the current beta.
+        calibrate_value: put the value model on the reward scale first (:func:`calibrate_value_head`),
+            once the statistics include this batch.
+
+    Returns:
+        ``(experience, stats)``; stats are the iteration's monitoring signals.
+    """
+    policy, reference, reward_model, value_model = models
+    scored = sample_and_score(policy, reward_model, tokenizer, prompts, settings)
+    rollout = scored.rollout
+    ids, attn, start, mask = rollout.input_ids, rollout.attention_mask, rollout.response_start, rollout.response_mask
+    logprobs, logits = response_logprobs(policy, ids, attn, start, settings.temperature, with_logits=True)
+    entropy = losses.entropy_from_logits(logits)
+    del logits
+    ref_logprobs, _ = response_logprobs(reference, ids, attn, start, settings.temperature)
+    scores = scored.scores
+    if config.reward_normalize:
+        moments.update(scores)
+        scores = moments.normalize(scores, config.reward_clip)
+    elif config.reward_clip is not None:
+        scores = scores.clamp(-config.reward_clip, config.reward_clip)
+    if calibrate_value:
+        offset = float(getattr(reward_model.config, "reward_offset", 0.0))
+        calibrate_value_head(value_model, offset, moments if config.reward_normalize else None)
+    values = value_predictions(value_model, ids, attn, start)
+    logratio = torch.where(mask, logprobs - ref_logprobs, 0.0)
+    rewards = losses.token_rewards(logratio, scores, mask, kl_coef)
+    advantages, returns = losses.gae(rewards, values, mask, config.gamma, config.lam)
+    experience = Experience(
+        ids, attn, start, mask, logprobs, values, advantages, returns, scored.raw_scores, rollout.ended
+    )
+    stats = rollout_stats(scored, scores, logprobs, logratio, entropy, experience)
+    return experience, {**stats, "ppo/kl_coef": kl_coef}
+
+
+def rollout_stats(
+    scored: ScoredRollout,
+    scores: torch.Tensor,
+    logprobs: torch.Tensor,
+    logratio: torch.Tensor,
+    entropy: torch.Tensor,
+    experience: Experience,
+) -> dict[str, float]:
+    """The monitoring signals of one rollout (metric names of the README's PPO section)."""
+    mask, raw = experience.mask, scored.raw_scores
+    kl_seq = (losses.kl_k1(logratio) * mask).sum(-1)
+    kl3_seq = (losses.kl_k3(logratio) * mask).sum(-1)
+    return {
+        "ppo/reward/mean": float(raw.mean()),
+        "ppo/reward/std": float(raw.std(unbiased=False)),
+        "ppo/reward/scored_mean": float(scored.scores.mean()),
+        "ppo/reward/normalized_mean": float(scores.mean()),
+        "ppo/reward/normalized_std": float(scores.std(unbiased=False)),
+        "ppo/reward/skew": skewness(raw),
+        **{f"ppo/reward/p{q}": float(torch.quantile(raw, q / 100)) for q in (10, 50, 90)},
+        "ppo/reward/max": float(raw.max()),
+        "ppo/kl": float(kl_seq.mean()),
+        "ppo/kl_k3": float(kl3_seq.mean()),
+        "ppo/kl_token": float(losses.masked_mean(losses.kl_k1(logratio), mask)),
+        "ppo/kl_token_k3": float(losses.masked_mean(losses.kl_k3(logratio), mask)),
+        "ppo/perplexity": float(torch.exp(-losses.masked_mean(logprobs, mask))),
+        "ppo/response_length": float(mask.sum(-1).float().mean()),
+        "ppo/eos_rate": float(scored.rollout.ended.float().mean()),
+        "ppo/truncated_share": float((~scored.rollout.ended).float().mean()),
+        "ppo/empty_share": float(scored.empty.float().mean()),
+        "ppo/unfinished_share": float(scored.unfinished.float().mean()),
+        "ppo/entropy": float(losses.masked_mean(entropy, mask)),
+        "ppo/value/explained_variance": losses.explained_variance(experience.values, experience.returns, mask),
+        "ppo/advantages/mean": float(losses.masked_mean(experience.advantages, mask)),
+        "ppo/returns/mean": float(losses.masked_mean(experience.returns, mask)),
+    }
+
+
+def skewness(x: torch.Tensor) -> float:
+    """Sample skewness ``E[(x - mu)^3] / sigma^3`` of ``(N,)`` values (population moments); 0 when constant."""
+    x = x.double()
+    std = float(x.std(unbiased=False))
+    return float(((x - x.mean()) ** 3).mean()) / std**3 if std > 0 else 0.0
+
+
+@torch.no_grad()
+def validation_stats(
+    policy: PreTrainedModel,
+    reference: PreTrainedModel,
+    reward_model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[list[int]],
+    settings: GenerationSettings,
+) -> dict[str, float]:
+    """Greedy responses on held-out prompts, scored as in training: what the best policy is kept by.
+
+    Returns:
+        ``ppo/validation/reward`` (mean score after the unfinished-response rule),
+        ``ppo/validation/eos_rate``, ``ppo/validation/length`` (tokens) and
+        ``ppo/validation/kl`` (sequence k1 to the reference, nats/response).
+    """
+    scored = sample_and_score(policy, reward_model, tokenizer, prompts, settings, greedy=True)
+    rollout = scored.rollout
+    ids, attn, start, mask = rollout.input_ids, rollout.attention_mask, rollout.response_start, rollout.response_mask
+    logprobs, _ = response_logprobs(policy, ids, attn, start, settings.temperature)
+    ref_logprobs, _ = response_logprobs(reference, ids, attn, start, settings.temperature)
+    kl = torch.where(mask, logprobs - ref_logprobs, 0.0).sum(-1)
+    return {
+        "ppo/validation/reward": float(scored.scores.mean()),
+        "ppo/validation/eos_rate": float(rollout.ended.float().mean()),
+        "ppo/validation/length": float(mask.sum(-1).float().mean()),
+        "ppo/validation/kl": float(kl.mean()),
+    }

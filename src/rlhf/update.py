@@ -1,0 +1,174 @@
+"""The PPO update: a few epochs of minibatch steps over one experience buffer.
+
+Policy loss: PPO-clip (tutorial Eq. 13), optional entropy bonus (paper
+appendix B.3), plus the PPO-ptx language-model term (tutorial Eq. 14). Value
+loss: paper Eq. 16, clipped around the rollout-time values (section 5.3). Each
+model's gradients are clipped by global norm (appendix C.2), and each schedule
+steps once per optimiser step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from rlhf import losses
+from rlhf.models import pad, position_ids_from_mask, response_logprobs
+from rlhf.ppo_config import PPOConfig
+from rlhf.rollout import Experience, value_predictions
+from rlhf.training import clip_gradients, make_optimizer, make_scheduler, minibatch_indices
+
+
+@dataclass
+class Optimisers:
+    """Optimisers and schedules of the policy and value models; each schedule steps once per optimiser step."""
+
+    policy: torch.optim.Optimizer
+    value: torch.optim.Optimizer
+    policy_schedule: torch.optim.lr_scheduler.LRScheduler
+    value_schedule: torch.optim.lr_scheduler.LRScheduler
+
+
+def make_optimisers(policy: PreTrainedModel, value_model: PreTrainedModel, config: PPOConfig) -> Optimisers:
+    """AdamW for both models; schedules sized in optimiser steps (policy iterations, and value pre-training)."""
+    policy_optimizer = make_optimizer(policy, config.policy_lr)
+    value_optimizer = make_optimizer(value_model, config.value_lr)
+    per_iteration = config.steps_per_iteration()
+    value_iterations = config.value_pretrain_iterations + config.iterations
+    return Optimisers(
+        policy_optimizer,
+        value_optimizer,
+        make_scheduler(policy_optimizer, config.scheduler, config.warmup_steps, config.iterations * per_iteration),
+        make_scheduler(value_optimizer, config.scheduler, config.warmup_steps, value_iterations * per_iteration),
+    )
+
+
+def ppo_update(
+    policy: PreTrainedModel,
+    value_model: PreTrainedModel,
+    optimisers: Optimisers,
+    experience: Experience,
+    config: PPOConfig,
+    temperature: float,
+    generator: torch.Generator,
+    ptx_batches: list[tuple[torch.Tensor, torch.Tensor]] | None,
+    update_policy: bool,
+) -> dict[str, float]:
+    """``ppo_epochs`` passes over the buffer in minibatches: a policy step and a value step each.
+
+    Policy loss: PPO-clip (tutorial Eq. 13) minus ``entropy_coef`` times the
+    entropy, plus ``ptx_coef`` times the LM loss on pretraining-style text
+    (tutorial Eq. 14). Value loss: paper Eq. 16, clipped around the values
+    cached at rollout time. Gradients are clipped by global norm per model.
+
+    Args:
+        policy, value_model: trained in place.
+        optimisers: :class:`Optimisers`.
+        experience: from :func:`rlhf.rollout.make_experience`.
+        config: :class:`PPOConfig`.
+        temperature: the sampling temperature (logprobs are those of the sampled distribution).
+        generator: orders the minibatches (seeded per iteration for exact resume).
+        ptx_batches: ``(input_ids, attention_mask)`` batches of ptx text, one per policy step, or None.
+        update_policy: False during critic pre-training (value steps only).
+
+    Returns:
+        Mean of each loss and diagnostic over the minibatches.
+    """
+    totals: dict[str, float] = {}
+    count = 0
+    n = experience.input_ids.shape[0]
+    ptx_iter = iter(ptx_batches or [])
+    for _ in range(config.ppo_epochs):
+        order = torch.randperm(n, generator=generator)
+        for start in range(0, n, config.minibatch_size):
+            idx = order[start : start + config.minibatch_size]
+            stats: dict[str, float] = {}
+            if update_policy:
+                stats.update(
+                    policy_step(policy, optimisers, experience, idx, config, temperature, next(ptx_iter, None))
+                )
+            stats.update(value_step(value_model, optimisers, experience, idx, config))
+            for key, value in stats.items():
+                totals[key] = totals.get(key, 0.0) + value
+            count += 1
+    return {key: value / count for key, value in totals.items()}
+
+
+def policy_step(
+    policy: PreTrainedModel,
+    optimisers: Optimisers,
+    experience: Experience,
+    idx: torch.Tensor,
+    config: PPOConfig,
+    temperature: float,
+    ptx_batch: tuple[torch.Tensor, torch.Tensor] | None,
+) -> dict[str, float]:
+    """One optimiser step of the policy on the rollouts ``idx`` (``(M,)`` int64) of the buffer; returns its stats."""
+    ids, attn, mask = experience.input_ids[idx], experience.attention_mask[idx], experience.mask[idx]
+    advantages = experience.advantages[idx]
+    if config.advantage_normalize:
+        advantages = losses.masked_whiten(advantages, mask)
+    if config.advantage_clip is not None:
+        advantages = advantages.clamp(-config.advantage_clip, config.advantage_clip)
+    with_logits = config.entropy_coef > 0
+    logprobs, logits = response_logprobs(policy, ids, attn, experience.response_start, temperature, with_logits)
+    loss, clip_stats = losses.ppo_clip_loss(logprobs, experience.logprobs[idx], advantages, mask, config.clip)
+    stats = {
+        "ppo/loss/policy": loss.item(),
+        **{f"ppo/policy/{key}": float(value) for key, value in clip_stats.items()},
+    }
+    if config.entropy_coef > 0:
+        loss = loss - config.entropy_coef * losses.masked_mean(losses.entropy_from_logits(logits), mask)
+    if config.ptx_coef > 0 and ptx_batch is not None:
+        ptx_ids, ptx_attn = ptx_batch
+        position_ids = position_ids_from_mask(ptx_attn)
+        ptx_logits = policy(input_ids=ptx_ids, attention_mask=ptx_attn, position_ids=position_ids).logits
+        ptx_loss = losses.language_model_loss(ptx_logits, ptx_ids, ptx_attn.bool())
+        loss = losses.ppo_ptx_loss(loss, ptx_loss, config.ptx_coef)
+        stats["ppo/loss/ptx"] = ptx_loss.item()
+    if not torch.isfinite(loss):
+        raise FloatingPointError(f"non-finite policy loss {loss.item()}: training stopped")
+    optimisers.policy.zero_grad(set_to_none=True)
+    loss.backward()
+    stats["ppo/policy/grad_norm"] = clip_gradients(policy, config.max_grad_norm)
+    optimisers.policy.step()
+    optimisers.policy_schedule.step()
+    return stats
+
+
+def value_step(
+    value_model: PreTrainedModel, optimisers: Optimisers, experience: Experience, idx: torch.Tensor, config: PPOConfig
+) -> dict[str, float]:
+    """One optimiser step of the value model on the rollouts ``idx`` of the buffer (paper Eq. 16, clipped)."""
+    ids, attn, mask = experience.input_ids[idx], experience.attention_mask[idx], experience.mask[idx]
+    values = value_predictions(value_model, ids, attn, experience.response_start)
+    old_values, returns = experience.values[idx], experience.returns[idx]
+    loss, value_stats = losses.clipped_value_loss(values, old_values, returns, mask, config.value_clip)
+    if not torch.isfinite(loss):
+        raise FloatingPointError(f"non-finite value loss {loss.item()}: training stopped")
+    optimisers.value.zero_grad(set_to_none=True)
+    loss.backward()
+    grad_norm = clip_gradients(value_model, config.max_grad_norm)
+    optimisers.value.step()
+    optimisers.value_schedule.step()
+    return {
+        "ppo/loss/value": loss.item(),
+        "ppo/value/clipfrac": float(value_stats["clipfrac"]),
+        "ppo/value/grad_norm": grad_norm,
+    }
+
+
+def ptx_batches(
+    tokenizer: PreTrainedTokenizerBase, ptx_texts: list[list[int]], config: PPOConfig, policy_iteration: int
+) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """The ptx minibatches of one policy iteration, one per policy step, in an order fixed by the iteration."""
+    if config.ptx_coef <= 0 or not ptx_texts:
+        return None
+    steps = config.steps_per_iteration()
+    batches = []
+    for s in range(steps):
+        indices = minibatch_indices(policy_iteration * steps + s, len(ptx_texts), config.ptx_batch_size, config.seed)
+        batches.append(pad(tokenizer, [ptx_texts[i] for i in indices], "right"))
+    return batches

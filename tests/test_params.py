@@ -1,0 +1,87 @@
+"""params.yaml as a reader sees it: presets without shadows, no dead keys, every config field settable."""
+
+import dataclasses
+import os
+
+import pytest
+import yaml
+
+from rlhf.evaluation import EvalConfig
+from rlhf.ppo_config import PPOConfig
+from rlhf.reward import RewardConfig
+from rlhf.rollout import GenerationSettings
+from rlhf.sft import SFTConfig
+from rlhf.training import config_from_params
+from rlhf.validation import ValidationConfig
+from tasks.common import stage_params
+from tasks.prepare import DataConfig
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = {
+    "data": DataConfig,
+    "validate": ValidationConfig,
+    "sft": SFTConfig,
+    "reward": RewardConfig,
+    "generation": GenerationSettings,
+    "ppo": PPOConfig,
+    "evaluate": EvalConfig,
+}
+MODEL_KEYS = {"source", "random_init", "seed"}  # read by tasks/base_model.py, which refuses any other
+
+
+def load(name: str) -> dict:
+    with open(os.path.join(REPO, name), encoding="utf-8") as handle:
+        return yaml.safe_load(handle)
+
+
+def test_the_effective_ptx_coef_is_the_one_the_file_shows():
+    params = load("params.yaml")
+    assert "ptx_coef" not in params["ppo"]  # a preset's key stands only in the preset
+    assert stage_params("ppo", params)["ptx_coef"] == params["ppo"]["presets"][params["ppo"]["preset"]]["ptx_coef"]
+
+
+def test_a_key_set_both_by_the_preset_and_at_the_top_is_refused_naming_both_places():
+    params = load("params.yaml")
+    params["ppo"]["ptx_coef"] = 0.0
+    with pytest.raises(
+        ValueError, match=r"ppo\.ptx_coef is set both at the top of section 'ppo' and in ppo\.presets\."
+    ):
+        stage_params("ppo", params)
+
+
+@pytest.mark.parametrize("profile", ["demo", "tiny"])
+@pytest.mark.parametrize("preset", ["vanilla", "ppo_max"])
+def test_every_section_builds_its_config_under_every_profile_and_preset(profile, preset):
+    params = load("params.yaml")
+    params["profile"] = profile
+    params["ppo"]["preset"] = preset
+    for section, cls in CONFIGS.items():
+        config_from_params(cls, stage_params(section, params), section)  # unknown keys or bad types raise
+    assert set(stage_params("model", params)) <= MODEL_KEYS
+
+
+def test_every_config_field_can_be_set_from_params_and_stands_in_the_file():
+    params = load("params.yaml")
+    for section, cls in CONFIGS.items():
+        shown = set(stage_params(section, params))
+        values = stage_params(section, params)
+        for field in dataclasses.fields(cls):
+            if field.default is not dataclasses.MISSING:
+                config_from_params(cls, {**values, field.name: field.default}, section)
+            elif field.default_factory is not dataclasses.MISSING:
+                config_from_params(cls, {**values, field.name: field.default_factory()}, section)
+            if field.name not in ("storage_options",):  # a credential-free default; documented in the README
+                assert field.name in shown, f"{section}.{field.name} is a setting but params.yaml does not show it"
+
+
+def test_every_top_level_key_is_read_by_a_stage():
+    params, stages = load("params.yaml"), load("dvc.yaml")["stages"]
+    listed = {key for stage in stages.values() for key in stage.get("params", [])}
+    read_by_common = {"mlflow"}  # tasks/common.py StageRun reads the tracking settings
+    assert set(params) - listed - read_by_common == set()
+    assert listed <= set(params)
+    for stage, spec in stages.items():  # a stage that lists a section reads it (the task module names it)
+        with open(os.path.join(REPO, "tasks", f"{stage}.py"), encoding="utf-8") as handle:
+            source = handle.read()
+        for key in spec.get("params", []):
+            assert key == "profile" or f'"{key}"' in source, f"stage {stage} lists params.{key} but never reads it"
