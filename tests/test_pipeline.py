@@ -77,7 +77,9 @@ def assert_outputs(project: str) -> None:
         assert os.path.exists(os.path.join(project, path)), path
     with open(os.path.join(project, "metrics/eval.json")) as handle:
         metrics = json.load(handle)
-    assert 0.0 <= metrics["eval/win_rate"] <= 1.0 and metrics["eval/prompts"] == 4
+    assert metrics["eval/prompts"] == 4 and metrics["eval/win_rate_n"] + metrics["eval/ties"] == 4
+    assert metrics["eval/win_rate_n"] == 0 or 0.0 <= metrics["eval/win_rate"] <= 1.0
+    assert 0.0 <= metrics["eval/policy/eos_rate"] <= 1.0
     assert "up to date" in run(project, "dvc", "status")
 
 

@@ -82,7 +82,7 @@ def act_on_collapse(
 ) -> float:
     """Act on a collapse found in a rollout, before any update trains on it; returns 1.0 when rolled back.
 
-    Writes ``state["rollbacks"]`` and ``state["stopped_by"]``; reads ``state["best"]``.
+    Writes ``state["rollbacks"]``, ``state["window"]`` and ``state["stopped_by"]``; reads ``state["best"]``.
 
     ``rollback`` loads the best policy so far (the SFT policy before any
     validation) and drops the policy optimiser's moments; after ``max_rollbacks``
@@ -93,6 +93,7 @@ def act_on_collapse(
         best = Checkpointer(best_dir)
         best.load_model_weights(best.latest(), "policy", policy)
         policy_optimizer.state.clear()  # the optimiser moments of the collapsed trajectory go too
+        state["window"] = []  # and its rollouts leave the window, or they would trigger the guard again
         state["rollbacks"] += 1
         count = f"{state['rollbacks']}/{config.max_rollbacks}"
         say(f"rolled the policy back to iteration {state['best']['iteration']} ({count})")
