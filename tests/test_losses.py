@@ -183,3 +183,13 @@ def test_adaptive_kl_controller_on_a_sequence_at_the_demo_batch_size():
     for _ in range(10):
         beta = losses.adaptive_kl_coef(beta, kl=12.0, target=6.0, horizon=160, steps=8)
     assert beta == pytest.approx(0.1 * 1.01**10, rel=1e-9)
+
+
+def test_ppo_ratio_is_new_over_old_by_hand():
+    # one token, log pi = 0.1, log pi_old = 0, A = 1: ratio e^0.1 = 1.10517 (inside the clip) -> loss -1.10517;
+    # old over new would give e^-0.1 = 0.90484
+    loss, stats = losses.ppo_clip_loss(
+        torch.tensor([[0.1]]), torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1, dtype=torch.bool), clip=0.2
+    )
+    assert loss.item() == pytest.approx(-math.exp(0.1), abs=1e-6)
+    assert stats["ratio"].item() == pytest.approx(math.exp(0.1), abs=1e-6)

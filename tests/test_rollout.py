@@ -123,3 +123,47 @@ def test_ppo_config_refuses_settings_that_cannot_act(kwargs, message):
     with pytest.raises(ValueError, match=message):
         PPOConfig(**kwargs)
     assert math.isfinite(max_skewness(4 * 8))
+
+
+def test_running_moments_population_stats_and_normalisation_by_running_not_batch_statistics():
+    moments = RunningMoments()
+    moments.update(torch.tensor([1.0, 2.0, 3.0]))
+    moments.update(torch.tensor([4.0]))
+    # population mean and std of [1, 2, 3, 4]: 2.5 and sqrt(1.25) = 1.11803
+    assert moments.mean == pytest.approx(2.5)
+    assert moments.std == pytest.approx(1.25**0.5)
+    # [3.5, 5.0] with the running statistics: (3.5 - 2.5) / 1.11803 = 0.89443; (5 - 2.5) / 1.11803 = 2.23607,
+    # clipped at 2; the batch's own statistics would give [-1, 1]
+    out = moments.normalize(torch.tensor([3.5, 5.0]), clip=2.0)
+    assert out.tolist() == pytest.approx([0.89443, 2.0], abs=1e-5)
+    with pytest.raises(RuntimeError, match="no reward statistics"):
+        RunningMoments().normalize(torch.tensor([1.0]), clip=1.0)
+
+
+@torch.no_grad()
+def test_make_experience_penalises_each_token_by_k1_and_adds_the_score_once(tiny_dir, tokenizer):
+    # gamma = lambda = 1: the return at the first response token is the sum of the token rewards (the values
+    # cancel), i.e. by Eq. 11 score - beta * sum_t (log pi - log pi_ref) with k1, never k3
+    from rlhf.models import encode_prompt, load_causal_lm, response_logprobs
+    from rlhf.rollout import make_experience
+
+    torch.manual_seed(0)
+    policy, reference = load_causal_lm(tiny_dir), load_causal_lm(tiny_dir)
+    for p in policy.parameters():
+        p.add_(0.05 * torch.randn_like(p))  # so that the policy differs from the reference
+    reward_model, value_model = load_scalar_model(tiny_dir), load_scalar_model(tiny_dir)
+    torch.nn.init.normal_(reward_model.score.weight, std=1.0)
+    config = PPOConfig(gamma=1.0, lam=1.0, reward_normalize=False, reward_clip=None, value_init="sft")
+    settings = GenerationSettings(max_new_tokens=5, no_eos="score", no_eos_value=None)
+    prompts = [encode_prompt(tokenizer, [{"role": "user", "content": t}], 16) for t in ("Hi", "Tell me a joke")]
+    beta = 0.3
+    models = (policy, reference, reward_model, value_model)
+    experience, stats = make_experience(models, tokenizer, prompts, config, settings, RunningMoments(), beta)
+    ids, attn, start, mask = experience.input_ids, experience.attention_mask, experience.response_start, experience.mask
+    logprobs, _ = response_logprobs(policy, ids, attn, start, 0.7)
+    ref_logprobs, _ = response_logprobs(reference, ids, attn, start, 0.7)
+    k1 = ((logprobs - ref_logprobs) * mask).sum(-1)
+    assert k1.abs().min() > 1e-3  # the policy really differs, so k1 and k3 differ
+    expected = experience.raw_scores - beta * k1
+    assert experience.returns[:, 0] == pytest.approx(expected, abs=1e-4)
+    assert stats["ppo/kl"] == pytest.approx(float(k1.mean()), abs=1e-5)
