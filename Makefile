@@ -10,7 +10,7 @@ export DVC_NO_ANALYTICS := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export HF_HUB_DISABLE_TELEMETRY := 1
 
-.PHONY: setup pipeline test unit lint
+.PHONY: setup pipeline test unit lint mutants
 
 setup: $(VENV)/.installed
 
@@ -35,3 +35,7 @@ lint: setup
 
 unit: setup
 	$(BIN)/python -m pytest -m "not integration"
+
+# Mutation run (not part of `make test` or CI): one-line bugs planted in a copy of the tree; the unit suite must catch each.
+mutants: setup
+	$(BIN)/python -m bench.mutants
