@@ -1,22 +1,20 @@
-"""HH-RLHF parsing, pair splitting, quarantine, conversation-root splits and PPO-ptx rows."""
+"""HH-RLHF parsing, pair splitting, quarantine, conversation-root splits, PPO-ptx rows, reading sources."""
 
+import bz2
+import functools
 import gzip
 import hashlib
+import http.server
 import json
+import lzma
+import threading
 
 import pytest
 
-from rlhf.data import (
-    RowError,
-    Source,
-    assign_split,
-    conversation_root,
-    prepare_rows,
-    prompt_key,
-    ptx_token_ids,
-    read_jsonl,
-    to_examples,
-)
+import tasks.prepare
+from rlhf.data import Source, assign_split, conversation_root, prepare_rows, prompt_key, ptx_token_ids, read_jsonl
+from rlhf.formats import RowError, to_examples
+from tasks.outputs import StagedOutputs
 
 SHARED = "../shared/data/hh-rlhf/harmless-base/pairs.jsonl.gz"
 
@@ -366,3 +364,323 @@ def test_ptx_token_ids_messages_text_truncation_and_errors(tokenizer):
         ptx_token_ids(tokenizer, {"id": "r9", "prompt": "x"}, 10)
     with pytest.raises(ValueError, match="max_length must be >= 1"):
         ptx_token_ids(tokenizer, {"text": "x"}, 0)
+
+
+# --- a response that repeats the prompt (the "whole conversation in each response" layout) -------------------
+
+PRIME = "Name a prime above 10."
+
+
+def user(text):
+    return {"role": "user", "content": text}
+
+
+def bot(text):
+    return {"role": "assistant", "content": text}
+
+
+def system(text):
+    return {"role": "system", "content": text}
+
+
+def test_pairs_row_whose_responses_hold_the_whole_conversation_has_the_prompt_once():
+    row = {"prompt": PRIME, "chosen": [user(PRIME), bot("11.")], "rejected": [user(PRIME), bot("12.")]}
+    assert one(row) == {"prompt": [user(PRIME)], "chosen": [bot("11.")], "rejected": [bot("12.")]}
+    prepared = prepare_rows([Source("mem", iter([(1, row)]))], {"ptx_text": 1.0}, ptx_heldout_fraction=0.5)
+    ptx = prepared.splits["ptx_text"] + prepared.splits["ptx_heldout"]
+    assert [r["messages"] for r in ptx] == [[user(PRIME), bot("11.")]]  # one user turn, not two
+
+
+@pytest.mark.parametrize(
+    "row, expected",
+    [
+        (  # system message in the prompt and in both responses
+            {
+                "prompt": [system("Be brief."), user(PRIME)],
+                "chosen": [system("Be brief."), user(PRIME), bot("11.")],
+                "rejected": [system("Be brief."), user(PRIME), bot("12.")],
+            },
+            ([system("Be brief."), user(PRIME)], [bot("11.")], [bot("12.")]),
+        ),
+        (  # system message in the prompt only; the responses repeat the user turn
+            {
+                "prompt": [system("Be brief."), user(PRIME)],
+                "chosen": [user(PRIME), bot("11.")],
+                "rejected": [user(PRIME), bot("12.")],
+            },
+            ([system("Be brief."), user(PRIME)], [bot("11.")], [bot("12.")]),
+        ),
+        (  # system message only in the responses (the prompt a string): it goes into the prompt
+            {
+                "prompt": PRIME,
+                "chosen": [system("Be brief."), user(PRIME), bot("11.")],
+                "rejected": [system("Be brief."), user(PRIME), bot("12.")],
+            },
+            ([system("Be brief."), user(PRIME)], [bot("11.")], [bot("12.")]),
+        ),
+        (  # one response repeats, the other is a plain string; whitespace differs in the repeat
+            {"prompt": PRIME, "chosen": [user("  Name a prime\nabove 10. "), bot("11.")], "rejected": "12."},
+            ([user(PRIME)], [bot("11.")], [bot("12.")]),
+        ),
+        (  # multi-turn prompt, responses repeat all of it / its last user turn / its last two turns
+            {
+                "prompt": [user("Hi"), bot("Hello."), user(PRIME)],
+                "chosen": [user("Hi"), bot("Hello."), user(PRIME), bot("11.")],
+                "rejected": [user(PRIME), bot("12.")],
+            },
+            ([user("Hi"), bot("Hello."), user(PRIME)], [bot("11.")], [bot("12.")]),
+        ),
+        (
+            {
+                "prompt": [user("Hi"), bot("Hello."), user(PRIME)],
+                "chosen": [bot("Hello."), user(PRIME), bot("11.")],
+                "rejected": [bot("12.")],
+            },
+            ([user("Hi"), bot("Hello."), user(PRIME)], [bot("11.")], [bot("12.")]),
+        ),
+        (  # plain strings that start with the prompt text ("completion includes the prompt")
+            {"prompt": PRIME, "chosen": f"{PRIME} 11.", "rejected": f"{PRIME}\n\n12."},
+            ([user(PRIME)], [bot("11.")], [bot("12.")]),
+        ),
+        (  # HH markup in the prompt and in the responses
+            {
+                "prompt": f"\n\nHuman: {PRIME}\n\nAssistant:",
+                "chosen": f"\n\nHuman: {PRIME}\n\nAssistant: 11.",
+                "rejected": "\n\nAssistant: 12.",
+            },
+            ([user(PRIME)], [bot("11.")], [bot("12.")]),
+        ),
+        (  # a short prompt is echoed by ordinary answers: left alone
+            {"prompt": "Hi", "chosen": "Hi there! How can I help?", "rejected": "Go away."},
+            ([user("Hi")], [bot("Hi there! How can I help?")], [bot("Go away.")]),
+        ),
+        (  # a response that only starts like the prompt text (no word boundary) is left alone
+            {"prompt": "Count to three please", "chosen": "Count to three pleasently: 1 2 3", "rejected": "No."},
+            ([user("Count to three please")], [bot("Count to three pleasently: 1 2 3")], [bot("No.")]),
+        ),
+    ],
+)
+def test_every_layout_of_a_repeated_prompt_gives_the_prompt_once(row, expected):
+    assert one(row) == dict(zip(("prompt", "chosen", "rejected"), expected, strict=True))
+
+
+def test_ranking_responses_that_repeat_the_prompt():
+    row = {
+        "prompt": [system("Be brief."), user(PRIME)],
+        "responses": [[user(PRIME), bot("11.")], [system("Be brief."), user(PRIME), bot("13.")], f"{PRIME} 12."],
+        "ranks": [1, 1, 2],
+    }
+    assert to_examples(row) == [
+        {"prompt": [system("Be brief."), user(PRIME)], "chosen": [bot("11.")], "rejected": [bot("12.")]},
+        {"prompt": [system("Be brief."), user(PRIME)], "chosen": [bot("13.")], "rejected": [bot("12.")]},
+    ]
+
+
+@pytest.mark.parametrize(
+    "row, reason",
+    [
+        (  # the response repeats another user turn: it does not answer this prompt
+            {"prompt": PRIME, "chosen": [user("Name a prime below 10."), bot("7.")], "rejected": "12."},
+            "chosen response starts with a user turn that does not repeat the prompt",
+        ),
+        (  # both responses open with the same other user turn (it would become a second prompt turn)
+            {"prompt": PRIME, "chosen": [user("Below 10?"), bot("7.")], "rejected": [user("Below 10?"), bot("8.")]},
+            "chosen response starts with a user turn that does not repeat the prompt",
+        ),
+        (
+            {"prompt": PRIME, "chosen": [user(PRIME)], "rejected": [user(PRIME), bot("12.")]},
+            "chosen response is empty",
+        ),
+        (
+            {"prompt": PRIME, "chosen": PRIME, "rejected": "12."},
+            "chosen response is empty",
+        ),
+        (
+            {
+                "prompt": PRIME,
+                "chosen": [system("Be brief."), user(PRIME), bot("11.")],
+                "rejected": [system("Be verbose."), user(PRIME), bot("12.")],
+            },
+            "chosen and rejected responses bring different system messages",
+        ),
+        (
+            {
+                "prompt": [system("Be brief."), user(PRIME)],
+                "chosen": [system("Be verbose."), user(PRIME), bot("11.")],
+                "rejected": "12.",
+            },
+            "chosen response's system message differs from the prompt's",
+        ),
+        (
+            {"prompt": PRIME, "chosen": [system("Be brief."), bot("11.")], "rejected": "12."},
+            "chosen response holds a system message that does not open the whole prompt",
+        ),
+    ],
+)
+def test_responses_that_do_not_continue_the_prompt_are_quarantined_with_the_reason(row, reason):
+    prepared = prepare([(1, row)])
+    assert [q["reason"] for q in prepared.quarantine] == [reason]
+    assert sum(len(rows) for rows in prepared.splits.values()) == 0
+
+
+# --- a response that ends with a user turn -------------------------------------------------------------------
+
+GAME = "Recommend a board game for four."
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        {
+            "chosen": f"\n\nHuman: {GAME}\n\nAssistant: Ticket to Ride.\n\nHuman: thanks",
+            "rejected": f"\n\nHuman: {GAME}\n\nAssistant: Play alone.",
+        },
+        {
+            "chosen": [user(GAME), bot("Ticket to Ride."), user("thanks")],
+            "rejected": [user(GAME), bot("Play alone.")],
+        },
+        {
+            "prompt": GAME,
+            "chosen": [user(GAME), bot("Ticket to Ride."), user("thanks"), user("bye")],
+            "rejected": [bot("Play alone.")],
+        },
+        {"prompt": GAME, "chosen": [bot("Ticket to Ride."), user("thanks")], "rejected": "Play alone."},
+        {"prompt": GAME, "responses": [[bot("Ticket to Ride."), user("thanks")], "Play alone."]},
+    ],
+)
+def test_trailing_user_turns_of_a_response_are_dropped(row):
+    assert one(row) == {"prompt": [user(GAME)], "chosen": [bot("Ticket to Ride.")], "rejected": [bot("Play alone.")]}
+
+
+def test_a_user_turn_inside_a_response_stays_and_one_after_the_last_answer_goes():
+    row = {
+        "chosen": [user(GAME), bot("Ticket to Ride."), user("Why?"), bot("It plays well with four."), user("ok")],
+        "rejected": [user(GAME), bot("Play alone.")],
+    }
+    assert one(row)["chosen"] == [bot("Ticket to Ride."), user("Why?"), bot("It plays well with four.")]
+
+
+def test_responses_equal_once_the_trailing_user_turn_is_dropped_are_quarantined():
+    row = {
+        "chosen": hh(("Human", GAME), ("Assistant", "Catan."), ("Human", "thanks")),
+        "rejected": hh(("Human", GAME), ("Assistant", "Catan.")),
+    }
+    assert [q["reason"] for q in prepare([(1, row)]).quarantine] == ["chosen and rejected responses are identical"]
+
+
+# --- compression read from the content; a source without a usable row is an error ----------------------------
+
+ROWS = [{"prompt": f"Question {i}?", "chosen": f"Good answer {i}.", "rejected": f"Bad answer {i}."} for i in range(4)]
+COMPRESS = {None: lambda data: data, "gzip": gzip.compress, "bz2": bz2.compress, "xz": lzma.compress}
+
+
+def write_rows(path, rows, compression=None):
+    path.write_bytes(COMPRESS[compression](b"".join(json.dumps(r).encode() + b"\n" for r in rows)))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "name, compression",
+    [
+        ("pairs.JSONL.GZ", "gzip"),  # upper-case suffix
+        ("pairs.jsonl", "gzip"),  # gzip without a suffix
+        ("pairs", "gzip"),
+        ("pairs.jsonl.gz", None),  # plain text named .gz
+        ("pairs.Gz", None),
+        ("pairs.jsonl.BZ2", "bz2"),
+        ("pairs.data", "xz"),
+        ("pairs.jsonl.gz", "bz2"),  # the name says one codec, the content another
+    ],
+)
+def test_read_jsonl_reads_the_compression_from_the_content_not_the_name(tmp_path, name, compression):
+    path = write_rows(tmp_path / name, ROWS, compression)
+    assert list(read_jsonl(path)) == [(1, ROWS[0]), (2, ROWS[1]), (3, ROWS[2]), (4, ROWS[3])]
+
+
+def test_read_jsonl_drops_a_byte_order_mark_and_reads_an_empty_file(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(ROWS[0]).encode() + b"\n")
+    assert list(read_jsonl(str(path))) == [(1, ROWS[0])]
+    (tmp_path / "empty.jsonl.gz").write_bytes(b"")
+    assert list(read_jsonl(str(tmp_path / "empty.jsonl.gz"))) == []
+
+
+def run_prepare(tmp_path, monkeypatch, **data):
+    monkeypatch.chdir(tmp_path)
+    with StagedOutputs() as outputs:  # a failure raises before anything is put in place
+        return tasks.prepare.run({"fractions": {"sft": 0.5, "rm_train": 0.5}, **data}, outputs)
+
+
+def test_prepare_reads_gzip_with_odd_names_in_every_source(tmp_path, monkeypatch):
+    ptx_rows = [{"text": "Some pretraining text."}, {"messages": [{"role": "user", "content": "Hello?"}]}]
+    counts = run_prepare(
+        tmp_path,
+        monkeypatch,
+        source=write_rows(tmp_path / "pairs.JSONL.GZ", ROWS, "gzip"),
+        more_sources=[{"source": write_rows(tmp_path / "more.jsonl", ROWS[:2], "gzip")}],
+        ptx_source=write_rows(tmp_path / "ptx.jsonl.gz", ptx_rows),  # plain text named .gz
+    )
+    assert counts["rows_in"] == 4 + 2 + 2 and counts["quarantined"] == 0
+    assert counts["split/sft"] + counts["split/rm_train"] == 6
+    assert counts["split/ptx_text"] + counts["split/ptx_heldout"] == 2
+
+
+@pytest.mark.parametrize("which", ["source", "more_sources", "ptx_source"])
+def test_a_source_without_a_usable_row_fails_the_stage_naming_it(tmp_path, monkeypatch, which):
+    good = write_rows(tmp_path / "good.jsonl", ROWS)
+    garbage = tmp_path / "garbage.jsonl.gz"  # neither gzip nor UTF-8: every line is quarantined
+    garbage.write_bytes(b"\x00\xff\xfe garbage\n" * 3)
+    data = {"source": good, "more_sources": [], "ptx_source": None}
+    data[which] = [{"source": str(garbage)}] if which == "more_sources" else str(garbage)
+    kind = "ptx" if which == "ptx_source" else "preference"
+    with pytest.raises(ValueError) as failure:
+        run_prepare(tmp_path, monkeypatch, **data)
+    assert str(failure.value) == (
+        f"{kind} source {garbage}: none of 3 rows is usable; first reason: invalid UTF-8: invalid start byte at byte 1"
+    )
+    assert not (tmp_path / "data" / "processed").exists()  # nothing written
+
+
+def test_an_empty_source_and_a_source_of_the_wrong_format_fail_the_stage(tmp_path, monkeypatch):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_bytes(b"")
+    wrong = write_rows(tmp_path / "wrong.jsonl", [{"text": "a"}, {"text": "b"}])
+    with pytest.raises(ValueError) as failure:
+        run_prepare(
+            tmp_path,
+            monkeypatch,
+            source=write_rows(tmp_path / "good.jsonl", ROWS),
+            more_sources=[{"source": str(empty)}, {"source": wrong}],
+        )
+    assert str(failure.value).splitlines() == [
+        f"preference source {empty}: no rows",
+        f"preference source {wrong}: none of 2 rows is usable; first reason: row has keys ['text']; "
+        "expected chosen/rejected, prompt/chosen/rejected or prompt/responses",
+    ]
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def http_root(tmp_path):
+    """A static HTTP server on 127.0.0.1 (a free port) serving tmp_path; stopped after the test."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_QuietHandler, directory=tmp_path))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+    thread.join()
+
+
+def test_a_url_with_a_query_string_is_read_by_its_content(tmp_path, monkeypatch, http_root):
+    write_rows(tmp_path / "pairs.jsonl.gz", ROWS, "gzip")
+    write_rows(tmp_path / "plain.jsonl.gz", ROWS[:2])
+    url = f"{http_root}/pairs.jsonl.gz?download=true"
+    assert [row for _, row in read_jsonl(url)] == ROWS
+    assert [row for _, row in read_jsonl(f"{http_root}/plain.jsonl.gz?download=true")] == ROWS[:2]
+    counts = run_prepare(tmp_path, monkeypatch, source=url, more_sources=[{"source": f"{http_root}/pairs.jsonl.gz"}])
+    assert counts["rows_in"] == 8 and counts["quarantined"] == 0

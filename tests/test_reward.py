@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from rlhf.models import encode_chat, load_scalar_model
+from rlhf.chat import encode_chat
+from rlhf.models import load_scalar_model
 from rlhf.reward import center_rewards, expected_calibration_error, pearson, preference_metrics, score_sequences
 
 

@@ -144,7 +144,8 @@ def test_running_moments_population_stats_and_normalisation_by_running_not_batch
 def test_make_experience_penalises_each_token_by_k1_and_adds_the_score_once(tiny_dir, tokenizer):
     # gamma = lambda = 1: the return at the first response token is the sum of the token rewards (the values
     # cancel), i.e. by Eq. 11 score - beta * sum_t (log pi - log pi_ref) with k1, never k3
-    from rlhf.models import encode_prompt, load_causal_lm, response_logprobs
+    from rlhf.chat import encode_prompt
+    from rlhf.models import load_causal_lm, response_logprobs
     from rlhf.rollout import make_experience
 
     torch.manual_seed(0)

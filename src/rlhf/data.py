@@ -19,22 +19,13 @@ import hashlib
 import io
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import fsspec
+import fsspec.compression
 
-from rlhf.formats import (  # noqa: F401  (re-exported: rlhf.data is the entry point of the data code)
-    FORMATS,
-    Message,
-    RowError,
-    as_messages,
-    detect_format,
-    expand_ranking,
-    parse_hh_dialogue,
-    split_pair,
-    to_examples,
-)
+from rlhf.formats import Message, RowError, as_messages, to_examples
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -45,24 +36,68 @@ SPLITS = ("sft", "rm_train", "rm_eval", "ppo_prompts", "ptx_text", "ptx_heldout"
 which is a share (``data.ptx_heldout_fraction``) of the ptx rows."""
 
 
+_MAGIC = ((b"\x1f\x8b", "gzip"), (b"BZh", "bz2"), (b"\xfd7zXZ\x00", "xz"), (b"\x28\xb5\x2f\xfd", "zstd"))
+"""Compression recognised from a file's first bytes (a JSON line starts with ``{``, never with these)."""
+
+
+class _Prefixed(io.RawIOBase):
+    """A read-only stream: ``head`` (bytes already read to sniff the format), then the rest of ``raw``."""
+
+    def __init__(self, head: bytes, raw: Any) -> None:
+        self._head, self._raw = head, raw
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        data = self._head[: len(buffer)] if self._head else self._raw.read(len(buffer))
+        self._head = self._head[len(data) :]
+        buffer[: len(data)] = data
+        return len(data)
+
+
+def sniff_compression(head: bytes) -> str | None:
+    """The compression of a file from its first bytes (gzip ``1f 8b``, bz2, xz, zstd), or None for plain.
+
+    The content decides, never the name: ``pairs.JSONL.GZ``, ``pairs.jsonl.gz?download=true``
+    or a gzip file without a suffix are read as gzip, a plain file named ``.gz`` as plain text.
+    """
+    return next((name for magic, name in _MAGIC if head.startswith(magic)), None)
+
+
 def read_jsonl(path: str, storage_options: dict[str, Any] | None = None) -> Iterator[tuple[int, Any]]:
-    """Yield ``(line_number, parsed_json_or_RowError)`` for each non-blank line of a jsonl[.gz] file.
+    """Yield ``(line_number, parsed_json_or_RowError)`` for each non-blank line of a jsonl file, compressed or not.
 
     Args:
-        path: any fsspec path or URL (local, ``s3://``, ``hf://datasets/...``, ``https://``);
-            a ``.gz`` suffix means gzip.
+        path: any fsspec path or URL (local, ``s3://``, ``hf://datasets/...``, ``https://``, with or
+            without a query string); its compression is read from its first bytes
+            (:func:`sniff_compression`), whatever its name says.
         storage_options: passed to ``fsspec.open``.
 
     Yields:
         1-based line number and the parsed object, or a ``RowError`` naming the
-        JSON or UTF-8 problem (the caller quarantines it).
+        JSON or UTF-8 problem (the caller quarantines it). A UTF-8 byte-order mark
+        before the first line is dropped.
 
     Raises:
         FileNotFoundError: the path does not exist.
+        ValueError: the file is compressed with a codec that is not installed (names the path).
     """
-    compression = "gzip" if path.endswith(".gz") else None
-    with fsspec.open(path, "rb", compression=compression, **(storage_options or {})) as raw:
-        for number, line in enumerate(raw, start=1):
+    with fsspec.open(path, "rb", **(storage_options or {})) as raw:
+        head = b""
+        while len(head) < 6 and (chunk := raw.read(6 - len(head))):
+            head += chunk
+        stream: Any = io.BufferedReader(_Prefixed(head, raw))
+        compression = sniff_compression(head)
+        if compression is not None:
+            if compression not in fsspec.compression.compr:
+                raise ValueError(
+                    f"{path}: the file is {compression}-compressed, but no {compression} codec is installed"
+                )
+            stream = fsspec.compression.compr[compression](stream, mode="rb")
+        for number, line in enumerate(stream, start=1):
+            if number == 1:
+                line = line.removeprefix(b"\xef\xbb\xbf")
             if not line.strip():
                 continue
             try:
@@ -170,10 +205,13 @@ def is_ptx_heldout(row: dict[str, Any], heldout_fraction: float) -> bool:
 def ptx_token_ids(tokenizer: PreTrainedTokenizerBase, row: dict[str, Any], max_length: int) -> list[int]:
     """Token ids of one PPO-ptx row, the input of the LM term of PPO-ptx (tutorial Eq. 14).
 
-    A ``messages`` row is ``tokenizer.apply_chat_template(messages, tokenize=False)``
-    (no generation prompt; template markers included, every token is an LM target);
-    a ``text`` row is ``text + eos_token``. Both are tokenised without added
-    special tokens and cut on the right to ``max_length`` (the start is kept).
+    A ``messages`` row is the chat template of its messages (no generation prompt;
+    template markers included, every token is an LM target); a ``text`` row is
+    the text's ids + the EOS id. A control token written inside a content or a text
+    (``<|im_end|>``, the pad ``<|endoftext|>``, ``<file_sep>``, ...) is encoded as
+    plain text (:func:`rlhf.models.encode_messages`, :func:`rlhf.models.encode_text`),
+    so the only special ids are the template's and the final EOS. The ids are
+    cut on the right to ``max_length`` (the start is kept).
 
     Args:
         tokenizer: the policy's tokenizer, with a chat template.
@@ -193,23 +231,51 @@ def ptx_token_ids(tokenizer: PreTrainedTokenizerBase, row: dict[str, Any], max_l
         parsed = parse_ptx_row(row)
     except RowError as err:
         raise ValueError(f"ptx row {name}: {err}") from None
+    from rlhf.chat import encode_messages, encode_text  # torch and transformers load only when tokenising
+
     if "messages" in parsed:
-        text = tokenizer.apply_chat_template(parsed["messages"], tokenize=False)
+        ids = encode_messages(tokenizer, parsed["messages"])
     else:
-        text = parsed["text"] + tokenizer.eos_token
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"][:max_length]
+        ids = encode_text(tokenizer, parsed["text"]) + [tokenizer.eos_token_id]
+    ids = ids[:max_length]
     if not ids:
         raise ValueError(f"ptx row {name}: no tokens")
     return ids
 
 
 @dataclass
+class SourceCount:
+    """What one source gave: rows read, rows used (kept in a split), the first quarantine reason."""
+
+    path: str
+    kind: str  # "preference" (data.source, data.more_sources) or "ptx" (data.ptx_source)
+    rows_in: int = 0
+    used: int = 0
+    first_reason: str | None = None
+
+
+@dataclass
 class PreparedData:
-    """The result of :func:`prepare_rows`: rows by split and quarantined rows."""
+    """The result of :func:`prepare_rows`: rows by split, quarantined rows and what each source gave."""
 
     splits: dict[str, list[dict[str, Any]]]
     quarantine: list[dict[str, Any]]
     rows_in: int
+    sources: list[SourceCount] = field(default_factory=list)
+
+    def unusable_sources(self) -> list[str]:
+        """One line per source that gave no usable row (empty, or every row quarantined): such a source is
+        an error of the run, never a silent loss (a gzip file read as text, a wrong format or mapping)."""
+        lines = []
+        for count in self.sources:
+            if count.rows_in == 0:
+                lines.append(f"{count.kind} source {count.path}: no rows")
+            elif count.used == 0:
+                lines.append(
+                    f"{count.kind} source {count.path}: none of {count.rows_in} rows is usable; "
+                    f"first reason: {count.first_reason}"
+                )
+        return lines
 
 
 @dataclass
@@ -242,7 +308,8 @@ def prepare_rows(
     to ``ptx_heldout``, the rest to ``ptx_text``. Ids: pair and ptx rows
     ``<sha256[:16]>-<line>`` (``-<k>`` for the k-th pair of a ranking row,
     ``-s<i>`` for the i-th source after the first); prompt rows ``<sha256[:16]>``.
-    Quarantine rows are ``{"source", "line", "reason", "row"}``.
+    Quarantine rows are ``{"source", "line", "reason", "row"}``. ``sources`` counts, per
+    source, the rows read and used (see :meth:`PreparedData.unusable_sources`).
 
     Args:
         sources: the preference inputs, concatenated in order.
@@ -265,19 +332,25 @@ def prepare_rows(
     def ptx(record: dict[str, Any]) -> None:
         splits["ptx_heldout" if is_ptx_heldout(record, ptx_heldout_fraction) else "ptx_text"].append(record)
 
+    counts: list[SourceCount] = []
+
     def reject(source: Source, line: int, row: Any, reason: str) -> None:
         quarantine.append(
             {"source": source.path, "line": line, "reason": reason, "row": None if isinstance(row, RowError) else row}
         )
+        counts[-1].first_reason = counts[-1].first_reason or reason
 
     for index, source in enumerate(sources):
+        counts.append(SourceCount(source.path, "preference"))
         for line, row in source.rows:
             rows_in += 1
+            counts[-1].rows_in += 1
             try:
                 examples = to_examples(row, source.format, source.mapping)
             except RowError as err:
                 reject(source, line, row, str(err))
                 continue
+            counts[-1].used += 1
             for number, example in enumerate(examples):
                 key = prompt_key(example["prompt"])
                 split = assign_split(example["prompt"], fractions)
@@ -293,8 +366,10 @@ def prepare_rows(
                 else:
                     splits[split].append({**record, **example})
     for index, source in enumerate(ptx_sources or []):
+        counts.append(SourceCount(source.path, "ptx"))
         for line, row in source.rows:
             rows_in += 1
+            counts[-1].rows_in += 1
             try:
                 if isinstance(row, RowError):
                     raise row
@@ -307,7 +382,8 @@ def prepare_rows(
                 continue
             key = prompt_key(parsed)
             ptx({"id": f"{key[:16]}-{line}" + (f"-p{index}" if index else ""), "source": source.path, **parsed})
-    return PreparedData(splits=splits, quarantine=quarantine, rows_in=rows_in)
+            counts[-1].used += 1
+    return PreparedData(splits=splits, quarantine=quarantine, rows_in=rows_in, sources=counts)
 
 
 def write_jsonl(rows: list[dict[str, Any]], handle: io.TextIOBase) -> None:

@@ -9,7 +9,8 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf import losses
-from rlhf.models import encode_prompt, response_logprobs
+from rlhf.chat import encode_prompt
+from rlhf.models import response_logprobs
 from rlhf.rollout import GenerationSettings, sample_and_score
 from rlhf.stats import PairedRate, paired_rate
 

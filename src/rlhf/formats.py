@@ -4,7 +4,8 @@ Formats (README "Input data"): ``hh`` (whole HH-RLHF dialogue strings),
 ``pairs`` (prompt/chosen/rejected), ``conversational`` (chosen/rejected message
 lists) and ``ranking`` (K ranked responses). An example is ``{"prompt",
 "chosen", "rejected"}``, each a list of ``{"role", "content"}`` messages; the
-prompt ends with a user turn.
+prompt ends with a user turn and each response starts and ends with an assistant
+turn (README "Input data" says what happens to rows that do not).
 """
 
 from __future__ import annotations
@@ -16,6 +17,11 @@ Message = dict[str, str]
 
 _HH_TURN = re.compile(r"\n\n(Human|Assistant):[ ]?")
 _HH_ROLES = {"Human": "user", "Assistant": "assistant"}
+_HH_START = re.compile(r"\s*(?:Human|Assistant):")
+ECHO_MIN_WORDS = 3
+"""A plain-string response that starts with the whole prompt text is read as prompt + response (the
+"completion includes the prompt" layout) when the prompt has at least this many words; a shorter prompt is
+echoed by ordinary answers ("Hi" -> "Hi there!") and is left alone."""
 
 
 class RowError(ValueError):
@@ -56,7 +62,10 @@ def split_pair(chosen: list[Message], rejected: list[Message]) -> tuple[list[Mes
 
     The prompt is the shared messages up to and including the user turn before
     the first assistant turn that differs; each response is everything after
-    it (several assistant turns in a row stay one response).
+    it (several assistant turns in a row stay one response), less any trailing
+    user or system turns: the reward model reads its score at the end of the
+    last turn, so a response must end with an assistant turn (a "thanks" from
+    the user after the answer is dropped).
 
     Args:
         chosen: messages of the preferred dialogue.
@@ -66,7 +75,9 @@ def split_pair(chosen: list[Message], rejected: list[Message]) -> tuple[list[Mes
         ``(prompt, chosen_response, rejected_response)``, lists of messages.
 
     Raises:
-        RowError: no shared user turn, a response is empty, or both responses are identical.
+        RowError: no shared user turn, a response that does not start with an
+            assistant turn (the dialogues differ before the answer), a response
+            that is empty, or both responses are identical.
     """
     common = 0
     while common < min(len(chosen), len(rejected)) and chosen[common] == rejected[common]:
@@ -76,13 +87,24 @@ def split_pair(chosen: list[Message], rejected: list[Message]) -> tuple[list[Mes
         cut -= 1
     if cut == 0:
         raise RowError("the dialogues share no user turn")
-    prompt, chosen_response, rejected_response = chosen[:cut], chosen[cut:], rejected[cut:]
+    prompt, chosen_response, rejected_response = chosen[:cut], _trim_end(chosen[cut:]), _trim_end(rejected[cut:])
     if chosen_response == rejected_response:
         raise RowError("chosen and rejected responses are identical")
     for name, response in (("chosen", chosen_response), ("rejected", rejected_response)):
+        if response and response[0]["role"] != "assistant":
+            raise RowError(
+                f"{name} response starts with a {response[0]['role']} turn, not an assistant turn "
+                "(the dialogues differ before the answer)"
+            )
         if not any(m["content"].strip() for m in response if m["role"] == "assistant"):
             raise RowError(f"{name} response is empty")
     return prompt, chosen_response, rejected_response
+
+
+def _trim_end(response: list[Message]) -> list[Message]:
+    """The response up to its last assistant turn (trailing user or system turns dropped)."""
+    last = max((i for i, m in enumerate(response) if m["role"] == "assistant"), default=-1)
+    return response[: last + 1]
 
 
 def as_messages(value: Any, field: str, conversation: bool = False) -> list[Message]:
@@ -163,13 +185,99 @@ def expand_ranking(responses: list[Any], ranks: list[Any] | None) -> list[tuple[
     return pairs
 
 
-def _pair_from_prompt(prompt_value: Any, chosen_value: Any, rejected_value: Any) -> dict[str, list[Message]]:
-    prompt = as_messages(prompt_value, "prompt")
+def _markup_messages(text: str) -> list[Message] | None:
+    """The messages of a string written in HH markup (``"\\n\\nHuman: ...\\n\\nAssistant: ..."``, the
+    leading blank lines optional), or None for plain text."""
+    if not _HH_START.match(text):
+        return None
+    parts = _HH_TURN.split("\n\n" + text.lstrip())
+    return [
+        {"role": _HH_ROLES[role], "content": content.strip()}
+        for role, content in zip(parts[1::2], parts[2::2], strict=True)
+    ]
+
+
+def _prompt_messages(value: Any) -> list[Message]:
+    """The ``prompt`` field as messages ending with a user turn: a string in HH markup is parsed (its
+    trailing empty ``Assistant:`` dropped), any other string is one user turn."""
+    markup = _markup_messages(value) if isinstance(value, str) else None
+    if markup is not None:
+        prompt = markup[:-1] if markup and markup[-1]["role"] == "assistant" and not markup[-1]["content"] else markup
+    else:
+        prompt = as_messages(value, "prompt")
     if not prompt or prompt[-1]["role"] != "user":
         raise RowError("prompt does not end with a user turn")
-    prompt, chosen, rejected = split_pair(
-        prompt + as_messages(chosen_value, "chosen"), prompt + as_messages(rejected_value, "rejected")
+    return prompt
+
+
+def _same(a: list[Message], b: list[Message]) -> bool:
+    """Messages equal in role and in whitespace-normalised content."""
+    return len(a) == len(b) and all(
+        x["role"] == y["role"] and x["content"].split() == y["content"].split() for x, y in zip(a, b, strict=True)
     )
+
+
+def _leading_system(messages: list[Message]) -> int:
+    count = 0
+    while count < len(messages) and messages[count]["role"] == "system":
+        count += 1
+    return count
+
+
+def _continuation(prompt: list[Message], value: Any, field: str) -> tuple[list[Message], list[Message]]:
+    """A response field as the messages that continue ``prompt``, and the system messages it brings.
+
+    Many public datasets store each response as the whole conversation, the prompt
+    included: a response that starts with the prompt's turns, or the last of them
+    (a suffix of the prompt's dialogue), has them removed. Leading system messages
+    of the response are allowed only before the whole prompt and must equal the
+    prompt's own system messages, if it has any; they are returned so the caller
+    can put them into the prompt. A plain-string response that starts with the
+    prompt's last user turn (:data:`ECHO_MIN_WORDS` words or more, followed by a
+    space or the end) has that text removed. A string in HH markup is parsed.
+
+    Returns:
+        ``(system_messages_to_add_to_the_prompt, response_messages)``.
+
+    Raises:
+        RowError: a system message that does not open a repetition of the whole prompt, one that
+            differs from the prompt's, a response that (after the repetition) starts with a
+            user or system turn, or a malformed field.
+    """
+    markup = _markup_messages(value) if isinstance(value, str) else None
+    response = markup if markup is not None else as_messages(value, field)
+    prompt_system = _leading_system(prompt)
+    dialogue = prompt[prompt_system:]
+    system = _leading_system(response)
+    rest = response[system:]
+    repeated = max((k for k in range(1, len(dialogue) + 1) if _same(rest[:k], dialogue[-k:])), default=0)
+    if system:
+        if repeated != len(dialogue):
+            raise RowError(f"{field} response holds a system message that does not open the whole prompt")
+        if prompt_system and not _same(response[:system], prompt[:prompt_system]):
+            raise RowError(f"{field} response's system message differs from the prompt's")
+    rest = rest[repeated:]
+    if markup is None and isinstance(value, str) and rest:
+        echo, body = dialogue[-1]["content"].strip(), rest[0]["content"].lstrip()
+        after = body[len(echo) : len(echo) + 1]
+        if len(echo.split()) >= ECHO_MIN_WORDS and body.startswith(echo) and (not after or after.isspace()):
+            rest = [{"role": "assistant", "content": body[len(echo) :].lstrip()}]
+    if rest and rest[0]["role"] != "assistant":
+        raise RowError(f"{field} response starts with a {rest[0]['role']} turn that does not repeat the prompt")
+    return (response[:system] if system and not prompt_system else []), rest
+
+
+def _pair_from_prompt(prompt_value: Any, chosen_value: Any, rejected_value: Any) -> dict[str, list[Message]]:
+    """One example from a prompt and two responses, each response reduced to what continues the prompt
+    (see :func:`_continuation`); a system message a response brings goes into the prompt (two different
+    ones are an error)."""
+    prompt = _prompt_messages(prompt_value)
+    chosen_system, chosen = _continuation(prompt, chosen_value, "chosen")
+    rejected_system, rejected = _continuation(prompt, rejected_value, "rejected")
+    if chosen_system and rejected_system and not _same(chosen_system, rejected_system):
+        raise RowError("chosen and rejected responses bring different system messages")
+    prompt = (chosen_system or rejected_system) + prompt
+    prompt, chosen, rejected = split_pair(prompt + chosen, prompt + rejected)
     return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
 
 

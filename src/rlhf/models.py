@@ -1,4 +1,6 @@
-"""Models and tokenisation: loading the base model, chat encoding, scores, values, logprobs, sampling.
+"""Models: loading the base model and project models, scores, values, logprobs, sampling.
+
+Chat encoding and padding live in :mod:`rlhf.chat`.
 
 Masks always come from the attention mask (never from comparing ids to the pad
 id), and left-padded batches get ``position_ids`` from the attention mask.
@@ -7,6 +9,7 @@ id), and left-padded batches get ``position_ids`` from the attention mask.
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -24,6 +27,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from rlhf.chat import pad
+from rlhf.finite import non_finite_weights
 from rlhf.losses import last_token_index, logprobs_from_logits
 
 PAD_TOKEN = "<|endoftext|>"
@@ -127,11 +132,30 @@ def load_base_model(
     return model, tokenizer
 
 
+def _refuse_non_finite(model: PreTrainedModel, path: str) -> PreTrainedModel:
+    """Return ``model``, or refuse one whose weights (or a number of its config, e.g. ``reward_offset``) are not
+    finite: a diverged run's output. The message names ``path``."""
+    numbers = {k: v for k, v in model.config.to_dict().items() if isinstance(v, float)}
+    bad = non_finite_weights(model) + [f"config.{k}" for k, v in numbers.items() if not math.isfinite(v)]
+    if bad:
+        shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+        raise ValueError(
+            f"{path}: model weights are not finite (NaN or inf in {shown}); refusing to load it: "
+            "retrain the stage that wrote it"
+        )
+    return model
+
+
 def load_causal_lm(path: str) -> PreTrainedModel:
-    """Load a causal LM saved by this project (safetensors only, no remote code), dropout off."""
-    return disable_dropout(
-        AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, use_safetensors=True, trust_remote_code=False)
+    """Load a causal LM saved by this project (safetensors only, no remote code), dropout off.
+
+    Raises:
+        ValueError: a weight is NaN or infinite (the message names ``path``).
+    """
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, use_safetensors=True, trust_remote_code=False
     )
+    return disable_dropout(_refuse_non_finite(model, path))
 
 
 def load_scalar_model(path: str) -> PreTrainedModel:
@@ -139,11 +163,14 @@ def load_scalar_model(path: str) -> PreTrainedModel:
 
     From a causal-LM folder the head is new (initialised by transformers); from
     a reward-model folder it is the trained head.
+
+    Raises:
+        ValueError: a weight is NaN or infinite (the message names ``path``).
     """
     model = AutoModelForSequenceClassification.from_pretrained(
         path, num_labels=1, dtype=torch.float32, use_safetensors=True, trust_remote_code=False
     )
-    return disable_dropout(model)
+    return disable_dropout(_refuse_non_finite(model, path))
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
@@ -262,82 +289,6 @@ def response_logprobs(
     logits = logits[:, response_start - 1 : -1].float() / temperature
     logprobs = logprobs_from_logits(logits, input_ids[:, response_start:])
     return logprobs, (logits if with_logits else None)
-
-
-@dataclass
-class Encoded:
-    """One tokenised conversation: ``input_ids`` and a same-length mask of assistant response tokens."""
-
-    input_ids: list[int]
-    response_mask: list[bool]
-
-
-def encode_chat(
-    tokenizer: PreTrainedTokenizerBase, prompt: list[dict], response: list[dict], max_length: int
-) -> Encoded:
-    """Tokenise prompt + response with the chat template; mark the assistant tokens of the response.
-
-    Each assistant message of the response is marked from the end of its
-    generation header (``<|im_start|>assistant\\n``) to its end token; user turns
-    inside a response are context, not targets. The sequence ends at the last
-    end-of-turn token (the template's trailing newline is dropped), so the reward
-    model reads its score at the EOS exactly as in a PPO rollout. Sequences over
-    ``max_length`` lose tokens from the left (the response end is kept).
-
-    Args:
-        tokenizer: with a chat template.
-        prompt: messages ending with a user turn.
-        response: messages following the prompt.
-        max_length: maximum number of tokens (> 0).
-
-    Returns:
-        :class:`Encoded` with ``len(input_ids) <= max_length``.
-    """
-
-    def ids(messages: list[dict], generation_prompt: bool = False) -> list[int]:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    messages = list(prompt)
-    input_ids = ids(messages)
-    mask = [False] * len(input_ids)
-    for message in response:
-        if message["role"] == "assistant":
-            header = ids(messages, generation_prompt=True)
-            mask += [False] * (len(header) - len(mask))
-        messages.append(message)
-        full = ids(messages)
-        mask += [message["role"] == "assistant"] * (len(full) - len(mask))
-        input_ids = full
-    if tokenizer.eos_token_id in input_ids:
-        # end at the last end-of-turn token: the template's trailing newline is not part of
-        # the response, and the reward is read at the EOS exactly as in a PPO rollout
-        end = len(input_ids) - input_ids[::-1].index(tokenizer.eos_token_id)
-        input_ids, mask = input_ids[:end], mask[:end]
-    return Encoded(input_ids=input_ids[-max_length:], response_mask=mask[-max_length:])
-
-
-def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: list[dict], max_length: int) -> list[int]:
-    """Tokenise a prompt with the generation header (``<|im_start|>assistant\\n``), left-truncated to ``max_length``."""
-    text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-    return tokenizer(text, add_special_tokens=False)["input_ids"][-max_length:]
-
-
-def pad(tokenizer: PreTrainedTokenizerBase, sequences: list[list[int]], side: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pad token lists into ``(input_ids, attention_mask)``, both ``(B, T)`` int64, on ``side`` ("left"/"right")."""
-    batch = tokenizer.pad(
-        {"input_ids": sequences}, padding=True, padding_side=side, return_attention_mask=True, return_tensors="pt"
-    )
-    return batch["input_ids"], batch["attention_mask"]
-
-
-def pad_masks(masks: list[list[bool]], length: int, side: str) -> torch.Tensor:
-    """Pad boolean lists with False to ``length`` on ``side``; returns ``(B, length)`` bool."""
-    rows = [
-        ([False] * (length - len(m)) + list(m)) if side == "left" else (list(m) + [False] * (length - len(m)))
-        for m in masks
-    ]
-    return torch.tensor(rows, dtype=torch.bool)
 
 
 @dataclass

@@ -10,8 +10,9 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from rlhf.chat import Encoded, encode_chat, pad, pad_masks
 from rlhf.losses import bradley_terry_loss, language_model_loss, last_token_index
-from rlhf.models import Encoded, encode_chat, pad, pad_masks, position_ids_from_mask, sequence_scores
+from rlhf.models import position_ids_from_mask, sequence_scores
 from rlhf.stats import TiesWarning, paired_rate
 from rlhf.training import Checkpointer, LogFn, check_schedule, freeze_lower_layers, supervised_loop
 

@@ -8,8 +8,9 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from rlhf.chat import encode_chat, pad, pad_masks
 from rlhf.losses import language_model_loss
-from rlhf.models import encode_chat, pad, pad_masks, position_ids_from_mask
+from rlhf.models import position_ids_from_mask
 from rlhf.training import Checkpointer, LogFn, check_schedule, freeze_lower_layers, supervised_loop
 
 

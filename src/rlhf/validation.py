@@ -5,7 +5,11 @@ flags, token lengths). Split kinds: ``pairs`` (prompt/chosen/rejected),
 ``prompts`` and ``ptx`` (PPO-ptx rows, ``{"messages"}`` or ``{"text"}``, whose
 rules read each message's content, never the chat template's own markers).
 A row that breaks any rule is quarantined with the names of the rules it
-broke; the rest is valid. Rows in = valid rows + quarantined rows, always. The
+broke; the rest is valid. Rows in = valid rows + quarantined rows, always.
+Control tokens (``<|im_end|>``, ``<|endoftext|>``, ``<file_sep>``, ...) are read
+twice: as text written in a content (``control_token_in_content``, a setting) and
+as ids in the token sequence the model will see (``control_token_id``, always:
+the sequence must hold exactly the special ids the chat template writes). The
 split fails when it is empty or when the share of quarantined rows exceeds
 ``max_quarantine_fraction``; the failure message has one line per broken rule
 (file, row, rule, value).
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import re
 import unicodedata
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,8 +27,9 @@ import great_expectations as gx
 import pandas as pd
 from transformers import PreTrainedTokenizerBase
 
-from rlhf.data import RowError, parse_ptx_row, ptx_token_ids
-from rlhf.models import encode_chat, encode_prompt
+from rlhf.chat import control_token_ids, control_tokens, encode_chat, encode_prompt, encode_text
+from rlhf.data import parse_ptx_row, ptx_token_ids
+from rlhf.formats import RowError
 
 ROLE_MARKER = re.compile(r"(?:^|\s)(?:Human|Assistant|User|System):")
 """A speaker tag inside a response or a ptx message, at a line start or mid-line ("... Human: what? Assistant: ...")."""
@@ -41,6 +47,7 @@ class ValidationConfig:
     max_prompt_tokens: int = 2048
     max_response_tokens: int = 1024
     role_markers: str = "quarantine"  # quarantine | keep: "Human:"/"Assistant:" inside a response or ptx content
+    control_tokens: str = "quarantine"  # quarantine | keep: a control token's text (<|im_end|>, ...) in any content
     max_ptx_tokens: int = 2048  # tokens of a ptx row as PPO-ptx reads it (chat template or text + EOS)
     max_quarantine_fraction: float = 0.05
 
@@ -84,7 +91,41 @@ def _normalized(text: str | None) -> str:
     return " ".join(unicodedata.normalize("NFKC", text or "").split())
 
 
-def _ptx_record(row: Any, index: int, tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
+class _ControlTokens:
+    """Control tokens of a tokenizer, as text (in a content) and as ids (in an encoded sequence)."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.ids = control_token_ids(tokenizer)
+        self.pattern = re.compile("|".join(map(re.escape, control_tokens(tokenizer))) or "(?!)")
+        self.tokenizer = tokenizer
+        self._expected: dict[tuple, Counter] = {}
+
+    def in_text(self, texts: list[str | None]) -> str | None:
+        """The first text that holds a control token's text, or None."""
+        return next((t for t in texts if t and self.pattern.search(t)), None)
+
+    def counts(self, ids: list[int]) -> Counter:
+        return Counter(i for i in ids if i in self.ids)
+
+    def expected(self, mode: str, roles: tuple[str, ...], response_roles: tuple[str, ...] = ()) -> Counter:
+        """The control ids of the same turns with neutral contents (they depend only on the roles):
+        ``mode`` is ``"prompt"`` (:func:`encode_prompt`), ``"chat"`` (:func:`encode_chat`, prompt and
+        response roles), ``"ptx"`` (:func:`ptx_token_ids` of messages) or ``"text"`` (a ptx text row)."""
+        key = (mode, roles, response_roles)
+        if key not in self._expected:
+            blank = [{"role": role, "content": "x"} for role in roles]
+            if mode == "prompt":
+                ids = encode_prompt(self.tokenizer, blank, 10**9)
+            elif mode == "chat":
+                response = [{"role": role, "content": "x"} for role in response_roles]
+                ids = encode_chat(self.tokenizer, blank, response, 10**9).input_ids
+            else:
+                ids = ptx_token_ids(self.tokenizer, {"messages": blank} if mode == "ptx" else {"text": "x"}, 10**9)
+            self._expected[key] = self.counts(ids)
+        return self._expected[key]
+
+
+def _ptx_record(row: Any, index: int, tokenizer: PreTrainedTokenizerBase, control: _ControlTokens) -> dict[str, Any]:
     """Derived columns of one ptx row: the rules read each message's content (or the text), one by one."""
     try:
         parsed = parse_ptx_row(row)
@@ -95,6 +136,13 @@ def _ptx_record(row: Any, index: int, tokenizer: PreTrainedTokenizerBase) -> dic
     contents = [c for c in contents if c is not None]
     utf8 = all(_utf8(c) for c in contents)
     marker = next((c for c in contents if ROLE_MARKER.search(c)), None)
+    control_text = control.in_text(contents)
+    ptx_ids: list[int] = []
+    control_ids_ok = True
+    if parsed is not None and utf8:
+        ptx_ids = ptx_token_ids(tokenizer, row, 10**9)
+        mode = "ptx" if "messages" in parsed else "text"
+        control_ids_ok = control.counts(ptx_ids) == control.expected(mode, tuple(_roles(messages)))
     if parsed is None:
         key = f"\x00invalid row {index}"  # a malformed row is reported by 'fields', not as a duplicate
     elif "messages" in parsed:
@@ -108,9 +156,16 @@ def _ptx_record(row: Any, index: int, tokenizer: PreTrainedTokenizerBase) -> dic
         "contents_nonempty": bool(contents) and all(c.strip() for c in contents),
         "role_marker": marker is not None,
         "marker_content": _safe(marker),
-        "ptx_tokens": len(ptx_token_ids(tokenizer, row, 10**9)) if parsed is not None and utf8 else 0,
+        "control_text": control_text is not None,
+        "control_content": _safe(control_text),
+        "control_ids_ok": control_ids_ok,
+        "ptx_tokens": len(ptx_ids),
         "key": _safe(key),
     }
+
+
+def _roles(messages: Any) -> list[str]:
+    return [m.get("role") for m in messages] if isinstance(messages, list) else []
 
 
 def derive_columns(
@@ -121,13 +176,14 @@ def derive_columns(
     Args:
         rows: the split's rows.
         kind: one of :data:`KINDS`.
-        tokenizer: the base tokenizer (token lengths, truncation).
+        tokenizer: the base tokenizer (token lengths, truncation, control-token ids).
         config: :class:`ValidationConfig`.
     """
+    control = _ControlTokens(tokenizer)
     records = []
     for row in rows:
         if kind == "ptx":
-            records.append(_ptx_record(row, len(records), tokenizer))
+            records.append(_ptx_record(row, len(records), tokenizer, control))
             continue
         prompt = _text(row.get("prompt"))
         record = {"prompt": _safe(prompt), "prompt_tokens": 0}
@@ -139,22 +195,38 @@ def derive_columns(
             and all(t is not None and isinstance(row.get(n), list) for n, t in texts.items())
         )
         record["utf8_ok"] = all(_utf8(t) for t in [prompt, *texts.values()])
-        if record["fields_ok"] and record["utf8_ok"]:
-            record["prompt_tokens"] = len(encode_prompt(tokenizer, row["prompt"], 10**9))
+        encodable = record["fields_ok"] and record["utf8_ok"]
+        roles = {name: tuple(_roles(row.get(name))) for name in ("prompt", *responses)}
+        record["prompt_last_turn_ok"] = not encodable or roles["prompt"][-1:] == ("user",)
+        record["response_first_turn_ok"] = not encodable or all(roles[n][:1] == ("assistant",) for n in responses)
+        record["response_last_turn_ok"] = not encodable or all(roles[n][-1:] == ("assistant",) for n in responses)
+        record["roles"] = "; ".join(f"{name}: {', '.join(map(str, roles[name]))}" for name in ("prompt", *responses))
+        contents = (
+            [m.get("content") for name in ("prompt", *responses) for m in row.get(name) or []] if encodable else []
+        )
+        control_text = control.in_text(contents)
+        record["control_text"], record["control_content"] = control_text is not None, _safe(control_text)
+        record["control_ids_ok"] = True
+        if encodable:
+            prompt_ids = encode_prompt(tokenizer, row["prompt"], 10**9)
+            record["prompt_tokens"] = len(prompt_ids)
+            record["control_ids_ok"] = control.counts(prompt_ids) == control.expected("prompt", roles["prompt"])
+        encoded = {}
         for name, text in texts.items():
             record[name] = _safe(text)
-            record[f"{name}_tokens"] = (
-                len(tokenizer(text, add_special_tokens=False)["input_ids"]) if text and record["utf8_ok"] else 0
-            )
+            record[f"{name}_tokens"] = len(encode_text(tokenizer, text)) if text and record["utf8_ok"] else 0
             record[f"{name}_role_marker"] = bool(ROLE_MARKER.search(text or ""))
+            if encodable:
+                encoded[name] = encode_chat(tokenizer, row["prompt"], row[name], 10**9).input_ids
+                expected = control.expected("chat", roles["prompt"], roles[name])
+                record["control_ids_ok"] &= control.counts(encoded[name]) == expected
         if kind == "pairs":
             record["distinct"] = _normalized(texts["chosen"]) != _normalized(texts["rejected"])
-            same = False
-            if record["fields_ok"] and record["utf8_ok"] and record["distinct"]:
-                same = (
-                    encode_chat(tokenizer, row["prompt"], row["chosen"], config.max_length).input_ids
-                    == encode_chat(tokenizer, row["prompt"], row["rejected"], config.max_length).input_ids
-                )
+            same = (
+                encodable
+                and record["distinct"]
+                and encoded["chosen"][-config.max_length :] == encoded["rejected"][-config.max_length :]
+            )
             record["differs_after_truncation"] = not same
             record["role_marker"] = record["chosen_role_marker"] or record["rejected_role_marker"]
             key = (_normalized(prompt), _normalized(texts["chosen"]), _normalized(texts["rejected"]))
@@ -185,7 +257,7 @@ def _rules(kind: str, config: ValidationConfig) -> list[tuple[str, Any]]:
             rules.append(
                 ("role_marker_in_content", E.ExpectColumnValuesToBeInSet(column="role_marker", value_set=[False]))
             )
-        return rules
+        return rules + _control_rules(config)
     rules = [
         ("fields", E.ExpectColumnValuesToBeInSet(column="fields_ok", value_set=[True])),
         ("utf8", E.ExpectColumnValuesToBeInSet(column="utf8_ok", value_set=[True])),
@@ -195,6 +267,8 @@ def _rules(kind: str, config: ValidationConfig) -> list[tuple[str, Any]]:
             "prompt_tokens",
             E.ExpectColumnValuesToBeBetween(column="prompt_tokens", min_value=1, max_value=config.max_prompt_tokens),
         ),
+        ("prompt_last_turn", E.ExpectColumnValuesToBeInSet(column="prompt_last_turn_ok", value_set=[True])),
+        *_control_rules(config),
     ]
     if kind == "pairs":
         rules += [
@@ -214,6 +288,11 @@ def _rules(kind: str, config: ValidationConfig) -> list[tuple[str, Any]]:
             ),
             ("identical_responses", E.ExpectColumnValuesToBeInSet(column="distinct", value_set=[True])),
             (
+                "response_first_turn",
+                E.ExpectColumnValuesToBeInSet(column="response_first_turn_ok", value_set=[True]),
+            ),
+            ("response_last_turn", E.ExpectColumnValuesToBeInSet(column="response_last_turn_ok", value_set=[True])),
+            (
                 "identical_after_truncation",
                 E.ExpectColumnValuesToBeInSet(column="differs_after_truncation", value_set=[True]),
             ),
@@ -222,6 +301,17 @@ def _rules(kind: str, config: ValidationConfig) -> list[tuple[str, Any]]:
             rules.append(
                 ("role_marker_in_response", E.ExpectColumnValuesToBeInSet(column="role_marker", value_set=[False]))
             )
+    return rules
+
+
+def _control_rules(config: ValidationConfig) -> list[tuple[str, Any]]:
+    """The control-token rules of every kind: ids always, the text in a content unless ``control_tokens: keep``."""
+    E = gx.expectations
+    rules = [("control_token_id", E.ExpectColumnValuesToBeInSet(column="control_ids_ok", value_set=[True]))]
+    if config.control_tokens == "quarantine":
+        rules.append(
+            ("control_token_in_content", E.ExpectColumnValuesToBeInSet(column="control_text", value_set=[False]))
+        )
     return rules
 
 
@@ -242,10 +332,11 @@ def validate_split(
         its quarantined share exceeds ``max_quarantine_fraction`` (one line per broken rule).
 
     Raises:
-        ValueError: an unknown ``role_markers`` setting or kind.
+        ValueError: an unknown ``role_markers`` or ``control_tokens`` setting, or kind.
     """
-    if config.role_markers not in ("quarantine", "keep"):
-        raise ValueError(f"validate.role_markers must be quarantine or keep, got {config.role_markers!r}")
+    for setting in ("role_markers", "control_tokens"):
+        if getattr(config, setting) not in ("quarantine", "keep"):
+            raise ValueError(f"validate.{setting} must be quarantine or keep, got {getattr(config, setting)!r}")
     if kind not in KINDS:
         raise ValueError(f"unknown split kind {kind!r}")
     if not rows:
@@ -309,6 +400,10 @@ def _shown_value(frame: pd.DataFrame, rule: str, index: int, value: Any) -> Any:
     """The text a person needs to see for a broken rule (the response or prompt, not the derived flag)."""
     if rule == "role_marker_in_response":
         return frame.at[index, "chosen" if frame.at[index, "chosen_role_marker"] else "rejected"]
+    if rule in ("control_token_in_content", "control_token_id"):
+        return frame.at[index, "control_content"] or frame.at[index, "text" if "text" in frame else "prompt"]
+    if rule in ("prompt_last_turn", "response_first_turn", "response_last_turn"):
+        return frame.at[index, "roles"]
     if "marker_content" in frame:  # a ptx split
         column = {"role_marker_in_content": "marker_content", "empty_content": "text", "duplicate": "text"}.get(rule)
         return frame.at[index, column] if column else value
