@@ -5,20 +5,26 @@ from __future__ import annotations
 from typing import Any
 
 from rlhf.models import load_base_model
-from tasks.common import StageRun, atomic_dir, cli, setup_torch, stage_params, write_metrics
+from tasks.common import cli, setup_torch
+from tasks.outputs import StagedOutputs, write_metrics
+from tasks.params import stage_params
+from tasks.runs import StageRun
 
 OUT_DIR = "models/base"
 
 
-def run(params: dict[str, Any]) -> dict[str, float]:
-    """Load, convert and save the base model; returns its size. ``model.seed`` seeds a ``random_init`` model."""
+def run(params: dict[str, Any], outputs: StagedOutputs) -> dict[str, float]:
+    """Load and convert the base model, stage it in ``outputs``; returns its size.
+
+    ``model.seed`` seeds a ``random_init`` model.
+    """
     unknown = sorted(set(params) - {"source", "random_init", "seed"})
     if unknown:
         raise ValueError(f"params.yaml: section 'model' has unknown keys {unknown}; known: random_init, seed, source")
     model, tokenizer = load_base_model(params["source"], params.get("random_init"), params.get("seed", 0))
-    with atomic_dir(OUT_DIR) as tmp:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
+    folder = outputs.folder(OUT_DIR)
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
     return {"base/parameters": float(sum(p.numel() for p in model.parameters()))}
 
 
@@ -26,10 +32,10 @@ def main() -> None:
     """DVC stage command."""
     params = stage_params("model")
     setup_torch(params.get("seed", 0))
-    with StageRun("base_model", params) as stage:
-        metrics = run(params)
+    with StageRun("base_model", params) as stage, StagedOutputs() as outputs:
+        metrics = run(params, outputs)
         stage.log(metrics, 0)
-    write_metrics("metrics/base_model.json", {**metrics, "seconds": stage.seconds})
+        write_metrics(outputs.file("metrics/base_model.json"), metrics, stage)
 
 
 if __name__ == "__main__":

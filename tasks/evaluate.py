@@ -1,7 +1,9 @@
 """Stage evaluate: the policy against the SFT model on eval_prompts, judged by the reward model.
 
 Writes ``metrics/eval.json`` and ``reports/eval/`` (``samples.md``: prompts with both
-responses; ``scores.png``: the score distributions of both models).
+responses; ``scores.png``: the score distributions of both models) together, after everything
+that can fail (:class:`tasks.outputs.StagedOutputs`): a failed or stopped run leaves the previous
+ones as they were.
 """
 
 from __future__ import annotations
@@ -19,10 +21,13 @@ from rlhf.evaluation import EvalConfig, evaluate_policy
 from rlhf.models import load_causal_lm, load_scalar_model, load_tokenizer
 from rlhf.rollout import GenerationSettings
 from rlhf.training import config_from_params
-from tasks.common import StageRun, atomic_dir, cli, setup_torch, stage_params, write_metrics
+from tasks.common import cli, setup_torch
+from tasks.outputs import StagedOutputs, write_metrics
+from tasks.params import stage_params
+from tasks.runs import StageRun
 
 PROMPTS, SFT, POLICY, REWARD = "data/validated/eval_prompts.jsonl", "models/sft", "models/policy", "models/reward"
-REPORTS = "reports/eval"
+REPORTS, METRICS = "reports/eval", "metrics/eval.json"
 
 
 def _cell(text: str) -> str:
@@ -60,25 +65,25 @@ def main() -> None:
     import mlflow
 
     params, generation = stage_params("evaluate"), stage_params("generation")
-    with StageRun("evaluate", {**params, "generation": generation}) as stage:
+    with StageRun("evaluate", {**params, "generation": generation}) as stage, StagedOutputs() as outputs:
         metrics, samples, config = run(params, generation)
         stage.log(metrics, 0)
         mlflow.log_table({key: [s[key] for s in samples] for key in samples[0]}, artifact_file="samples.json")
-        with atomic_dir(REPORTS) as tmp:
-            with open(os.path.join(tmp, "samples.md"), "w", encoding="utf-8") as handle:
-                handle.write(samples_markdown(samples[: config.samples_in_table]))
-            figure, axis = plt.subplots(figsize=(6, 4))
-            axis.hist(
-                [[s["sft_reward"] for s in samples], [s["policy_reward"] for s in samples]],
-                label=["SFT", "policy"],
-                bins=15,
-            )
-            axis.set(xlabel="reward-model score", ylabel="responses", title=f"win rate {metrics['eval/win_rate']:.2f}")
-            axis.legend()
-            figure.savefig(os.path.join(tmp, "scores.png"), dpi=90)
-        mlflow.log_artifacts(REPORTS, "eval")
+        reports = outputs.folder(REPORTS)
+        with open(os.path.join(reports, "samples.md"), "w", encoding="utf-8") as handle:
+            handle.write(samples_markdown(samples[: config.samples_in_table]))
+        figure, axis = plt.subplots(figsize=(6, 4))
+        axis.hist(
+            [[s["sft_reward"] for s in samples], [s["policy_reward"] for s in samples]],
+            label=["SFT", "policy"],
+            bins=15,
+        )
+        axis.set(xlabel="reward-model score", ylabel="responses", title=f"win rate {metrics['eval/win_rate']:.2f}")
+        axis.legend()
+        figure.savefig(os.path.join(reports, "scores.png"), dpi=90)
+        mlflow.log_artifacts(reports, "eval")
+        write_metrics(outputs.file(METRICS), metrics, stage)
     print("[evaluate] " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items()))
-    write_metrics("metrics/eval.json", {**metrics, "seconds": stage.seconds})
 
 
 if __name__ == "__main__":

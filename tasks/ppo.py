@@ -2,31 +2,31 @@
 
 Reads ``data/validated/{ppo_prompts,ptx_text}.jsonl``, ``models/sft`` (policy
 init and reference) and ``models/reward`` (reward model; value-model init).
-Writes ``models/policy/`` (the best policy by validation reward),
-``metrics/ppo.json`` and ``reports/ppo/`` (one curve per signal, reward histograms).
+Writes ``models/policy/`` (the best policy by validation reward), ``metrics/ppo.json``,
+``metrics/ppo_curves.json`` and ``reports/ppo/`` (one curve per signal, reward histograms) together,
+after everything that can fail (:class:`tasks.outputs.StagedOutputs`): a failed or stopped run leaves
+the previous ones as they were.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
+from rlhf.chat import encode_prompt
 from rlhf.data import load_jsonl, ptx_token_ids
-from rlhf.models import encode_prompt, load_causal_lm, load_scalar_model, load_tokenizer
+from rlhf.models import load_causal_lm, load_scalar_model, load_tokenizer
 from rlhf.plots import reward_histograms, signal_figures
 from rlhf.ppo import PPOModels, train_ppo
 from rlhf.ppo_config import PPOConfig
 from rlhf.rollout import GenerationSettings
 from rlhf.training import config_from_params
-from tasks.common import (
-    StageRun,
-    atomic_dir,
-    cli,
-    run_checkpointer,
-    setup_torch,
-    stage_params,
-    write_metrics,
-)
+from tasks.common import cli, setup_torch
+from tasks.outputs import StagedOutputs, write_metrics
+from tasks.params import stage_params
+from tasks.resume import run_checkpointer
+from tasks.runs import StageRun
 
 PROMPTS, PTX, SFT, REWARD = (
     "data/validated/ppo_prompts.jsonl",
@@ -34,17 +34,27 @@ PROMPTS, PTX, SFT, REWARD = (
     "models/sft",
     "models/reward",
 )
-OUT_DIR, REPORTS = "models/policy", "reports/ppo"
+OUT_DIR, REPORTS, METRICS, CURVES = "models/policy", "reports/ppo", "metrics/ppo.json", "metrics/ppo_curves.json"
 
 
-def run(params: dict[str, Any], generation: dict[str, Any], log, out_dir: str = OUT_DIR, checkpoint_name: str = "ppo"):
-    """Train and save the policy; returns the trainer's result.
+def run(
+    params: dict[str, Any],
+    generation: dict[str, Any],
+    log,
+    out_dir: str = OUT_DIR,
+    checkpoint_name: str = "ppo",
+    outputs: StagedOutputs | None = None,
+):
+    """Train the policy and stage it as ``out_dir`` in ``outputs``; returns the trainer's result.
+
+    The policy is written when ``outputs`` commits (without ``outputs``, as soon as it is trained).
 
     The last ``validation_prompts`` prompts (in id order) are held out to pick the best checkpoint.
     ``ppo.seed`` is set before any model is built, so it owns the value head of ``value_init: sft``.
 
     Raises:
         ValueError: a bad setting; fewer prompts than the validation set needs.
+        FloatingPointError: training diverged (:func:`rlhf.ppo.train_ppo`).
     """
     config = config_from_params(PPOConfig, params, "ppo")
     settings = config_from_params(GenerationSettings, generation, "generation")
@@ -65,10 +75,11 @@ def run(params: dict[str, Any], generation: dict[str, Any], log, out_dir: str = 
         checkpoint_name, {"ppo": params, "generation": generation}, [PROMPTS, PTX, SFT, REWARD]
     )
     result = train_ppo(models, tokenizer, train_prompts, validation, ptx, config, settings, log, checkpointer)
-    with atomic_dir(out_dir) as tmp:
-        models.policy.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-    checkpointer.clear()
+    with contextlib.nullcontext(outputs) if outputs is not None else StagedOutputs() as staged:
+        folder = staged.folder(out_dir)
+        models.policy.save_pretrained(folder, safe_serialization=True)
+        tokenizer.save_pretrained(folder)
+        staged.on_commit(checkpointer.clear)  # a failure before the commit resumes from the checkpoints
     return result
 
 
@@ -91,14 +102,15 @@ def main() -> None:
     import mlflow
 
     params, generation = stage_params("ppo"), stage_params("generation")
-    with StageRun("ppo", {**params, "generation": generation}) as stage:
-        result = run(params, generation, stage.log)
-        with atomic_dir(REPORTS) as tmp:
-            save_figures({"ppo": result.history}, {"ppo": result.reward_samples}, tmp)
-        mlflow.log_artifacts(REPORTS, "ppo")
+    with StageRun("ppo", {**params, "generation": generation}) as stage, StagedOutputs() as outputs:
+        result = run(params, generation, stage.log, outputs=outputs)
+        reports = outputs.folder(REPORTS)
+        save_figures({"ppo": result.history}, {"ppo": result.reward_samples}, reports)
+        mlflow.log_artifacts(reports, "ppo")
         if result.stopped_by:
             mlflow.set_tag("rlhf.collapse", result.stopped_by)
-    summary = {**result.summary, "stopped_by": result.stopped_by, "seconds": stage.seconds}
+        summary = {**result.summary, "stopped_by": result.stopped_by}
+        write_metrics(outputs.file(METRICS), summary, stage, curves={outputs.file(CURVES): result.history})
     nan = float("nan")
     print(
         f"[ppo] {int(summary['ppo/iterations'])} rollouts, {int(summary['ppo/policy_iterations'])} policy updates; "
@@ -113,7 +125,6 @@ def main() -> None:
         f"EOS rate {summary.get('ppo/last/eos_rate', nan):.2f}, "
         f"explained variance {summary.get('ppo/last/value/explained_variance', nan):.3f}"
     )
-    write_metrics("metrics/ppo.json", summary)
 
 
 if __name__ == "__main__":

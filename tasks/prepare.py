@@ -15,7 +15,10 @@ from typing import Any
 
 from rlhf.data import SPLITS, Source, prepare_rows, read_jsonl, write_jsonl
 from rlhf.training import config_from_params
-from tasks.common import StageRun, atomic_dir, cli, stage_params, write_metrics
+from tasks.common import cli
+from tasks.outputs import StagedOutputs, write_metrics
+from tasks.params import stage_params
+from tasks.runs import StageRun
 
 OUT_DIR = "data/processed"
 
@@ -41,16 +44,23 @@ class DataConfig(SourceConfig):
     ptx_heldout_fraction: float = 0.2
 
 
-def run(params: dict[str, Any]) -> dict[str, Any]:
+def run(params: dict[str, Any], outputs: StagedOutputs) -> dict[str, Any]:
     """Run the stage with the ``data`` params; returns the counts it logged.
+
+    The splits are staged in ``outputs`` (written when they commit).
 
     Reads ``data.source`` and every entry of ``data.more_sources`` (each
     ``{source, format, mapping, max_rows, storage_options}``), concatenated, and
     ``data.ptx_source`` when set (rows ``{"messages"}`` or ``{"text"}``, read with
     ``data.storage_options``; ``max_rows`` does not apply to it).
 
+    Every source is read whatever its name says about compression (``rlhf.data.read_jsonl``
+    sniffs gzip, bz2, xz and zstd from the first bytes).
+
     Raises:
-        ValueError: the source holds no rows, or no row parses, or a bad fraction.
+        ValueError: a source (``data.source``, an entry of ``data.more_sources`` or
+            ``data.ptx_source``) that gives no usable row (no rows, or every row
+            quarantined; one line per such source, with the first reason), or a bad fraction.
     """
     config = config_from_params(DataConfig, params, "data")
     more = [config_from_params(SourceConfig, spec, "data.more_sources") for spec in config.more_sources]
@@ -61,24 +71,19 @@ def run(params: dict[str, Any]) -> dict[str, Any]:
         sources.append(
             Source(spec.source, islice(rows, spec.max_rows) if spec.max_rows else rows, spec.format, spec.mapping)
         )
-    names = ", ".join(spec.source for spec in inputs)
     ptx = (
         [Source(config.ptx_source, read_jsonl(config.ptx_source, config.storage_options))] if config.ptx_source else []
     )
     prepared = prepare_rows(sources, config.fractions, ptx, config.ptx_heldout_fraction)
-    if prepared.rows_in == 0:
-        raise ValueError(f"{names}: no rows")
-    kept = sum(len(v) for v in prepared.splits.values())
-    if kept == 0:
-        raise ValueError(
-            f"{names}: none of {prepared.rows_in} rows parsed; first reason: {prepared.quarantine[0]['reason']}"
-        )
-    with atomic_dir(OUT_DIR) as tmp:
-        for split in SPLITS:
-            with open(os.path.join(tmp, f"{split}.jsonl"), "w", encoding="utf-8") as handle:
-                write_jsonl(prepared.splits[split], handle)
-        with open(os.path.join(tmp, "quarantine.jsonl"), "w", encoding="utf-8") as handle:
-            write_jsonl(prepared.quarantine, handle)
+    unusable = prepared.unusable_sources()
+    if unusable:
+        raise ValueError("\n".join(unusable))
+    folder = outputs.folder(OUT_DIR)
+    for split in SPLITS:
+        with open(os.path.join(folder, f"{split}.jsonl"), "w", encoding="utf-8") as handle:
+            write_jsonl(prepared.splits[split], handle)
+    with open(os.path.join(folder, "quarantine.jsonl"), "w", encoding="utf-8") as handle:
+        write_jsonl(prepared.quarantine, handle)
     reasons = Counter(q["reason"] for q in prepared.quarantine)
     counts: dict[str, Any] = {
         "rows_in": prepared.rows_in,
@@ -98,10 +103,10 @@ def run(params: dict[str, Any]) -> dict[str, Any]:
 def main() -> None:
     """DVC stage command."""
     params = stage_params("data")
-    with StageRun("prepare", params) as stage:
-        counts = run(params)
+    with StageRun("prepare", params) as stage, StagedOutputs() as outputs:
+        counts = run(params, outputs)
         stage.log({f"prepare/{k}": float(v) for k, v in counts.items()}, 0)
-    write_metrics("metrics/prepare.json", {**counts, "seconds": stage.seconds})
+        write_metrics(outputs.file("metrics/prepare.json"), counts, stage)
 
 
 if __name__ == "__main__":

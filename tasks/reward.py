@@ -1,40 +1,45 @@
 """Stage reward: train the reward model on rm_train (initialised from SFT), centre it, measure it on rm_eval.
 
 Writes ``models/reward/``, ``metrics/reward.json`` and ``reports/reward_margins.png``
-(the histogram of chosen - rejected scores, paper figure 2).
+(the histogram of chosen - rejected scores, paper figure 2) together, after everything that can
+fail (:class:`tasks.outputs.StagedOutputs`): a failed or stopped run leaves the previous ones as they were.
 """
 
 from __future__ import annotations
 
-import os
+import math
 from typing import Any
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+import torch
 
 from rlhf.data import load_jsonl
 from rlhf.models import load_scalar_model, load_tokenizer
 from rlhf.reward import RewardConfig, center_rewards, encode_pairs, evaluate_reward_model, train_reward_model
 from rlhf.stats import chance_warning
 from rlhf.training import config_from_params
-from tasks.common import (
-    StageRun,
-    atomic_dir,
-    cli,
-    run_checkpointer,
-    setup_torch,
-    stage_params,
-    write_metrics,
-)
+from tasks.common import cli, setup_torch
+from tasks.outputs import StagedOutputs, write_metrics
+from tasks.params import stage_params
+from tasks.resume import run_checkpointer
+from tasks.runs import StageRun
 
 TRAIN, EVAL, SFT = "data/validated/rm_train.jsonl", "data/validated/rm_eval.jsonl", "models/sft"
-OUT_DIR, FIGURE = "models/reward", "reports/reward_margins.png"
+OUT_DIR, FIGURE, METRICS = "models/reward", "reports/reward_margins.png", "metrics/reward.json"
 
 
-def run(params: dict[str, Any], log) -> tuple[dict[str, float], Any]:
-    """Train, centre, evaluate and save; returns ``(metrics, margin histogram figure)``."""
+def run(params: dict[str, Any], log, outputs: StagedOutputs) -> tuple[dict[str, float], Any]:
+    """Train, centre and evaluate; stage the model as ``models/reward/`` in ``outputs`` (written when they commit).
+
+    Returns:
+        ``(metrics, margin histogram figure)``.
+
+    Raises:
+        FloatingPointError: training diverged, or the trained model's scores are not finite.
+    """
     config = config_from_params(RewardConfig, params, "reward")
     setup_torch(config.seed)  # before the model is built: the seed owns any new head's initialisation
     tokenizer, model = load_tokenizer(SFT), load_scalar_model(SFT)
@@ -50,10 +55,16 @@ def run(params: dict[str, Any], log) -> tuple[dict[str, float], Any]:
         model, tokenizer, load_jsonl(EVAL), config.max_length, config.eval_batch_size
     )
     metrics.update(eval_metrics)
-    with atomic_dir(OUT_DIR) as tmp:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-    checkpointer.clear()
+    bad = int((~torch.isfinite(margins)).sum())
+    if bad or not math.isfinite(metrics["rm/offset"]):
+        raise FloatingPointError(
+            f"reward: the trained reward model gives non-finite scores (centring offset {metrics['rm/offset']}, "
+            f"{bad} of {margins.numel()} rm_eval margins non-finite); nothing was written"
+        )
+    folder = outputs.folder(OUT_DIR)
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    outputs.on_commit(checkpointer.clear)  # a failure before the commit resumes from the checkpoints
     figure, axis = plt.subplots(figsize=(6, 4))
     axis.hist(margins.numpy(), bins=30)
     axis.axvline(0, color="black", linewidth=1)
@@ -97,15 +108,15 @@ def main() -> None:
     import mlflow
 
     params = stage_params("reward")
-    with StageRun("reward", params) as stage:
-        metrics, figure = run(params, stage.log)
+    with StageRun("reward", params) as stage, StagedOutputs() as outputs:
+        metrics, figure = run(params, stage.log, outputs)
         stage.log(metrics, int(metrics["rm/steps"]))
-        os.makedirs(os.path.dirname(FIGURE), exist_ok=True)
-        figure.savefig(FIGURE, dpi=100)
+        figure.savefig(outputs.file(FIGURE), dpi=100)
         mlflow.log_figure(figure, "reward_margins.png")
-    for line in summary_lines(metrics):
+        lines = summary_lines(metrics)
+        write_metrics(outputs.file(METRICS), metrics, stage)
+    for line in lines:
         print(line, flush=True)
-    write_metrics("metrics/reward.json", {**metrics, "seconds": stage.seconds})
 
 
 if __name__ == "__main__":

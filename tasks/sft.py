@@ -1,4 +1,8 @@
-"""Stage sft: fine-tune the base model on the chosen responses of the sft split; writes ``models/sft/``."""
+"""Stage sft: fine-tune the base model on the chosen responses of the sft split.
+
+Writes ``models/sft/`` and ``metrics/sft.json`` together, after everything that can fail
+(:class:`tasks.outputs.StagedOutputs`): a failed or stopped run leaves the previous ones as they were.
+"""
 
 from __future__ import annotations
 
@@ -8,41 +12,44 @@ from rlhf.data import load_jsonl
 from rlhf.models import load_causal_lm, load_tokenizer
 from rlhf.sft import SFTConfig, train_sft
 from rlhf.training import config_from_params
-from tasks.common import (
-    StageRun,
-    atomic_dir,
-    cli,
-    run_checkpointer,
-    setup_torch,
-    stage_params,
-    write_metrics,
-)
+from tasks.common import cli, setup_torch
+from tasks.outputs import StagedOutputs, write_metrics
+from tasks.params import stage_params
+from tasks.resume import run_checkpointer
+from tasks.runs import StageRun
 
 DATA = "data/validated/sft.jsonl"
 BASE = "models/base"
-OUT_DIR = "models/sft"
+OUT_DIR, METRICS = "models/sft", "metrics/sft.json"
 
 
-def run(params: dict[str, Any], log) -> dict[str, float]:
-    """Train and save the SFT model; returns the summary metrics."""
+def run(params: dict[str, Any], log, outputs: StagedOutputs) -> dict[str, float]:
+    """Train the SFT model and stage it as ``models/sft/`` in ``outputs`` (written when they commit).
+
+    Returns:
+        The summary metrics.
+
+    Raises:
+        FloatingPointError: training diverged (:func:`rlhf.training.supervised_loop`).
+    """
     config = config_from_params(SFTConfig, params, "sft")
     setup_torch(config.seed)  # before the model is built: the seed owns any new head's initialisation
     tokenizer, model = load_tokenizer(BASE), load_causal_lm(BASE)
     checkpointer = run_checkpointer("sft", params, [DATA, BASE])
     metrics = train_sft(model, tokenizer, load_jsonl(DATA), config, log, checkpointer)
-    with atomic_dir(OUT_DIR) as tmp:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-    checkpointer.clear()
+    folder = outputs.folder(OUT_DIR)
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    outputs.on_commit(checkpointer.clear)  # a failure before the commit resumes from the checkpoints
     return metrics
 
 
 def main() -> None:
     """DVC stage command."""
     params = stage_params("sft")
-    with StageRun("sft", params) as stage:
-        metrics = run(params, stage.log)
-    write_metrics("metrics/sft.json", {**metrics, "seconds": stage.seconds})
+    with StageRun("sft", params) as stage, StagedOutputs() as outputs:
+        metrics = run(params, stage.log, outputs)
+        write_metrics(outputs.file(METRICS), metrics, stage)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,10 @@ from rlhf.data import SPLITS, load_jsonl, write_jsonl
 from rlhf.models import load_tokenizer
 from rlhf.training import config_from_params, write_json
 from rlhf.validation import ValidationConfig, split_kind, validate_split
-from tasks.common import StageRun, atomic_dir, cli, stage_params, write_metrics
+from tasks.common import cli
+from tasks.outputs import StagedOutputs, write_metrics
+from tasks.params import stage_params
+from tasks.runs import StageRun
 
 IN_DIR, OUT_DIR, BASE = "data/processed", "data/validated", "models/base"
 REPORT, GX_REPORT = "reports/validation.json", "reports/validation_gx.json"
@@ -32,8 +35,11 @@ class ValidationFailed(Exception):
     """The suite's thresholds broke; the message has one line per broken rule."""
 
 
-def run(params: dict[str, Any]) -> dict[str, Any]:
-    """Validate every split; returns the summary written to ``reports/validation.json``.
+def run(params: dict[str, Any], outputs: StagedOutputs) -> tuple[dict[str, Any], list[str]]:
+    """Validate every split and stage the outputs in ``outputs`` (written together when they commit).
+
+    Returns:
+        The summary written to ``reports/validation.json``, and the staged paths of the two reports.
 
     Raises:
         ValidationFailed: a split is empty or above the quarantine threshold (nothing is written).
@@ -53,14 +59,14 @@ def run(params: dict[str, Any]) -> dict[str, Any]:
     errors = [line for result in results.values() for line in result.errors]
     if errors:
         raise ValidationFailed("\n".join(errors))
-    with atomic_dir(OUT_DIR) as tmp:
-        for split, result in results.items():
-            with open(os.path.join(tmp, f"{split}.jsonl"), "w", encoding="utf-8") as handle:
-                write_jsonl(result.valid, handle)
-        with open(os.path.join(tmp, "quarantine.jsonl"), "w", encoding="utf-8") as handle:
-            write_jsonl(
-                [{"split": split, **row} for split, result in results.items() for row in result.quarantined], handle
-            )
+    folder = outputs.folder(OUT_DIR)
+    for split, result in results.items():
+        with open(os.path.join(folder, f"{split}.jsonl"), "w", encoding="utf-8") as handle:
+            write_jsonl(result.valid, handle)
+    with open(os.path.join(folder, "quarantine.jsonl"), "w", encoding="utf-8") as handle:
+        write_jsonl(
+            [{"split": split, **row} for split, result in results.items() for row in result.quarantined], handle
+        )
     summary = {
         split: {
             "rows_in": len(r.valid) + len(r.quarantined),
@@ -71,17 +77,19 @@ def run(params: dict[str, Any]) -> dict[str, Any]:
         }
         for split, r in results.items()
     }
+    reports = [outputs.file(REPORT), outputs.file(GX_REPORT)]
     write_json(
-        REPORT,
+        reports[0],
         {
             "success": True,
             "max_quarantine_fraction": config.max_quarantine_fraction,
             "role_markers": config.role_markers,
+            "control_tokens": config.control_tokens,
             "splits": summary,
         },
     )
-    write_json(GX_REPORT, {split: r.gx_result for split, r in results.items()})
-    return summary
+    write_json(reports[1], {split: r.gx_result for split, r in results.items()})
+    return summary, reports
 
 
 def main() -> None:
@@ -89,25 +97,23 @@ def main() -> None:
     import mlflow
 
     params = stage_params("validate")
-    with StageRun("validate", params) as stage:
+    with StageRun("validate", params) as stage, StagedOutputs() as outputs:
         try:
-            summary = run(params)
+            summary, reports = run(params, outputs)
         except ValidationFailed as failure:
             print(f"[validate] FAILED:\n{failure}", file=sys.stderr)
             raise SystemExit(1) from None
-        mlflow.log_artifact(REPORT)
-        mlflow.log_artifact(GX_REPORT)
+        for report in reports:
+            mlflow.log_artifact(report)
         totals = {key: sum(s[key] for s in summary.values()) for key in ("rows_in", "valid", "quarantined")}
         stage.log({f"validate/{k}": float(v) for k, v in totals.items()}, 0)
+        write_metrics(outputs.file("metrics/validate.json"), {f"validate/{k}": v for k, v in totals.items()}, stage)
     for split, s in summary.items():
         broken = {rule: n for rule, n in s["rules"].items() if n}
         print(
             f"[validate] {split}: {s['valid']}/{s['rows_in']} valid; quarantined by rule: {json.dumps(broken)}; "
             f"role markers in {s['role_marker_rows']} rows"
         )
-    write_metrics(
-        "metrics/validate.json", {**{f"validate/{k}": v for k, v in totals.items()}, "seconds": stage.seconds}
-    )
 
 
 if __name__ == "__main__":

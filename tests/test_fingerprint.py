@@ -3,23 +3,14 @@
 import hashlib
 import os
 import stat
-import sys
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tasks/ (pytest without -m)
-
-from rlhf.training import Checkpointer, atomic_write_text  # noqa: E402
-from tasks.common import (  # noqa: E402
-    MANIFEST,
-    file_sha256,
-    fingerprint_manifest,
-    input_hashes,
-    load_json,
-    run_checkpointer,
-)
+from rlhf.training import Checkpointer, atomic_write_text
+from tasks.outputs import load_json
+from tasks.resume import MANIFEST, file_sha256, fingerprint_manifest, input_hashes, run_checkpointer
 
 
 def _model_folder(path, weight: float) -> str:

@@ -13,7 +13,7 @@ from rlhf.rollout import GenerationSettings
 from rlhf.sft import SFTConfig
 from rlhf.training import config_from_params
 from rlhf.validation import ValidationConfig
-from tasks.common import stage_params
+from tasks.params import stage_params
 from tasks.prepare import DataConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -85,3 +85,33 @@ def test_every_top_level_key_is_read_by_a_stage():
             source = handle.read()
         for key in spec.get("params", []):
             assert key == "profile" or f'"{key}"' in source, f"stage {stage} lists params.{key} but never reads it"
+
+
+class Loaded(Exception):
+    """Raised by a stand-in loader: the stage got as far as building its first model."""
+
+
+@pytest.mark.parametrize(
+    "stage, section", [("sft", "sft"), ("reward", "reward"), ("ppo", "ppo"), ("evaluate", "evaluate")]
+)
+def test_each_stage_seeds_with_its_own_seed_before_it_builds_a_model(monkeypatch, stage, section):
+    # a new head (reward model, a value model from SFT) is initialised when the model is built: the stage's
+    # own seed must be set before that, or reward.seed / ppo.seed would not own the initialisation
+    import importlib
+
+    module = importlib.import_module(f"tasks.{stage}")
+    calls = []
+    monkeypatch.setattr(module, "setup_torch", lambda seed: calls.append(("seed", seed)))
+
+    def loader(path):
+        calls.append(("load", path))
+        raise Loaded
+
+    monkeypatch.setattr(module, "load_tokenizer", loader)
+    monkeypatch.setattr(module, "load_jsonl", lambda path: [])  # no data needed to get that far
+    params = {**stage_params(section, load("params.yaml")), "seed": 4321}
+    generation = stage_params("generation", load("params.yaml"))
+    args = {"sft": (params, None, None), "reward": (params, None, None), "ppo": (params, generation, None)}
+    with pytest.raises(Loaded):
+        module.run(*args.get(stage, (params, generation)))
+    assert calls[0] == ("seed", 4321) and calls[1][0] == "load"

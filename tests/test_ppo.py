@@ -12,7 +12,8 @@ import torch
 from conftest import Killed
 
 import rlhf.ppo as ppo_module
-from rlhf.models import encode_prompt, load_causal_lm, load_scalar_model
+from rlhf.chat import encode_prompt
+from rlhf.models import load_causal_lm, load_scalar_model
 from rlhf.ppo import PPOModels, train_ppo
 from rlhf.ppo_config import PPOConfig
 from rlhf.rollout import GenerationSettings, RunningMoments, make_experience

@@ -18,7 +18,7 @@ SIGNALS = {
     "ppo/entropy": "entropy (nats / token)",
     "ppo/policy/clipfrac": "policy clip fraction",
     "ppo/value/explained_variance": "value explained variance",
-    "ppo/validation_reward": "validation reward (greedy)",
+    "ppo/validation/reward": "validation reward (greedy)",
 }
 
 

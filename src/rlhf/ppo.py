@@ -19,6 +19,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf import losses
+from rlhf.finite import NonFiniteError, ScalerStep, check_finite_weights
 from rlhf.guard import act_on_collapse, detect_collapse, window_signals
 from rlhf.ppo_config import PPOConfig
 from rlhf.rollout import GenerationSettings, RunningMoments, make_experience, validation_stats
@@ -96,6 +97,7 @@ def train_ppo(
     log: LogFn,
     checkpointer: Checkpointer,
     progress: bool = True,
+    scaler_step: ScalerStep | None = None,
 ) -> PPOResult:
     """Train the policy and value model in place with PPO / PPO-max; leaves the policy to ship in ``models.policy``.
 
@@ -111,6 +113,14 @@ def train_ppo(
     optimisers, schedules, running reward statistics, the value calibration,
     KL coefficient, RNG state, counters and the best-so-far are checkpointed.
 
+    Divergence stops the run with one line naming the iteration
+    (:class:`rlhf.finite.NonFiniteError`, a ``FloatingPointError``): a rollout
+    with a non-finite score, logprob, value, advantage or return; a non-finite
+    loss or gradient norm of a policy or value step (the steps a mixed-precision
+    loss scaler skips on purpose are counted, ``ppo/{policy,value}/skipped_steps``);
+    a shipped policy with non-finite weights. The failing iteration's figures, its
+    NaN or inf included, are logged first.
+
     Args:
         models: :class:`PPOModels`; policy and reference start as the SFT model, the value model
             as the reward model (``value_init: reward``, calibrated on the first rollout) or SFT.
@@ -120,13 +130,14 @@ def train_ppo(
         config: :class:`PPOConfig`; settings: :class:`GenerationSettings`.
         log: ``log(metrics, step)`` with step = rollout iteration (1-based; 0 holds the SFT validation).
         checkpointer: resume point and home of the best policy.
+        scaler_step: a mixed-precision loss scaler's step (:class:`rlhf.finite.FiniteGuard`); None: no scaler.
 
     Returns:
         :class:`PPOResult`; its summary holds the shipped policy's validation figures and
         ``ppo/last/*`` for the last rollout.
 
     Raises:
-        ValueError: no prompts. FloatingPointError: a non-finite loss.
+        ValueError: no prompts. NonFiniteError: see above.
     """
     from tqdm.auto import tqdm
 
@@ -138,7 +149,7 @@ def train_ppo(
     models.reward_model.requires_grad_(False)
     for model in (models.policy, models.value_model):
         freeze_lower_layers(model, config.trainable_layers)
-    opt = make_optimisers(models.policy, models.value_model, config)
+    opt = make_optimisers(models.policy, models.value_model, config, scaler_step)
     moments = RunningMoments()
     best_dir = os.path.join(checkpointer.root, "best")
     validate = bool(config.validate_every and validation)
@@ -155,19 +166,25 @@ def train_ppo(
         "stopped_by": None,
         "history": {},
         "rollbacks": 0,
+        "skipped_steps": [0, 0],  # policy, value: optimiser steps a loss scaler skipped
     }
     torch.manual_seed(config.seed)
     resume = checkpointer.latest()
     if resume:
         state = _restore(checkpointer, resume, models, opt, moments)
+        opt.policy_guard.skipped, opt.value_guard.skipped = state.setdefault("skipped_steps", [0, 0])
     else:
         _keep_best(models, tokenizer, validation if validate else [], settings, state, best_dir, 0)
         log(state["best"]["stats"], 0)
     bar = tqdm(desc="ppo", total=config.iterations, initial=state["policy_iterations"], disable=not progress)
     while state["policy_iterations"] < config.iterations and not state["stopped_by"]:
-        stats = _iteration(
-            models, tokenizer, prompts, ptx_texts, config, settings, opt, moments, state, best_dir, bar.write
-        )
+        try:
+            stats = _iteration(
+                models, tokenizer, prompts, ptx_texts, config, settings, opt, moments, state, best_dir, bar.write
+            )
+        except NonFiniteError as err:
+            log(err.metrics, state["iteration"] + 1)
+            raise
         step = state["iteration"]
         if (
             validate
@@ -192,6 +209,7 @@ def train_ppo(
         shipped = state["best"]
     else:
         shipped = {"iteration": state["iteration"], "stats": {}}
+    check_finite_weights(models.policy, "ppo", f"in the policy to ship (iteration {shipped['iteration']})")
     return PPOResult(
         summary=_summary(state, shipped),
         history=state["history"],
@@ -212,6 +230,7 @@ def _iteration(models, tokenizer, prompts, ptx_texts, config, settings, opt, mom
     experience, stats = make_experience(
         models.as_tuple(), tokenizer, batch, config, settings, moments, state["kl_coef"], calibrate_value=calibrate
     )
+    _check_rollout(experience, stats, iteration + 1)
     if calibrate:
         state["value_affine"] = [models.value_model.config.value_shift, models.value_model.config.value_scale]
     if state["pretraining"]:
@@ -240,9 +259,25 @@ def _iteration(models, tokenizer, prompts, ptx_texts, config, settings, opt, mom
         ptx = ptx_batches(tokenizer, ptx_texts, config, state["policy_iterations"]) if update_policy else None
         policy, value_model = models.policy, models.value_model
         temperature = settings.temperature
-        stats.update(
-            ppo_update(policy, value_model, opt, experience, config, temperature, generator, ptx, update_policy)
-        )
+        try:
+            stats.update(
+                ppo_update(
+                    policy,
+                    value_model,
+                    opt,
+                    experience,
+                    config,
+                    temperature,
+                    generator,
+                    ptx,
+                    update_policy,
+                    iteration + 1,
+                )
+            )
+        except NonFiniteError as err:
+            err.metrics = {**stats, **err.metrics}
+            raise
+        state["skipped_steps"] = [opt.policy_guard.skipped, opt.value_guard.skipped]
         if update_policy:
             state["policy_iterations"] += 1
             if config.adaptive_kl:
@@ -257,6 +292,28 @@ def _iteration(models, tokenizer, prompts, ptx_texts, config, settings, opt, mom
         state["reward_samples"][step] = experience.raw_scores.tolist()
     state["iteration"] = step
     return stats
+
+
+def _check_rollout(experience, stats: dict[str, float], iteration: int) -> None:
+    """Stop at a rollout whose scores, or logprobs, values, advantages or returns on response tokens, are not finite.
+
+    Raises:
+        NonFiniteError: names the iteration and the tensors (its metrics: the rollout's stats).
+    """
+    mask = experience.mask
+    tensors = {
+        "raw_scores": experience.raw_scores,
+        **{name: getattr(experience, name)[mask] for name in ("logprobs", "values", "advantages", "returns")},
+    }
+    bad = [
+        f"{name} ({int((~torch.isfinite(t)).sum())} of {t.numel()} non-finite)"
+        for name, t in tensors.items()
+        if not bool(torch.isfinite(t).all())
+    ]
+    if bad:
+        raise NonFiniteError(
+            f"ppo: non-finite rollout at iteration {iteration}: {', '.join(bad)}; training stopped", stats
+        )
 
 
 def _keep_best(models, tokenizer, validation, settings, state, best_dir, step) -> dict[str, float]:
@@ -283,4 +340,6 @@ def _summary(state: dict[str, Any], shipped: dict[str, Any]) -> dict[str, float]
         "ppo/policy_iterations": float(state["policy_iterations"]),
         "ppo/shipped_iteration": float(shipped["iteration"]),
         "ppo/rollbacks": float(state["rollbacks"]),
+        "ppo/policy/skipped_steps": float(state["skipped_steps"][0]),
+        "ppo/value/skipped_steps": float(state["skipped_steps"][1]),
     }

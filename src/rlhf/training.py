@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, get_scheduler
 
+from rlhf.finite import FiniteGuard, NonFiniteError, ScalerStep, check_finite_weights
+
 LogFn = Callable[[dict[str, float], int], None]
 
 
@@ -91,20 +93,11 @@ def minibatch_indices(step: int, n: int, batch_size: int, seed: int) -> list[int
     return order[index * batch_size : (index + 1) * batch_size]
 
 
-def clip_gradients(model: torch.nn.Module, max_norm: float | None) -> float:
-    """Global gradient-norm clipping (paper appendix C.2); returns the norm before clipping.
-
-    ``max_norm=None`` measures the norm without clipping.
-    """
-    params = [p for p in model.parameters() if p.grad is not None]
-    return float(torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf")))
-
-
 def atomic_write_text(path: str, text: str) -> None:
     """Write a text file atomically (write a temporary file beside it, then rename).
 
     The file gets the usual mode of a new file, ``0o666 & ~umask`` (``mkstemp``
-    alone would leave it 0600), as :func:`tasks.common.atomic_dir` does for
+    alone would leave it 0600), as :func:`tasks.outputs.atomic_dir` does for
     folders. On an error the temporary file is removed and ``path`` is left as it was.
 
     Args:
@@ -221,12 +214,18 @@ def supervised_loop(
     checkpointer: Checkpointer | None = None,
     checkpoint_every: int = 0,
     progress: bool = True,
+    scaler_step: ScalerStep | None = None,
 ) -> dict[str, float]:
     """Run ``steps`` optimiser steps of a supervised objective; resumable from ``checkpointer``.
 
     Shared by SFT and reward-model training, so both resume the same way: the
     model, optimiser, scheduler, RNG states and step counter are checkpointed
     every ``checkpoint_every`` steps and restored on start.
+
+    The first non-finite loss or gradient norm stops the run (:class:`FiniteGuard`)
+    before its optimiser step, after logging that step's figures (the NaN or inf
+    included), with one line such as ``sft: non-finite sft/loss (nan) at step 3 of
+    4; training stopped``; so do non-finite weights after the last step.
 
     Args:
         model: the model to train (dropout already off).
@@ -238,15 +237,22 @@ def supervised_loop(
         checkpointer: where to save and resume; None disables both.
         checkpoint_every: steps between checkpoints (0: never).
         progress: show a tqdm bar.
+        scaler_step: a mixed-precision loss scaler's step (see :class:`FiniteGuard`); None: no scaler.
+            The steps it skips are counted (``{prefix}/skipped_steps``), not fatal.
 
     Returns:
-        Summary: ``{prefix}/loss_first``, ``{prefix}/loss_last`` (mean of the last 10 steps), ``{prefix}/steps``.
+        Summary: ``{prefix}/loss_first``, ``{prefix}/loss_last`` (mean of the last 10 steps), ``{prefix}/steps``,
+        ``{prefix}/skipped_steps``.
+
+    Raises:
+        NonFiniteError: (a ``FloatingPointError``) a non-finite loss, gradient norm or final weight.
     """
     from tqdm.auto import tqdm
 
     torch.manual_seed(seed)
     optimizer = make_optimizer(model, lr)
     schedule = make_scheduler(optimizer, scheduler, warmup_steps, steps)
+    guard = FiniteGuard(prefix, scaler_step)
     start, losses = 0, []
     resume = checkpointer.latest() if checkpointer else None
     if resume:
@@ -256,24 +262,27 @@ def supervised_loop(
         schedule.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"])
         start, losses = state["step"], list(state["losses"])
+        guard.skipped = state.get("skipped_steps", 0)
     model.eval()  # dropout off; gradients still flow
     for step in tqdm(range(start, steps), desc=prefix, initial=start, total=steps, disable=not progress):
+        where = f"step {step + 1} of {steps}"
         loss, metrics = step_fn(minibatch_indices(step, num_examples, batch_size, seed))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = clip_gradients(model, max_grad_norm)
-        optimizer.step()
-        schedule.step()
-        losses.append(loss.item())
-        log(
-            {
-                f"{prefix}/loss": losses[-1],
-                f"{prefix}/grad_norm": grad_norm,
-                f"{prefix}/lr": schedule.get_last_lr()[0],
-                **metrics,
-            },
-            step + 1,
-        )
+        row = {f"{prefix}/loss": loss.item(), **metrics}
+        try:
+            guard.check_loss(f"{prefix}/loss", row[f"{prefix}/loss"], where)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            row[f"{prefix}/grad_norm"] = guard.step(
+                model, optimizer, schedule, max_grad_norm, f"{prefix}/grad_norm", where
+            )
+        except NonFiniteError as err:
+            log({**row, **err.metrics}, step + 1)
+            raise
+        losses.append(row[f"{prefix}/loss"])
+        row[f"{prefix}/lr"] = schedule.get_last_lr()[0]
+        if scaler_step is not None:
+            row[f"{prefix}/skipped_steps"] = float(guard.skipped)
+        log(row, step + 1)
         if checkpointer and checkpoint_every and (step + 1) % checkpoint_every == 0 and step + 1 < steps:
             state = {
                 "optimizer": optimizer.state_dict(),
@@ -281,13 +290,16 @@ def supervised_loop(
                 "rng": torch.get_rng_state(),
                 "step": step + 1,
                 "losses": losses,
+                "skipped_steps": guard.skipped,
             }
             checkpointer.save(step + 1, {"model": model}, state)
+    check_finite_weights(model, prefix, f"after step {steps} of {steps}")
     tail = losses[-10:]
     return {
         f"{prefix}/loss_first": losses[0] if losses else float("nan"),
         f"{prefix}/loss_last": sum(tail) / max(len(tail), 1),
         f"{prefix}/steps": float(steps),
+        f"{prefix}/skipped_steps": float(guard.skipped),
     }
 
 

@@ -4,35 +4,49 @@ Policy loss: PPO-clip (tutorial Eq. 13), optional entropy bonus (paper
 appendix B.3), plus the PPO-ptx language-model term (tutorial Eq. 14). Value
 loss: paper Eq. 16, clipped around the rollout-time values (section 5.3). Each
 model's gradients are clipped by global norm (appendix C.2), and each schedule
-steps once per optimiser step.
+steps once per optimiser step. The first non-finite loss or gradient norm of
+either model stops the run (:class:`rlhf.finite.FiniteGuard`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf import losses
-from rlhf.models import pad, position_ids_from_mask, response_logprobs
+from rlhf.chat import pad
+from rlhf.finite import FiniteGuard, NonFiniteError, ScalerStep
+from rlhf.models import position_ids_from_mask, response_logprobs
 from rlhf.ppo_config import PPOConfig
 from rlhf.rollout import Experience, value_predictions
-from rlhf.training import clip_gradients, make_optimizer, make_scheduler, minibatch_indices
+from rlhf.training import make_optimizer, make_scheduler, minibatch_indices
 
 
 @dataclass
 class Optimisers:
-    """Optimisers and schedules of the policy and value models; each schedule steps once per optimiser step."""
+    """Optimisers and schedules of the policy and value models; each schedule steps once per optimiser step.
+
+    ``policy_guard`` and ``value_guard`` stop the run at a non-finite loss or
+    gradient norm and count the steps a loss scaler skips (:class:`rlhf.finite.FiniteGuard`).
+    """
 
     policy: torch.optim.Optimizer
     value: torch.optim.Optimizer
     policy_schedule: torch.optim.lr_scheduler.LRScheduler
     value_schedule: torch.optim.lr_scheduler.LRScheduler
+    policy_guard: FiniteGuard = field(default_factory=lambda: FiniteGuard("ppo"))
+    value_guard: FiniteGuard = field(default_factory=lambda: FiniteGuard("ppo"))
 
 
-def make_optimisers(policy: PreTrainedModel, value_model: PreTrainedModel, config: PPOConfig) -> Optimisers:
-    """AdamW for both models; schedules sized in optimiser steps (policy iterations, and value pre-training)."""
+def make_optimisers(
+    policy: PreTrainedModel, value_model: PreTrainedModel, config: PPOConfig, scaler_step: ScalerStep | None = None
+) -> Optimisers:
+    """AdamW for both models; schedules sized in optimiser steps (policy iterations, and value pre-training).
+
+    ``scaler_step``: a mixed-precision loss scaler's step for both guards (:class:`rlhf.finite.FiniteGuard`).
+    """
     policy_optimizer = make_optimizer(policy, config.policy_lr)
     value_optimizer = make_optimizer(value_model, config.value_lr)
     per_iteration = config.steps_per_iteration()
@@ -42,6 +56,8 @@ def make_optimisers(policy: PreTrainedModel, value_model: PreTrainedModel, confi
         value_optimizer,
         make_scheduler(policy_optimizer, config.scheduler, config.warmup_steps, config.iterations * per_iteration),
         make_scheduler(value_optimizer, config.scheduler, config.warmup_steps, value_iterations * per_iteration),
+        FiniteGuard("ppo", scaler_step),
+        FiniteGuard("ppo", scaler_step),
     )
 
 
@@ -55,6 +71,7 @@ def ppo_update(
     generator: torch.Generator,
     ptx_batches: list[tuple[torch.Tensor, torch.Tensor]] | None,
     update_policy: bool,
+    iteration: int = 1,
 ) -> dict[str, float]:
     """``ppo_epochs`` passes over the buffer in minibatches: a policy step and a value step each.
 
@@ -72,24 +89,34 @@ def ppo_update(
         generator: orders the minibatches (seeded per iteration for exact resume).
         ptx_batches: ``(input_ids, attention_mask)`` batches of ptx text, one per policy step, or None.
         update_policy: False during critic pre-training (value steps only).
+        iteration: the rollout iteration (1-based), named when a step fails.
 
     Returns:
         Mean of each loss and diagnostic over the minibatches.
+
+    Raises:
+        NonFiniteError: (a ``FloatingPointError``) a non-finite loss or gradient norm, e.g.
+            ``ppo: non-finite ppo/loss/value (nan) at iteration 2, PPO epoch 1, minibatch 1; training stopped``;
+            its ``metrics`` hold that minibatch's figures.
     """
     totals: dict[str, float] = {}
     count = 0
     n = experience.input_ids.shape[0]
     ptx_iter = iter(ptx_batches or [])
-    for _ in range(config.ppo_epochs):
+    for epoch in range(config.ppo_epochs):
         order = torch.randperm(n, generator=generator)
-        for start in range(0, n, config.minibatch_size):
+        for number, start in enumerate(range(0, n, config.minibatch_size), 1):
             idx = order[start : start + config.minibatch_size]
+            where = f"iteration {iteration}, PPO epoch {epoch + 1}, minibatch {number}"
             stats: dict[str, float] = {}
-            if update_policy:
-                stats.update(
-                    policy_step(policy, optimisers, experience, idx, config, temperature, next(ptx_iter, None))
-                )
-            stats.update(value_step(value_model, optimisers, experience, idx, config))
+            try:
+                if update_policy:
+                    ptx = next(ptx_iter, None)
+                    policy_step(policy, optimisers, experience, idx, config, temperature, ptx, where, stats)
+                value_step(value_model, optimisers, experience, idx, config, where, stats)
+            except NonFiniteError as err:
+                err.metrics = {**stats, **err.metrics}
+                raise
             for key, value in stats.items():
                 totals[key] = totals.get(key, 0.0) + value
             count += 1
@@ -104,8 +131,18 @@ def policy_step(
     config: PPOConfig,
     temperature: float,
     ptx_batch: tuple[torch.Tensor, torch.Tensor] | None,
+    where: str = "a policy step",
+    stats: dict[str, float] | None = None,
 ) -> dict[str, float]:
-    """One optimiser step of the policy on the rollouts ``idx`` (``(M,)`` int64) of the buffer; returns its stats."""
+    """One optimiser step of the policy on the rollouts ``idx`` (``(M,)`` int64) of the buffer; returns its stats.
+
+    The stats are written into ``stats`` as they are measured (so a failing step's figures reach the log).
+
+    Raises:
+        NonFiniteError: the PPO-clip loss, the ptx loss, their sum or the gradient norm is not finite.
+    """
+    stats = {} if stats is None else stats
+    guard = optimisers.policy_guard
     ids, attn, mask = experience.input_ids[idx], experience.attention_mask[idx], experience.mask[idx]
     advantages = experience.advantages[idx]
     if config.advantage_normalize:
@@ -115,10 +152,9 @@ def policy_step(
     with_logits = config.entropy_coef > 0
     logprobs, logits = response_logprobs(policy, ids, attn, experience.response_start, temperature, with_logits)
     loss, clip_stats = losses.ppo_clip_loss(logprobs, experience.logprobs[idx], advantages, mask, config.clip)
-    stats = {
-        "ppo/loss/policy": loss.item(),
-        **{f"ppo/policy/{key}": float(value) for key, value in clip_stats.items()},
-    }
+    stats["ppo/loss/policy"] = loss.item()
+    stats.update({f"ppo/policy/{key}": float(value) for key, value in clip_stats.items()})
+    guard.check_loss("ppo/loss/policy", stats["ppo/loss/policy"], where)
     if config.entropy_coef > 0:
         loss = loss - config.entropy_coef * losses.masked_mean(losses.entropy_from_logits(logits), mask)
     if config.ptx_coef > 0 and ptx_batch is not None:
@@ -128,36 +164,46 @@ def policy_step(
         ptx_loss = losses.language_model_loss(ptx_logits, ptx_ids, ptx_attn.bool())
         loss = losses.ppo_ptx_loss(loss, ptx_loss, config.ptx_coef)
         stats["ppo/loss/ptx"] = ptx_loss.item()
-    if not torch.isfinite(loss):
-        raise FloatingPointError(f"non-finite policy loss {loss.item()}: training stopped")
+        guard.check_loss("ppo/loss/ptx", stats["ppo/loss/ptx"], where)
+    guard.check_loss("ppo/loss/policy_total", loss.item(), where)  # with the entropy bonus and ptx term
     optimisers.policy.zero_grad(set_to_none=True)
     loss.backward()
-    stats["ppo/policy/grad_norm"] = clip_gradients(policy, config.max_grad_norm)
-    optimisers.policy.step()
-    optimisers.policy_schedule.step()
+    stats["ppo/policy/grad_norm"] = guard.step(
+        policy, optimisers.policy, optimisers.policy_schedule, config.max_grad_norm, "ppo/policy/grad_norm", where
+    )
     return stats
 
 
 def value_step(
-    value_model: PreTrainedModel, optimisers: Optimisers, experience: Experience, idx: torch.Tensor, config: PPOConfig
+    value_model: PreTrainedModel,
+    optimisers: Optimisers,
+    experience: Experience,
+    idx: torch.Tensor,
+    config: PPOConfig,
+    where: str = "a value step",
+    stats: dict[str, float] | None = None,
 ) -> dict[str, float]:
-    """One optimiser step of the value model on the rollouts ``idx`` of the buffer (paper Eq. 16, clipped)."""
+    """One optimiser step of the value model on the rollouts ``idx`` of the buffer (paper Eq. 16, clipped).
+
+    The stats are written into ``stats`` as they are measured; returns them.
+
+    Raises:
+        NonFiniteError: the value loss or the gradient norm is not finite.
+    """
+    stats = {} if stats is None else stats
     ids, attn, mask = experience.input_ids[idx], experience.attention_mask[idx], experience.mask[idx]
     values = value_predictions(value_model, ids, attn, experience.response_start)
     old_values, returns = experience.values[idx], experience.returns[idx]
     loss, value_stats = losses.clipped_value_loss(values, old_values, returns, mask, config.value_clip)
-    if not torch.isfinite(loss):
-        raise FloatingPointError(f"non-finite value loss {loss.item()}: training stopped")
+    stats["ppo/loss/value"] = loss.item()
+    stats["ppo/value/clipfrac"] = float(value_stats["clipfrac"])
+    optimisers.value_guard.check_loss("ppo/loss/value", stats["ppo/loss/value"], where)
     optimisers.value.zero_grad(set_to_none=True)
     loss.backward()
-    grad_norm = clip_gradients(value_model, config.max_grad_norm)
-    optimisers.value.step()
-    optimisers.value_schedule.step()
-    return {
-        "ppo/loss/value": loss.item(),
-        "ppo/value/clipfrac": float(value_stats["clipfrac"]),
-        "ppo/value/grad_norm": grad_norm,
-    }
+    stats["ppo/value/grad_norm"] = optimisers.value_guard.step(
+        value_model, optimisers.value, optimisers.value_schedule, config.max_grad_norm, "ppo/value/grad_norm", where
+    )
+    return stats
 
 
 def ptx_batches(

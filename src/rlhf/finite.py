@@ -1,0 +1,124 @@
+"""Divergence: stop training at the first non-finite loss or gradient norm, refuse non-finite weights.
+
+Steps that a mixed-precision loss scaler skips on purpose are counted, not fatal.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+
+def clip_gradients(model: torch.nn.Module, max_norm: float | None) -> float:
+    """Global gradient-norm clipping (paper appendix C.2); returns the norm before clipping.
+
+    ``max_norm=None`` measures the norm without clipping.
+    """
+    params = [p for p in model.parameters() if p.grad is not None]
+    return float(torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf")))
+
+
+ScalerStep = Callable[[torch.optim.Optimizer], bool]
+
+
+class NonFiniteError(FloatingPointError):
+    """Training met a non-finite loss, gradient norm, rollout or weights; its message is one line naming where.
+
+    ``metrics`` holds what the failing step measured, the non-finite value
+    included, so a trainer can log it before the error leaves (a diverged run
+    then shows its NaN or inf in the tracking UI instead of a gap).
+    """
+
+    def __init__(self, message: str, metrics: dict[str, float] | None = None):
+        super().__init__(message)
+        self.metrics = dict(metrics or {})
+
+
+class FiniteGuard:
+    """Stops a trainer at the first non-finite loss or gradient norm; counts the steps a loss scaler skips.
+
+    A mixed-precision loss scaler (fp16 on GPUs: ``torch.amp.GradScaler``,
+    accelerate) overflows the scaled gradients on purpose now and then, skips
+    that optimiser step and lowers its scale; such steps are counted in
+    ``skipped`` and are not fatal. ``scaler_step`` is where a scaler plugs in:
+    it takes the optimiser step through the scaler and returns True when the
+    scaler skipped it, e.g. with accelerate
+    ``lambda opt: (opt.step(), accelerator.optimizer_step_was_skipped)[1]``.
+    Without it (no scaler: the pipeline today) a non-finite gradient norm stops
+    the run before the optimiser step, so the weights stay as the last finite
+    step left them. A non-finite loss always stops the run: a scale multiplies
+    gradients, never the loss, so the next step would be no better.
+
+    Args:
+        stage: named first in every message, e.g. ``"sft"`` or ``"ppo"``.
+        scaler_step: see above; None: no loss scaler.
+    """
+
+    def __init__(self, stage: str, scaler_step: ScalerStep | None = None):
+        self.stage = stage
+        self.scaler_step = scaler_step
+        self.skipped = 0
+
+    def stop(self, key: str, value: float, where: str) -> NonFiniteError:
+        """The error for a non-finite ``key`` (a metric name) of ``value`` at ``where`` (e.g. ``"step 3 of 4"``)."""
+        return NonFiniteError(f"{self.stage}: non-finite {key} ({value}) at {where}; training stopped", {key: value})
+
+    def check_loss(self, key: str, value: float, where: str) -> None:
+        """Raise :class:`NonFiniteError` when the loss ``value`` (logged as ``key``) is NaN or infinite."""
+        if not math.isfinite(value):
+            raise self.stop(key, value, where)
+
+    def step(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        schedule: torch.optim.lr_scheduler.LRScheduler,
+        max_grad_norm: float | None,
+        key: str,
+        where: str,
+    ) -> float:
+        """Clip the gradients (:func:`clip_gradients`), then take the optimiser and schedule step.
+
+        A step the scaler skipped is counted and the schedule does not step (the
+        optimiser step did not happen; as accelerate's scheduler wrapper does).
+
+        Returns:
+            The gradient norm before clipping (non-finite only on a skipped step).
+
+        Raises:
+            NonFiniteError: a non-finite gradient norm (logged as ``key``) that no scaler skipped.
+        """
+        grad_norm = clip_gradients(model, max_grad_norm)
+        if self.scaler_step is None:
+            if not math.isfinite(grad_norm):
+                raise self.stop(key, grad_norm, where)
+            optimizer.step()
+        elif self.scaler_step(optimizer):
+            self.skipped += 1
+            return grad_norm
+        elif not math.isfinite(grad_norm):
+            raise self.stop(key, grad_norm, where)
+        schedule.step()
+        return grad_norm
+
+
+def non_finite_weights(model: torch.nn.Module) -> list[str]:
+    """Names of the floating-point parameters and buffers of ``model`` that hold a NaN or an infinity."""
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    return [name for name, t in tensors if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+
+
+def check_finite_weights(model: torch.nn.Module, stage: str, where: str) -> None:
+    """Raise :class:`NonFiniteError` when a weight of ``model`` is NaN or infinite (before it is saved).
+
+    Every loss and gradient norm can be finite while an update overflows the
+    weights (an infinite learning rate, say): the last line of defence before a
+    model is written.
+    """
+    bad = non_finite_weights(model)
+    if bad:
+        raise NonFiniteError(
+            f"{stage}: non-finite weights {where} ({len(bad)} tensors, first {bad[0]}); training stopped"
+        )

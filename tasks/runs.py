@@ -1,0 +1,349 @@
+"""MLflow runs of the stages: one run per stage under one parent per pipeline run, ended as the stage ended."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from tasks.params import PARAMS_FILE, mlflow_params, mlflow_text, read_params
+
+PIPELINE_RUN_TAG = "rlhf.pipeline_run_id"
+
+
+def pipeline_run_id(params_path: str = PARAMS_FILE) -> str:
+    """The id that groups the stage runs of one pipeline run.
+
+    Set by the Prefect flow (``RLHF_PIPELINE_RUN_ID``); under plain ``dvc repro``
+    derived from the git commit and the params file's content.
+    """
+    if os.environ.get("RLHF_PIPELINE_RUN_ID"):
+        return os.environ["RLHF_PIPELINE_RUN_ID"]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except (subprocess.CalledProcessError, FileNotFoundError):
+        commit = "no-git"
+    with open(params_path, "rb") as handle:
+        digest = hashlib.sha256(handle.read()).hexdigest()[:12]
+    return f"repro-{commit[:12]}-{digest}"
+
+
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, name))
+
+
+class Stopped(KeyboardInterrupt):
+    """A stop signal (SIGTERM, SIGINT, SIGHUP) raised as an exception inside a stage (:class:`StageRun`).
+
+    The stage unwinds as from any error: its staged outputs are dropped
+    (:class:`StagedOutputs`), its MLflow run and the pipeline's end KILLED, and
+    :func:`cli` exits with 128 + the signal's number, as a shell reports it.
+    """
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+
+
+@contextlib.contextmanager
+def held_stop_signals() -> Iterator[None]:
+    """Hold the stop signals back while the block runs (renames that must not be cut in half).
+
+    A stop signal that arrives meanwhile is raised again when the block ends,
+    so the handler in place before it acts then (a stage's raises
+    :class:`Stopped`; the default ends the process). Only the main thread can
+    hold signals; elsewhere the block runs as it is.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum)) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+        if caught:
+            signal.raise_signal(caught[0])
+
+
+PID_TAG, HOST_TAG, BOOT_TAG, START_TAG = "rlhf.pid", "rlhf.host", "rlhf.boot_id", "rlhf.pid_start"
+
+
+def _boot_id() -> str:
+    """This machine's boot id (Linux), "" where there is none: it changes at every reboot."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as handle:
+            return handle.read().strip()
+    except OSError:
+        return ""
+
+
+def process_state(pid: int) -> tuple[str, str] | None:
+    """``(state letter, start time in clock ticks after boot)`` of process ``pid``; None when there is none.
+
+    Read from ``/proc/<pid>/stat`` (fields 3 and 22); without ``/proc``, ``("?", "")`` when ``kill(pid, 0)`` finds it.
+    """
+    if os.path.exists("/proc/self/stat"):
+        try:
+            with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+            return fields[0], fields[19]
+        except (FileNotFoundError, ProcessLookupError):
+            return None
+        except (OSError, IndexError):
+            pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass
+    return "?", ""
+
+
+def owner_tags() -> dict[str, str]:
+    """Run tags naming the process that owns a run: its pid and start time, the host and its boot id."""
+    process = process_state(os.getpid())
+    return {
+        PID_TAG: str(os.getpid()),
+        HOST_TAG: socket.gethostname(),
+        BOOT_TAG: _boot_id(),
+        START_TAG: process[1] if process else "",
+    }
+
+
+def owner_gone(tags: dict[str, str]) -> bool:
+    """True only when the process that :func:`owner_tags` named is surely gone.
+
+    On this host it is gone when the machine has rebooted since (another boot
+    id), no process has its pid, that process has exited (a zombie), or the pid
+    now names a process that started at another time (the pid was reused). A run
+    of another host, or one without these tags, is never called gone: nothing
+    here can tell whether its process still runs.
+    """
+    pid = tags.get(PID_TAG, "")
+    if not pid.isdigit() or tags.get(HOST_TAG) != socket.gethostname():
+        return False
+    boot = _boot_id()
+    if tags.get(BOOT_TAG) and boot and tags[BOOT_TAG] != boot:
+        return True
+    process = process_state(int(pid))
+    if process is None or process[0] in ("Z", "X"):
+        return True
+    return bool(tags.get(START_TAG) and process[1] and tags[START_TAG] != process[1])
+
+
+def _running_children(client, experiment_id: str, parent_id: str) -> list:
+    """The RUNNING stage runs of parent run ``parent_id``."""
+    return client.search_runs(
+        [experiment_id],
+        filter_string=f"tags.`mlflow.parentRunId` = '{parent_id}' and attributes.status = 'RUNNING'",
+        max_results=1000,
+    )
+
+
+def close_stale_runs(client, experiment_id: str, say=print) -> list[str]:
+    """Close as KILLED the stage runs left RUNNING by a process that is gone (SIGKILL, a crash, a reboot).
+
+    Only runs whose owner tags say so (:func:`owner_gone`); a run whose process
+    may still be alive, here or on another host, is left alone. The parent
+    pipeline run of a closed run is closed as KILLED too unless another of its
+    stages still runs (a stage that continues that pipeline reopens it).
+
+    Args:
+        client: an ``mlflow.MlflowClient``.
+        experiment_id: the experiment to look in.
+        say: prints one line per closed stage run.
+
+    Returns:
+        The ids of the runs closed, parents included.
+    """
+    running = client.search_runs(
+        [experiment_id],
+        filter_string="attributes.status = 'RUNNING' and tags.`rlhf.kind` = 'stage'",
+        max_results=1000,
+    )
+    stale = [run for run in running if owner_gone(run.data.tags)]
+    closed = []
+    for run in stale:
+        client.set_terminated(run.info.run_id, "KILLED")
+        closed.append(run.info.run_id)
+        tags = run.data.tags
+        say(
+            f"MLflow run {run.info.run_id} ({tags.get('rlhf.stage', '?')}, pid {tags[PID_TAG]} on {tags[HOST_TAG]}) "
+            "was left RUNNING by a process that is gone: closed as KILLED"
+        )
+    for parent_id in sorted({run.data.tags.get("mlflow.parentRunId") for run in stale} - {None}):
+        still_running = _running_children(client, experiment_id, parent_id)
+        if client.get_run(parent_id).info.status == "RUNNING" and not still_running:
+            client.set_terminated(parent_id, "KILLED")
+            closed.append(parent_id)
+    return closed
+
+
+class StageRun:
+    """One MLflow run for one stage, nested under the pipeline run's parent run.
+
+    Use as a context manager; ``log`` is the ``log(metrics, step)`` callback the
+    trainers take. The stage's wall time is printed and logged as ``stage/seconds``.
+
+    How runs end. The stage run ends FINISHED, FAILED (an exception) or KILLED
+    (SIGTERM, SIGINT or SIGHUP, which raise :class:`Stopped` inside the stage,
+    so it unwinds like from an error). The parent pipeline run is RUNNING while
+    one of its stages runs and takes the status of the stage that ends (a
+    FINISHED stage ends it only when none of its other stages still runs): the
+    stage that ends a pipeline, evaluate or the one that failed, leaves its
+    final status; the Prefect flow has the last word (:meth:`end_pipeline`).
+    The stage run's tags name the process that owns it (:func:`owner_tags`);
+    a run left RUNNING by a process that is gone (SIGKILL) is closed as KILLED
+    when the next stage run starts on that host (:func:`close_stale_runs`).
+    """
+
+    def __init__(self, stage: str, params: dict[str, Any]):
+        self.stage = stage
+        self.params = params
+        self.start = 0.0
+        self._end: float | None = None
+        self._handlers: dict[int, Any] = {}
+        self._ending = False
+        self._late: list[int] = []
+        self.parent_id: str | None = None
+        self.experiment_id: str | None = None
+
+    @property
+    def seconds(self) -> float:
+        """Wall time of the stage so far; fixed when the stage ends."""
+        if not self.start:
+            return 0.0
+        return (self._end if self._end is not None else time.perf_counter()) - self.start
+
+    @staticmethod
+    def _client():
+        """``(MlflowClient, experiment id)`` for the tracking URI and experiment of params.yaml (or the environment)."""
+        import mlflow
+
+        settings = read_params().get("mlflow", {})
+        mlflow.set_tracking_uri(
+            os.environ.get("MLFLOW_TRACKING_URI", settings.get("tracking_uri", "sqlite:///mlflow.db"))
+        )
+        experiment = mlflow.set_experiment(settings.get("experiment", "rlhf"))
+        return mlflow.MlflowClient(), experiment.experiment_id
+
+    @staticmethod
+    def _find_parent(client, experiment_id: str, pipeline_run: str):
+        found = client.search_runs(
+            [experiment_id],
+            filter_string=f"tags.`{PIPELINE_RUN_TAG}` = '{pipeline_run}' and tags.`rlhf.kind` = 'pipeline'",
+            max_results=1,
+        )
+        return found[0] if found else None
+
+    @staticmethod
+    def end_pipeline(pipeline_run: str, status: str) -> None:
+        """End the parent run of pipeline run ``pipeline_run`` with ``status`` (FINISHED, FAILED or KILLED).
+
+        For the Prefect flow, which knows how a whole flow run ended (a failure
+        between stages, a cancelled flow); nothing when the pipeline has no run.
+        """
+        client, experiment_id = StageRun._client()
+        parent = StageRun._find_parent(client, experiment_id, pipeline_run)
+        if parent is not None:
+            client.set_terminated(parent.info.run_id, status)
+
+    def _on_stop(self, signum: int, frame) -> None:
+        if self._ending:  # the stage's fate is decided: note it and let the run end as it is
+            self._late.append(signum)
+            return
+        raise Stopped(signum)
+
+    def __enter__(self) -> StageRun:
+        import mlflow
+
+        if threading.current_thread() is threading.main_thread():
+            self._handlers = {sig: signal.signal(sig, self._on_stop) for sig in STOP_SIGNALS}
+        try:
+            client, self.experiment_id = self._client()
+            close_stale_runs(client, self.experiment_id, say=lambda line: print(f"[{self.stage}] {line}", flush=True))
+            run_id = pipeline_run_id()
+            parent = self._find_parent(client, self.experiment_id, run_id)
+            if parent is None:
+                tags = {PIPELINE_RUN_TAG: run_id, "rlhf.kind": "pipeline"}
+                name = f"pipeline {run_id}"
+                self.parent_id = client.create_run(self.experiment_id, tags=tags, run_name=name).info.run_id
+            else:
+                self.parent_id = parent.info.run_id
+                if parent.info.status != "RUNNING":  # a later stage of the same pipeline run continues it
+                    client.update_run(self.parent_id, status="RUNNING")
+            self.run = mlflow.start_run(
+                run_name=self.stage,
+                nested=True,
+                parent_run_id=self.parent_id,
+                tags={PIPELINE_RUN_TAG: run_id, "rlhf.kind": "stage", "rlhf.stage": self.stage, **owner_tags()},
+            )
+            mlflow.log_params(mlflow_params(self.params, reserved=("profile",)))
+            mlflow.log_param("profile", mlflow_text(read_params().get("profile", "demo")))
+        except BaseException as err:
+            self.__exit__(type(err), err, err.__traceback__)
+            raise
+        self.start = time.perf_counter()
+        print(f"[{self.stage}] started (MLflow run {self.run.info.run_id}, pipeline {run_id})", flush=True)
+        return self
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        """Log metrics at ``step``; NaN and infinities stay visible.
+
+        MLflow stores NaN as NaN, but an infinity as +-1.8e308 (SQL has no
+        infinity), which would read as a finite number: so an infinity is logged
+        as NaN, and every non-finite value also sets the run tag
+        ``rlhf.non_finite.<metric>`` to what it was, e.g. ``inf at step 3``.
+        """
+        import mlflow
+
+        values = {key: float(value) for key, value in metrics.items()}
+        mlflow.log_metrics({k: v if math.isfinite(v) else math.nan for k, v in values.items()}, step=step)
+        odd = {f"rlhf.non_finite.{k}": f"{v} at step {step}" for k, v in values.items() if not math.isfinite(v)}
+        if odd:
+            mlflow.set_tags(odd)
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        import mlflow
+
+        self._ending = True
+        if self._end is None and self.start:
+            self._end = time.perf_counter()
+        if exc_type is None:
+            status = "FINISHED"
+        else:
+            status = "KILLED" if issubclass(exc_type, KeyboardInterrupt) else "FAILED"
+        try:
+            if mlflow.active_run() is not None:
+                if exc_type is None:
+                    mlflow.log_metric("stage/seconds", self.seconds)
+                mlflow.end_run(status=status)
+            if self.parent_id is not None:
+                client = mlflow.MlflowClient()
+                if status != "FINISHED" or not _running_children(client, self.experiment_id, self.parent_id):
+                    client.set_terminated(self.parent_id, status)
+        except Exception as err:
+            if exc_type is None:
+                raise
+            print(f"[{self.stage}] could not record the end of the run in MLflow: {err}", file=sys.stderr)
+        finally:
+            for sig, handler in self._handlers.items():
+                signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+            self._handlers = {}
+        if self._late and exc_type is None:
+            names = ", ".join(signal.Signals(s).name for s in self._late)
+            print(f"[{self.stage}] {names} came as the stage finished: its outputs are complete and kept", flush=True)
+        word = {"FINISHED": "finished", "FAILED": "FAILED", "KILLED": "KILLED"}[status]
+        print(f"[{self.stage}] {word} in {self.seconds:.1f} s", flush=True)
