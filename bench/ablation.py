@@ -22,7 +22,10 @@ import typer
 import yaml
 
 from rlhf.training import write_json
-from tasks import common, ppo
+from tasks import ppo
+from tasks.outputs import atomic_dir
+from tasks.params import read_params, stage_params
+from tasks.runs import StageRun
 
 OUT = "reports/ablation"
 HEADLINE = [
@@ -55,29 +58,29 @@ def main(
     generation: list[str] = typer.Option([], "--generation", help="override of the generation section, key=value"),
 ) -> None:
     """Run both presets and write the comparison."""
-    params = common.read_params()
-    sampling = {**common.stage_params("generation", params), **overrides(generation)}
+    params = read_params()
+    sampling = {**stage_params("generation", params), **overrides(generation)}
     histories, samples, summaries = {}, {}, {}
     os.environ["RLHF_PIPELINE_RUN_ID"] = os.environ.get("RLHF_PIPELINE_RUN_ID") or "ablation"
     for preset, own in (("vanilla", overrides(vanilla)), ("ppo_max", overrides(ppo_max))):
         section = {**params, "ppo": {**params["ppo"], "preset": preset}}
-        stage_params = {
-            **common.stage_params("ppo", section),
+        ppo_params = {
+            **stage_params("ppo", section),
             "iterations": iterations,
             "on_collapse": "warn",
             **overrides(set_),
             **own,
         }
-        with common.StageRun(f"ablation-{preset}", stage_params) as stage:
+        with StageRun(f"ablation-{preset}", ppo_params) as stage:
             result = ppo.run(
-                stage_params,
+                ppo_params,
                 sampling,
                 stage.log,
                 out_dir=os.path.join("bench", "out", "ablation", preset),
                 checkpoint_name=f"ablation-{preset}",
             )
         histories[preset], samples[preset], summaries[preset] = result.history, result.reward_samples, result.summary
-    with common.atomic_dir(OUT) as tmp:
+    with atomic_dir(OUT) as tmp:
         ppo.save_figures(histories, samples, tmp)
         table = {
             name: {"first": {k: h[min(h)].get(k) for k in HEADLINE}, "last": {k: h[max(h)].get(k) for k in HEADLINE}}
@@ -89,7 +92,7 @@ def main(
         )
         with open(os.path.join(tmp, "history.json"), "w", encoding="utf-8") as handle:
             json.dump(histories, handle)
-    with common.StageRun("ablation", {"iterations": iterations, "set": set_, "vanilla": vanilla, "ppo_max": ppo_max}):
+    with StageRun("ablation", {"iterations": iterations, "set": set_, "vanilla": vanilla, "ppo_max": ppo_max}):
         mlflow.log_artifacts(OUT, "ablation")
     for name, row in table.items():
         print(name)

@@ -22,7 +22,9 @@ from rlhf.data import load_jsonl
 from rlhf.models import load_scalar_model, load_tokenizer
 from rlhf.reward import RewardConfig, center_rewards, encode_pairs, evaluate_reward_model, train_reward_model
 from rlhf.training import config_from_params, write_json
-from tasks import common
+from tasks.common import setup_torch
+from tasks.params import stage_params
+from tasks.runs import StageRun
 
 TRAIN, EVAL, SFT, OUT = (
     "data/validated/rm_train.jsonl",
@@ -34,11 +36,11 @@ TRAIN, EVAL, SFT, OUT = (
 
 def main(set_: list[str] = typer.Option([], "--set", help="override of the reward params, key=value")) -> None:
     """Train, centre, evaluate; print and save the metrics."""
-    params = {**common.stage_params("reward"), **overrides(set_)}
+    params = {**stage_params("reward"), **overrides(set_)}
     config = config_from_params(RewardConfig, params, "reward")
-    common.setup_torch(config.seed)
+    setup_torch(config.seed)
     train, held_out = load_jsonl(TRAIN), load_jsonl(EVAL)
-    with common.StageRun("reward-benchmark", params) as stage:
+    with StageRun("reward-benchmark", params) as stage:
         tokenizer, model = load_tokenizer(SFT), load_scalar_model(SFT)
         start = time.perf_counter()
         summary = train_reward_model(model, tokenizer, train, config, stage.log)

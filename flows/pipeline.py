@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 
 import networkx as nx
 import typer
@@ -63,25 +64,119 @@ def _paths(entries: list | None) -> list[str]:
     return [next(iter(e)) if isinstance(e, dict) else e for e in entries or []]
 
 
+def stage_graph(dvc_file: str = "dvc.yaml") -> nx.DiGraph:
+    """The stages of ``dvc.yaml`` as a graph: an edge from a stage to every stage that reads one of its outs."""
+    stages = _stages(dvc_file)
+    graph = nx.DiGraph()
+    graph.add_nodes_from(stages)
+    for name, stage in stages.items():
+        for other, upstream in stages.items():
+            outs = _paths(upstream.get("outs")) + _paths(upstream.get("metrics")) + _paths(upstream.get("plots"))
+            if other != name and any(
+                dep == out or dep.startswith(out.rstrip("/") + "/") for dep in _paths(stage.get("deps")) for out in outs
+            ):
+                graph.add_edge(other, name)
+    return graph
+
+
 def stage_order(dvc_file: str = "dvc.yaml") -> list[str]:
     """Stage names of ``dvc.yaml`` in dependency order (a stage after every stage whose outs it reads).
 
     Raises:
         ValueError: the stages form a cycle.
     """
-    stages = _stages(dvc_file)
-    graph = nx.DiGraph()
-    graph.add_nodes_from(stages)
-    for name, stage in stages.items():
-        for other, upstream in stages.items():
-            outs = _paths(upstream.get("outs")) + _paths(upstream.get("metrics"))
-            if other != name and any(
-                dep == out or dep.startswith(out.rstrip("/") + "/") for dep in _paths(stage.get("deps")) for out in outs
-            ):
-                graph.add_edge(other, name)
+    graph = stage_graph(dvc_file)
     if not nx.is_directed_acyclic_graph(graph):
         raise ValueError(f"{dvc_file}: the stages form a cycle")
-    return list(nx.lexicographical_topological_sort(graph, key=list(stages).index))
+    return list(nx.lexicographical_topological_sort(graph, key=list(_stages(dvc_file)).index))
+
+
+ALWAYS_CHANGED = "always changed"  # `always_changed: true` stages: DVC reports them so after every run
+
+
+def dvc_status(targets: list[str] | None = None) -> dict[str, list]:
+    """``dvc status --json`` of ``targets`` (each stage by itself, not its upstream; all stages by default).
+
+    Returns:
+        stage -> what DVC says changed, e.g. ``{"reward": [{"changed deps": {"params.yaml": {"reward":
+        "modified"}}}], "source": ["always changed"]}``; empty when all are up to date.
+
+    Raises:
+        RuntimeError: ``dvc status`` failed (its message).
+    """
+    result = subprocess.run(
+        [sys.executable, "-m", "dvc", "status", "--json", *(targets or [])], capture_output=True, text=True
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"dvc status failed (exit {result.returncode}): {result.stderr.strip()[-2000:]}")
+    return json.loads(result.stdout.strip() or "{}")
+
+
+def _change(entry) -> str:
+    """One entry of a stage's ``dvc status --json`` list as words: ``changed deps params.yaml:reward (modified)``."""
+    if isinstance(entry, str):
+        return entry
+    phrases = []
+    for kind, files in entry.items():
+        if not isinstance(files, dict):
+            phrases.append(f"{kind} ({files})")
+            continue
+        for path, change in files.items():
+            if isinstance(change, dict):  # params.yaml: {param: change}
+                phrases += [f"{kind} {path}:{param} ({what})" for param, what in change.items()]
+            else:
+                phrases.append(f"{kind} {path} ({change})")
+    return ", ".join(phrases)
+
+
+def stale_reasons(status: dict[str, list]) -> dict[str, str]:
+    """Stage -> why DVC says it is stale, from :func:`dvc_status`'s dict.
+
+    e.g. ``{"reward": "changed deps params.yaml:reward (modified)", "source": "always changed"}``.
+    """
+    return {stage: "; ".join(_change(e) for e in entries) or "changed" for stage, entries in status.items()}
+
+
+def stale_stages(status: dict[str, list]) -> dict[str, str]:
+    """:func:`stale_reasons` without the ``always_changed`` stages (DVC reports them after every run, by design)."""
+    return {stage: why for stage, why in stale_reasons(status).items() if why != ALWAYS_CHANGED}
+
+
+def run_in_order(
+    order: list[str],
+    graph: nx.DiGraph,
+    wanted: set[str],
+    run: Callable[[str], None],
+    why_stale: Callable[[str], str | None],
+    say: Callable[[str], None] = print,
+) -> list[str]:
+    """Run the ``wanted`` stages in ``order``, each after every stage upstream of it that is stale when reached.
+
+    A stage upstream of a wanted one runs when ``why_stale(stage)`` (asked just before, so a stage made stale
+    by one that ran before it counts) gives a reason, and ``say`` names it, the reason and the wanted stages
+    it feeds; an up-to-date upstream stage does not run. A wanted stage always goes to ``run`` (DVC skips it
+    when it is up to date).
+
+    Returns:
+        the stages run, in order.
+    """
+    feeds = {
+        stage: [w for w in order if w in wanted and stage in nx.ancestors(graph, w)]
+        for stage in order
+        if stage not in wanted
+    }
+    ran = []
+    for stage in order:
+        if stage not in wanted:
+            if not feeds[stage]:
+                continue
+            why = why_stale(stage)
+            if not why:
+                continue
+            say(f"[flow] {stage} is stale ({why}) and upstream of {', '.join(feeds[stage])}: running it first")
+        run(stage)
+        ran.append(stage)
+    return ran
 
 
 @task(retries=1, retry_delay_seconds=5, task_run_name="{stage}")
@@ -113,20 +208,49 @@ def run_stage(stage: str, pipeline_run_id: str) -> None:
 def rlhf_pipeline(stages: list[str] | None = None) -> dict[str, dict]:
     """Run the stages of ``dvc.yaml`` in order (all by default) and return their metrics files.
 
+    Asked for a subset, it also runs every stage upstream of it that is stale (a changed param, dep or
+    command; an ``always_changed`` stage such as ``source``), in order, naming each and why, as
+    ``dvc repro <stage>`` would: the stages asked for never run on stale inputs. Afterwards every stage
+    it ran or relied on must be up to date (``dvc status``), or the flow fails naming the stale ones.
+
     Args:
         stages: a subset of stage names; None runs all.
 
     Raises:
-        ValueError: an unknown stage name.
+        ValueError: an unknown stage name, or credentials in params.yaml.
+        RuntimeError: a stage failed, or a stage is still stale after the run.
     """
-    order = stage_order()
+    from tasks.params import read_params
+    from tasks.runs import StageRun
+
+    read_params()  # refuses credentials in params.yaml before any stage runs
+    order, graph = stage_order(), stage_graph()
     unknown = sorted(set(stages or []) - set(order))
     if unknown:
         raise ValueError(f"unknown stages {unknown}; dvc.yaml has {order}")
     run_id = f"prefect-{flow_run.get_id() or 'local'}"
-    for stage in order:
-        if stages is None or stage in stages:
-            run_stage(stage, run_id)
+    wanted = set(order if stages is None else stages)
+    status = "FAILED"
+    try:  # the flow knows how the whole run ended (a failure between stages, a cancelled flow): it ends the parent
+        run_in_order(
+            order,
+            graph,
+            wanted,
+            run=lambda stage: run_stage(stage, run_id),
+            why_stale=lambda stage: stale_reasons(dvc_status([stage])).get(stage),
+        )
+        checked = sorted(wanted.union(*(nx.ancestors(graph, stage) for stage in wanted)))
+        stale = stale_stages(dvc_status(checked))
+        if stale:  # never report success on stale inputs
+            raise RuntimeError(
+                "stale after the run: " + "; ".join(f"{stage}: {why}" for stage, why in stale.items()) + " (dvc status)"
+            )
+        status = "FINISHED"
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
+    finally:
+        StageRun.end_pipeline(run_id, status)
     metrics = {}
     for stage, spec in _stages("dvc.yaml").items():
         for path in _paths(spec.get("metrics")):
@@ -169,14 +293,34 @@ def summary_warnings(metrics: dict[str, dict]) -> list[str]:
     return [f"WARNING: {warning}: the reward model has not learned to rank"] if warning else []
 
 
-def print_summary(metrics: dict[str, dict]) -> None:
-    """Print the time of each stage and the headline figures (rates with their interval), then any warning."""
+def stage_seconds(stage: str) -> float | None:
+    """The wall time of the stage's last run, from ``timings/<stage>.json``; None when it has none.
+
+    ``tasks.outputs.write_metrics`` writes it there, apart from the metrics file: a time differs between two
+    runs of the same inputs, so it is neither committed nor compared by ``dvc exp show``/``dvc metrics diff``.
+    """
+    from tasks.outputs import timing_path
+
+    path = timing_path(stage)
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as handle:
+        return json.load(handle).get("seconds")
+
+
+def print_summary(metrics: dict[str, dict], timings: dict[str, float | None] | None = None) -> None:
+    """Print the time of each stage and the headline figures (rates with their interval), then any warning.
+
+    Args:
+        metrics: stage -> its metrics file's content (as :func:`rlhf_pipeline` returns them).
+        timings: stage -> seconds of its last run; by default :func:`stage_seconds` of each stage.
+    """
     table = Table(title="RLHF pipeline")
     table.add_column("stage")
     table.add_column("seconds", justify="right")
     table.add_column("figures")
     for stage, values in metrics.items():
-        seconds = values.get("seconds")
+        seconds = stage_seconds(stage) if timings is None else timings.get(stage)
         figures = ", ".join(f for f in (_figure(values, k) for k in SUMMARY.get(stage, [])) if f)
         table.add_row(stage, f"{seconds:.0f}" if isinstance(seconds, (int, float)) else "-", figures)
     console = Console()
@@ -186,10 +330,16 @@ def print_summary(metrics: dict[str, dict]) -> None:
 
 
 def main(stage: list[str] = typer.Option(None, help="run only these stages (repeatable)")) -> None:
-    """Run the pipeline flow and print the summary and ``dvc status``."""
+    """Run the pipeline flow and print the summary and ``dvc status`` (stale stages with why; ``up to date``)."""
     print_summary(rlhf_pipeline(stages=stage or None))
-    status = subprocess.run([sys.executable, "-m", "dvc", "status"], capture_output=True, text=True)
-    print("dvc status:", status.stdout.strip() or status.stderr.strip())
+    status = dvc_status()
+    stale = stale_stages(status)
+    always = sorted(set(status) - set(stale))
+    print(
+        "dvc status:",
+        "; ".join(f"{name}: {why}" for name, why in stale.items()) or "up to date",
+        f"(always changed, by design: {', '.join(always)})" if always else "",
+    )
 
 
 if __name__ == "__main__":

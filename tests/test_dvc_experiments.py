@@ -1,0 +1,120 @@
+"""DVC's own comparison tools on the pipeline's runs: `dvc exp run/show`, `dvc metrics/params/plots diff`.
+
+The metrics files (and the PPO curves) are `cache: false` outputs tracked by git, so every commit and every
+experiment carries them; wall-clock times live apart in the git-ignored `timings/`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+from test_pipeline import make_project, run, set_param
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASELINE = ["prepare", "base_model", "validate", "sft", "reward", "ppo"]  # evaluate adds time, not coverage
+
+
+def load(path: str):
+    with open(path, encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+def test_write_metrics_keeps_wall_time_apart_and_the_summary_reads_it_there(tmp_path, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(REPO)  # tasks/, flows/
+    from flows.pipeline import print_summary
+    from tasks.outputs import write_metrics
+
+    monkeypatch.chdir(tmp_path)
+    history = {2: {"ppo/kl": 0.25, "ppo/reward/mean": 1.0}, "1": {"ppo/value/pretrain_iterations": 1.0}}
+    metrics = {"ppo/policy_iterations": 1.0, "ppo/last/kl": float("nan"), "stopped_by": None}
+    curves = "metrics/ppo_curves.json"
+    write_metrics("metrics/ppo.json", metrics, SimpleNamespace(stage="ppo", seconds=12.25), curves={curves: history})
+    assert load("metrics/ppo.json") == {"ppo/policy_iterations": 1.0, "ppo/last/kl": None, "stopped_by": None}
+    assert load("timings/ppo.json") == {"stage": "ppo", "seconds": 12.25}
+    # every row holds every signal (DVC's plots fail on a row without the plotted field), in iteration order
+    assert load(curves) == [
+        {"iteration": 1, "ppo/kl": None, "ppo/reward/mean": None, "ppo/value/pretrain_iterations": 1.0},
+        {"iteration": 2, "ppo/kl": 0.25, "ppo/reward/mean": 1.0, "ppo/value/pretrain_iterations": None},
+    ]
+    monkeypatch.setenv("COLUMNS", "300")
+    print_summary({"ppo": load("metrics/ppo.json"), "sft": {"sft/loss_last": 1.0}})
+    out = capsys.readouterr().out
+    assert re.search(r"ppo\W+12\W", out) and re.search(r"sft\W+-\W", out), out  # sft has no timings/sft.json
+
+
+def dvc_json(project: str, *args: str):
+    """``python -m dvc <args> --json`` in the project; its stdout parsed (warnings go to stderr)."""
+    env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
+    result = subprocess.run(
+        [sys.executable, "-m", "dvc", *args, "--json"], cwd=project, env=env, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return json.loads(result.stdout)
+
+
+def git(project: str, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=project, capture_output=True, text=True, check=True).stdout
+
+
+@pytest.mark.integration
+def test_an_experiment_compares_with_the_committed_baseline_in_dvc_exp_show_and_diffs(tmp_path, monkeypatch):
+    for who in ("AUTHOR", "COMMITTER"):  # dvc exp run commits; CI may have no git identity
+        monkeypatch.setenv(f"GIT_{who}_NAME", "t")
+        monkeypatch.setenv(f"GIT_{who}_EMAIL", "t@t")
+    project = make_project(tmp_path)
+    # ppo runs twice: 2 policy iterations (the KL penalty acts from the second on: the first starts at KL 0)
+    set_param(project, "    tiny: {iterations: 3,", "    tiny: {iterations: 2,")
+    output = run(project, "dvc", "repro", "ppo")
+    assert all(f"Running stage '{stage}'" in output for stage in BASELINE)
+    for stage in BASELINE:  # times stay out of what git and DVC compare
+        assert "seconds" in load(os.path.join(project, "timings", f"{stage}.json"))
+    for name in os.listdir(os.path.join(project, "metrics")):
+        values = load(os.path.join(project, "metrics", name))
+        assert "seconds" not in (values if isinstance(values, dict) else values[0]), name
+    # what the README says to commit is all the run leaves for git
+    git(project, "add", "dvc.lock", "metrics", "params.yaml")
+    git(project, "commit", "-qm", "baseline")
+    assert git(project, "status", "--porcelain") == ""
+    assert "metrics/ppo_curves.json" in git(project, "ls-files", "metrics")
+    baseline = git(project, "rev-parse", "HEAD").strip()
+
+    output = run(project, "dvc", "exp", "run", "-n", "kl-0.1", "-S", "ppo.kl_coef=0.1", "ppo")
+    ran = [stage for stage in [*BASELINE, "evaluate"] if f"Running stage '{stage}'" in output]
+    assert ran == ["ppo"]
+
+    shown = {entry["rev"]: entry for entry in dvc_json(project, "exp", "show")}
+    base = shown[baseline]
+    (experiment,) = [r for e in base["experiments"] for r in e["revs"] if r["name"] == "kl-0.1"]
+    for entry in (base, experiment):
+        assert entry["error"] is None
+        for stage in BASELINE:  # exp show's `!`: a metrics file that no revision carries
+            loaded = entry["data"]["metrics"][f"metrics/{stage}.json"]
+            assert loaded.get("error") is None and loaded["data"], stage
+    base_metrics, exp_metrics = base["data"]["metrics"], experiment["data"]["metrics"]
+    assert base["data"]["params"]["params.yaml"]["data"]["ppo"]["kl_coef"] == 0.05
+    assert experiment["data"]["params"]["params.yaml"]["data"]["ppo"]["kl_coef"] == 0.1
+    assert base_metrics["metrics/ppo.json"]["data"]["ppo/last/kl_coef"] == pytest.approx(0.05)
+    assert exp_metrics["metrics/ppo.json"]["data"]["ppo/last/kl_coef"] == pytest.approx(0.1)
+    assert exp_metrics["metrics/reward.json"] == base_metrics["metrics/reward.json"]  # only ppo reran
+
+    # the diffs between the committed baseline and the experiment: only what the experiment changed
+    metrics_diff = dvc_json(project, "metrics", "diff", baseline, "kl-0.1")
+    assert set(metrics_diff) == {"metrics/ppo.json"}
+    assert metrics_diff["metrics/ppo.json"]["ppo/last/kl_coef"]["old"] == pytest.approx(0.05)
+    assert metrics_diff["metrics/ppo.json"]["ppo/last/kl_coef"]["new"] == pytest.approx(0.1)
+    assert len(metrics_diff["metrics/ppo.json"]) > 1  # the penalty changed the run, not just its record
+    params_diff = dvc_json(project, "params", "diff", baseline, "kl-0.1")
+    assert params_diff == {"params.yaml": {"ppo.kl_coef": {"old": 0.05, "new": 0.1, "diff": pytest.approx(0.05)}}}
+    plots = dvc_json(project, "plots", "diff", baseline, "kl-0.1")
+    assert not plots.get("errors"), plots.get("errors")
+    iterations = len(load(os.path.join(project, "metrics", "ppo_curves.json")))
+    for name in ("metrics/ppo_curves.json", "ppo/kl", "ppo/value/explained_variance"):
+        (figure,) = plots["data"][name]
+        assert figure["revisions"] == [baseline, "kl-0.1"], name
+        assert len(figure["content"]["data"]["values"]) == 2 * iterations, name
