@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -179,12 +180,34 @@ def run_in_order(
     return ran
 
 
-@task(retries=1, retry_delay_seconds=5, task_run_name="{stage}")
+class StageRefused(RuntimeError):
+    """A stage ended with its own one-line error (bad input, bad params, divergence): a retry would fail the same."""
+
+
+STAGE_ERROR = re.compile(r"^\[\w+\] (error: |stopped by )")  # the line tasks.common.cli prints
+
+
+def retry_unless_refused(task, task_run, state) -> bool:
+    """Prefect retry condition: retry a crash (a lost worker, a killed process), never a :class:`StageRefused`."""
+    try:
+        state.result()
+    except StageRefused:
+        return False
+    except Exception:  # any other failure may be transient
+        return True
+    return True
+
+
+@task(retries=1, retry_delay_seconds=5, retry_condition_fn=retry_unless_refused, task_run_name="{stage}")
 def run_stage(stage: str, pipeline_run_id: str) -> None:
     """Run one DVC stage (skipped by DVC when it is up to date); a retry resumes from the stage's checkpoint.
 
+    A stage that ends with its own error line (:data:`STAGE_ERROR`) is not retried: bad input, bad
+    params and divergence fail the same way twice.
+
     Raises:
-        RuntimeError: the stage failed (its output tail is in the message).
+        StageRefused: the stage printed its one-line error (that line is the message).
+        RuntimeError: the stage failed otherwise (its output tail is in the message).
     """
     logger = get_run_logger()
     env = {**os.environ, "RLHF_PIPELINE_RUN_ID": pipeline_run_id}
@@ -200,6 +223,9 @@ def run_stage(stage: str, pipeline_run_id: str) -> None:
         print(line, end="", flush=True)
         tail = (tail + [line.rstrip()])[-20:]
     if process.wait() != 0:
+        refused = [line for line in tail if STAGE_ERROR.match(line)]
+        if refused:
+            raise StageRefused(refused[-1])
         raise RuntimeError(f"stage {stage} failed (exit {process.returncode}):\n" + "\n".join(tail))
     logger.info("stage %s done", stage)
 
@@ -330,8 +356,16 @@ def print_summary(metrics: dict[str, dict], timings: dict[str, float | None] | N
 
 
 def main(stage: list[str] = typer.Option(None, help="run only these stages (repeatable)")) -> None:
-    """Run the pipeline flow and print the summary and ``dvc status`` (stale stages with why; ``up to date``)."""
-    print_summary(rlhf_pipeline(stages=stage or None))
+    """Run the pipeline flow and print the summary and ``dvc status`` (stale stages with why; ``up to date``).
+
+    A failed flow ends with its reason on one line (Prefect has logged the details) and exit 1.
+    """
+    try:
+        metrics = rlhf_pipeline(stages=stage or None)
+    except (StageRefused, ValueError, RuntimeError) as err:
+        print(f"[flow] FAILED: {str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}")
+        raise SystemExit(1) from None
+    print_summary(metrics)
     status = dvc_status()
     stale = stale_stages(status)
     always = sorted(set(status) - set(stale))

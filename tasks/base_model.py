@@ -21,7 +21,14 @@ def run(params: dict[str, Any], outputs: StagedOutputs) -> dict[str, float]:
     unknown = sorted(set(params) - {"source", "random_init", "seed"})
     if unknown:
         raise ValueError(f"params.yaml: section 'model' has unknown keys {unknown}; known: random_init, seed, source")
-    model, tokenizer = load_base_model(params["source"], params.get("random_init"), params.get("seed", 0))
+    try:
+        model, tokenizer = load_base_model(params["source"], params.get("random_init"), params.get("seed", 0))
+    except FileNotFoundError:
+        raise
+    except OSError as err:  # a hub id the hub does not know, or no network: transformers' message is a page long
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        source = params["source"]
+        raise FileNotFoundError(f"model.source {source!r}: not a local path, and loading it failed: {first}") from None
     folder = outputs.folder(OUT_DIR)
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)

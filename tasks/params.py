@@ -49,7 +49,7 @@ def stage_params(section: str, params: dict[str, Any] | None = None) -> dict[str
     values = copy.deepcopy(params[section])
     presets = values.pop("presets", {}) or {}
     preset = values.pop("preset", None)
-    for name, overrides in presets.items():
+    for name, overrides in sorted(presets.items(), key=lambda item: item[0] != preset):  # the active one first
         clash = sorted(set(overrides or {}) & set(values) - {"profiles"})
         if clash:
             raise ValueError(
@@ -62,9 +62,20 @@ def stage_params(section: str, params: dict[str, Any] | None = None) -> dict[str
             raise ValueError(f"{PARAMS_FILE}: {section}.preset is {preset!r}; known presets: {sorted(presets)}")
         values.update(presets[preset])
     profiles = values.pop("profiles", {})
-    profile = params.get("profile", "demo")
+    profile = params.get("profile", DEFAULT_PROFILE)
+    if profile not in known_profiles(params):
+        raise ValueError(f"{PARAMS_FILE}: profile is {profile!r}; known profiles: {sorted(known_profiles(params))}")
     values.update((profiles or {}).get(profile, {}))
     return values
+
+
+DEFAULT_PROFILE = "demo"  # the embedded defaults: the sections' own values, no overrides
+
+
+def known_profiles(params: dict[str, Any]) -> set[str]:
+    """The default profile and every profile that some section's ``profiles`` names."""
+    named = {name for section in params.values() if isinstance(section, dict) for name in section.get("profiles") or {}}
+    return {DEFAULT_PROFILE} | named
 
 
 # Credentials never enter params.yaml: it is committed, DVC copies its params into dvc.lock (committed too) and

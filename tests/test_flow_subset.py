@@ -177,3 +177,22 @@ def test_a_subset_run_after_an_upstream_param_change_runs_the_stale_stage_first(
     assert "dvc status: up to date" in output
     with open(os.path.join(project, "c.txt"), encoding="utf-8") as handle:
         assert handle.read() == "a={'x': 1}\nb={'lr': 2}\nc={'y': 1}\n"
+
+
+class _State:
+    def __init__(self, error):
+        self.error = error
+
+    def result(self):
+        if self.error is not None:
+            raise self.error
+
+
+def test_a_stage_that_printed_its_own_error_is_not_retried_a_crash_is():
+    from flows.pipeline import STAGE_ERROR, StageRefused, retry_unless_refused
+
+    assert STAGE_ERROR.match("[ppo] error: ValueError: params.yaml: ppo.ptx_coef is set both ...")
+    assert STAGE_ERROR.match("[sft] stopped by SIGTERM")
+    assert not STAGE_ERROR.match("Traceback (most recent call last):")
+    assert retry_unless_refused(None, None, _State(StageRefused("[ppo] error: ValueError: ..."))) is False
+    assert retry_unless_refused(None, None, _State(RuntimeError("stage ppo failed (exit 137)"))) is True

@@ -174,3 +174,13 @@ def test_content_without_control_tokens_keeps_the_ids_of_the_whole_template(toke
     response = [{"role": "assistant", "content": "\nWhy did the chicken cross the road?\n"}]
     whole = tokenizer(tokenizer.apply_chat_template(prompt + response, tokenize=False), add_special_tokens=False)
     assert encode_chat(tokenizer, prompt, response, 10**9).input_ids == whole["input_ids"][:-1]  # up to the last EOS
+
+
+def test_a_folder_that_is_not_a_model_folder_is_named_as_such(tmp_path):
+    from rlhf.models import resolve_model_source
+
+    (tmp_path / "pairs.jsonl").write_text("{}\n")
+    with pytest.raises(FileNotFoundError, match=r"not an HF model folder \(no config.json\)"):
+        resolve_model_source(str(tmp_path))
+    (tmp_path / "config.json").write_text("{}")
+    assert resolve_model_source(str(tmp_path)) == (str(tmp_path), None)

@@ -44,9 +44,16 @@ def test_a_key_set_both_by_the_preset_and_at_the_top_is_refused_naming_both_plac
     params = load("params.yaml")
     params["ppo"]["ptx_coef"] = 0.0
     with pytest.raises(
-        ValueError, match=r"ppo\.ptx_coef is set both at the top of section 'ppo' and in ppo\.presets\."
+        ValueError, match=r"ppo\.ptx_coef is set both at the top of section 'ppo' and in ppo\.presets\.ppo_max;"
     ):
-        stage_params("ppo", params)
+        stage_params("ppo", params)  # the active preset is named, though vanilla comes first in the file
+
+
+def test_a_misspelled_profile_is_refused_naming_the_known_ones():
+    params = load("params.yaml")
+    params["profile"] = "tinny"
+    with pytest.raises(ValueError, match=r"profile is 'tinny'; known profiles: \['demo', 'tiny'\]"):
+        stage_params("sft", params)
 
 
 @pytest.mark.parametrize("profile", ["demo", "tiny"])

@@ -95,11 +95,15 @@ def test_dvc_repro_runs_everything_then_only_what_a_ppo_param_touches(tmp_path):
     # a stage that fails under dvc repro leaves its previous outputs in place
     with open(os.path.join(project, "data/validated/rm_train.jsonl")) as handle:
         before = handle.read()
+    with open(os.path.join(project, "metrics/validate.json")) as handle:
+        metrics_before = handle.read()
     set_param(project, "max_quarantine_fraction: 0.25}", "max_quarantine_fraction: 0.0}")
     output = run(project, "dvc", "repro", "validate", expect_failure=True)
     assert "rule role_marker_in_response" in output
     with open(os.path.join(project, "data/validated/rm_train.jsonl")) as handle:
         assert handle.read() == before
+    with open(os.path.join(project, "metrics/validate.json")) as handle:  # DVC must not delete it either
+        assert handle.read() == metrics_before
 
 
 def test_prefect_flow_runs_the_stages_and_groups_mlflow_runs(tmp_path):

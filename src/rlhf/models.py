@@ -48,7 +48,8 @@ def resolve_model_source(source: str) -> tuple[str, str | None]:
             ``.gguf`` file path, a local HF folder, or a hub id.
 
     Raises:
-        FileNotFoundError: the package is not installed or holds no ``.gguf`` file.
+        FileNotFoundError: the package is not installed or holds no ``.gguf`` file, a ``.gguf`` path does not
+            exist, or a folder is not an HF model folder (no ``config.json``).
     """
     if source.startswith("pypi:"):
         package = source.removeprefix("pypi:").replace("-", "_")
@@ -64,6 +65,8 @@ def resolve_model_source(source: str) -> tuple[str, str | None]:
         if not os.path.isfile(source):
             raise FileNotFoundError(f"model.source {source!r}: no such file")
         return os.path.dirname(os.path.abspath(source)), os.path.basename(source)
+    if os.path.isdir(source) and not os.path.isfile(os.path.join(source, "config.json")):
+        raise FileNotFoundError(f"model.source {source!r}: a folder, but not an HF model folder (no config.json)")
     return source, None
 
 
