@@ -101,13 +101,13 @@ def process_state(pid: int) -> tuple[str, str] | None:
         except (FileNotFoundError, ProcessLookupError):
             return None
         except (OSError, IndexError):
-            pass
+            pass  # /proc unreadable or malformed: ask the kernel below instead
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return None
     except PermissionError:
-        pass
+        pass  # the process exists but belongs to another user: alive
     return "?", ""
 
 

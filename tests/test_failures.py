@@ -39,7 +39,7 @@ from rlhf.ppo_config import PPOConfig
 from rlhf.reward import RewardConfig, train_reward_model
 from rlhf.rollout import GenerationSettings
 from rlhf.sft import SFTConfig, train_sft
-from rlhf.training import Checkpointer, supervised_loop
+from rlhf.training import Checkpointer, LoopConfig, supervised_loop
 from tasks.outputs import StagedOutputs
 from tasks.runs import BOOT_TAG, HOST_TAG, PID_TAG, START_TAG, StageRun, Stopped, owner_gone, owner_tags
 
@@ -77,17 +77,14 @@ def toy_loop(plan: dict[int, str], lr: float = 0.1, steps: int = 5, scheduler: s
         logged[step] = dict(metrics)
 
     try:
+        config = LoopConfig(
+            steps=steps, batch_size=1, lr=lr, warmup_steps=0, scheduler=scheduler, max_grad_norm=1.0, checkpoint_every=0
+        )
         summary = supervised_loop(
             model,
             step_fn,
             5,
-            steps=steps,
-            batch_size=1,
-            lr=lr,
-            warmup_steps=0,
-            scheduler=scheduler,
-            max_grad_norm=1.0,
-            seed=0,
+            config,
             prefix="toy",
             log=log,
             progress=False,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -14,31 +14,22 @@ from rlhf.chat import Encoded, encode_chat, pad, pad_masks
 from rlhf.losses import bradley_terry_loss, language_model_loss, last_token_index
 from rlhf.models import position_ids_from_mask, sequence_scores
 from rlhf.stats import TiesWarning, paired_rate
-from rlhf.training import Checkpointer, LogFn, check_schedule, freeze_lower_layers, supervised_loop
+from rlhf.training import Checkpointer, LogFn, LoopConfig, freeze_lower_layers, supervised_loop
 
 
 @dataclass
-class RewardConfig:
+class RewardConfig(LoopConfig):
     """Reward-model hyperparameters (params.yaml section ``reward``)."""
 
+    section: ClassVar[str] = "reward"
     steps: int = 60
-    batch_size: int = 4
     lr: float = 1e-5
     warmup_steps: int = 5
-    scheduler: str = "cosine"
-    max_grad_norm: float = 1.0
     max_length: int = 256
     margin: float = 0.0
     lm_coef: float = 0.0
     eval_batch_size: int = 16
     center_max_examples: int | None = None  # demonstrations used to centre the scores (None: all of rm_train)
-    checkpoint_every: int = 10
-    trainable_layers: int | None = None  # train only the top N blocks (CPU budget); None: all
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        """Refuse a warm-up the schedule would ignore (:func:`rlhf.training.check_schedule`)."""
-        check_schedule("reward", self.scheduler, self.warmup_steps)
 
 
 def encode_pairs(
@@ -115,21 +106,7 @@ def train_reward_model(
         return loss, metrics
 
     return supervised_loop(
-        model,
-        step,
-        len(pairs),
-        steps=config.steps,
-        batch_size=config.batch_size,
-        lr=config.lr,
-        warmup_steps=config.warmup_steps,
-        scheduler=config.scheduler,
-        max_grad_norm=config.max_grad_norm,
-        seed=config.seed,
-        prefix="rm",
-        log=log,
-        checkpointer=checkpointer,
-        checkpoint_every=config.checkpoint_every,
-        progress=progress,
+        model, step, len(pairs), config, prefix="rm", log=log, checkpointer=checkpointer, progress=progress
     )
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -11,27 +11,18 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from rlhf.chat import encode_chat, pad, pad_masks
 from rlhf.losses import language_model_loss
 from rlhf.models import position_ids_from_mask
-from rlhf.training import Checkpointer, LogFn, check_schedule, freeze_lower_layers, supervised_loop
+from rlhf.training import Checkpointer, LogFn, LoopConfig, freeze_lower_layers, supervised_loop
 
 
 @dataclass
-class SFTConfig:
+class SFTConfig(LoopConfig):
     """SFT hyperparameters (params.yaml section ``sft``)."""
 
+    section: ClassVar[str] = "sft"
     steps: int = 40
-    batch_size: int = 4
     lr: float = 2e-5
     warmup_steps: int = 4
-    scheduler: str = "cosine"
-    max_grad_norm: float = 1.0
     max_length: int = 256
-    checkpoint_every: int = 10
-    trainable_layers: int | None = None  # train only the top N blocks (CPU budget); None: all
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        """Refuse a warm-up the schedule would ignore (:func:`rlhf.training.check_schedule`)."""
-        check_schedule("sft", self.scheduler, self.warmup_steps)
 
 
 def train_sft(
@@ -72,20 +63,6 @@ def train_sft(
         return language_model_loss(logits, input_ids, target), {"sft/tokens": float(target.sum())}
 
     summary = supervised_loop(
-        model,
-        step,
-        len(encoded),
-        steps=config.steps,
-        batch_size=config.batch_size,
-        lr=config.lr,
-        warmup_steps=config.warmup_steps,
-        scheduler=config.scheduler,
-        max_grad_norm=config.max_grad_norm,
-        seed=config.seed,
-        prefix="sft",
-        log=log,
-        checkpointer=checkpointer,
-        checkpoint_every=config.checkpoint_every,
-        progress=progress,
+        model, step, len(encoded), config, prefix="sft", log=log, checkpointer=checkpointer, progress=progress
     )
     return {**summary, "sft/examples": float(len(encoded))}

@@ -13,7 +13,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from transformers import PreTrainedModel, get_scheduler
@@ -197,22 +197,43 @@ def write_json(path: str, payload: dict[str, Any]) -> None:
     atomic_write_text(path, json.dumps(payload, indent=2, sort_keys=True) + "\n")
 
 
+@dataclasses.dataclass
+class LoopConfig:
+    """The settings every supervised trainer shares (SFT and the reward model; params.yaml ``sft``/``reward``).
+
+    Subclasses name their params.yaml ``section`` and add their own fields; a warm-up
+    the schedule would ignore is refused when the config is built (:func:`check_schedule`).
+    """
+
+    section: ClassVar[str] = ""
+    steps: int = 40  # optimiser steps
+    batch_size: int = 4
+    lr: float = 2e-5
+    warmup_steps: int = 0  # optimiser steps
+    scheduler: str = "cosine"  # a transformers schedule
+    max_grad_norm: float | None = 1.0  # global gradient-norm clipping (None: measure only)
+    checkpoint_every: int = 10  # steps between resume checkpoints (0: never)
+    trainable_layers: int | None = None  # train only the top N blocks (CPU budget); None: all
+    seed: int = 0  # minibatch order and any new head's initialisation
+
+    def __post_init__(self) -> None:
+        """Refuse a warm-up the schedule would ignore.
+
+        Raises:
+            ValueError: see :func:`check_schedule`.
+        """
+        check_schedule(self.section, self.scheduler, self.warmup_steps)
+
+
 def supervised_loop(
     model: PreTrainedModel,
     step_fn: Callable[[list[int]], tuple[torch.Tensor, dict[str, float]]],
     num_examples: int,
+    config: LoopConfig,
     *,
-    steps: int,
-    batch_size: int,
-    lr: float,
-    warmup_steps: int,
-    scheduler: str,
-    max_grad_norm: float | None,
-    seed: int,
     prefix: str,
     log: LogFn,
     checkpointer: Checkpointer | None = None,
-    checkpoint_every: int = 0,
     progress: bool = True,
     scaler_step: ScalerStep | None = None,
 ) -> dict[str, float]:
@@ -231,11 +252,11 @@ def supervised_loop(
         model: the model to train (dropout already off).
         step_fn: maps a list of example indices to ``(loss, metrics)``.
         num_examples: size of the training set.
-        steps, batch_size, lr, warmup_steps, scheduler, max_grad_norm, seed: the usual.
+        config: :class:`LoopConfig` (steps, batch size, learning rate and schedule, clipping, seed,
+            ``checkpoint_every``).
         prefix: metric prefix, e.g. ``"sft"``.
         log: ``log(metrics, step)`` callback.
         checkpointer: where to save and resume; None disables both.
-        checkpoint_every: steps between checkpoints (0: never).
         progress: show a tqdm bar.
         scaler_step: a mixed-precision loss scaler's step (see :class:`FiniteGuard`); None: no scaler.
             The steps it skips are counted (``{prefix}/skipped_steps``), not fatal.
@@ -249,9 +270,10 @@ def supervised_loop(
     """
     from tqdm.auto import tqdm
 
+    steps, seed, checkpoint_every = config.steps, config.seed, config.checkpoint_every
     torch.manual_seed(seed)
-    optimizer = make_optimizer(model, lr)
-    schedule = make_scheduler(optimizer, scheduler, warmup_steps, steps)
+    optimizer = make_optimizer(model, config.lr)
+    schedule = make_scheduler(optimizer, config.scheduler, config.warmup_steps, steps)
     guard = FiniteGuard(prefix, scaler_step)
     start, losses = 0, []
     resume = checkpointer.latest() if checkpointer else None
@@ -266,14 +288,14 @@ def supervised_loop(
     model.eval()  # dropout off; gradients still flow
     for step in tqdm(range(start, steps), desc=prefix, initial=start, total=steps, disable=not progress):
         where = f"step {step + 1} of {steps}"
-        loss, metrics = step_fn(minibatch_indices(step, num_examples, batch_size, seed))
+        loss, metrics = step_fn(minibatch_indices(step, num_examples, config.batch_size, seed))
         row = {f"{prefix}/loss": loss.item(), **metrics}
         try:
             guard.check_loss(f"{prefix}/loss", row[f"{prefix}/loss"], where)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             row[f"{prefix}/grad_norm"] = guard.step(
-                model, optimizer, schedule, max_grad_norm, f"{prefix}/grad_norm", where
+                model, optimizer, schedule, config.max_grad_norm, f"{prefix}/grad_norm", where
             )
         except NonFiniteError as err:
             log({**row, **err.metrics}, step + 1)
