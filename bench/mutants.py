@@ -133,8 +133,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "logits-one-late",
         MODELS,
-        "logits = logits[:, response_start - 1 : -1]",
-        "logits = logits[:, response_start:]",
+        ").logits[:, :-1]",
+        ").logits[:, 1:]",
         "response logprobs read the logits one position late",
     ),
     Mutant(

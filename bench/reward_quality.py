@@ -22,7 +22,7 @@ from rlhf.data import load_jsonl
 from rlhf.models import load_scalar_model, load_tokenizer
 from rlhf.reward import RewardConfig, center_rewards, encode_pairs, evaluate_reward_model, train_reward_model
 from rlhf.training import config_from_params, write_json
-from tasks.common import setup_torch
+from tasks.common import setup_torch, stage_runtime
 from tasks.params import stage_params
 from tasks.runs import StageRun
 
@@ -41,15 +41,18 @@ def main(set_: list[str] = typer.Option([], "--set", help="override of the rewar
     setup_torch(config.seed)
     train, held_out = load_jsonl(TRAIN), load_jsonl(EVAL)
     with StageRun("reward-benchmark", params) as stage:
-        tokenizer, model = load_tokenizer(SFT), load_scalar_model(SFT)
+        runtime = stage_runtime("reward-benchmark")
+        tokenizer, model = load_tokenizer(SFT), runtime.place(load_scalar_model(SFT))
         start = time.perf_counter()
-        summary = train_reward_model(model, tokenizer, train, config, stage.log)
+        summary = train_reward_model(model, tokenizer, train, config, stage.log, runtime)
         seconds = time.perf_counter() - start
         demonstrations = [
             c.input_ids for c, _ in encode_pairs(tokenizer, train[: config.center_max_examples], config.max_length)
         ]
-        summary["rm/offset"] = center_rewards(model, tokenizer, demonstrations, config.eval_batch_size)
-        metrics, _ = evaluate_reward_model(model, tokenizer, held_out, config.max_length, config.eval_batch_size)
+        summary["rm/offset"] = center_rewards(model, tokenizer, demonstrations, config.eval_batch_size, runtime)
+        metrics, _ = evaluate_reward_model(
+            model, tokenizer, held_out, config.max_length, config.eval_batch_size, runtime
+        )
         stage.log(metrics, config.steps)
     result = {
         **summary,

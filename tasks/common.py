@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from typing import Any
 
 
 def setup_torch(seed: int) -> None:
@@ -13,6 +14,28 @@ def setup_torch(seed: int) -> None:
 
     torch.manual_seed(seed)
     torch.set_num_threads(max(os.cpu_count() or 1, 1))
+
+
+def stage_runtime(stage: str, device: dict[str, Any] | None = None):
+    """The stage's :class:`rlhf.device.Runtime` from accelerate and the ``device`` section; prints it in one line.
+
+    Args:
+        stage: named in the line, e.g. ``"sft"``.
+        device: the params.yaml ``device`` section (profile applied); None reads it from params.yaml.
+
+    Raises:
+        ValueError: an unknown ``device.mixed_precision``.
+    """
+    from rlhf.device import runtime_from_params
+    from tasks.params import stage_params
+
+    runtime = runtime_from_params(device if device is not None else stage_params("device"))
+    print(
+        f"[{stage}] device {runtime.device}, mixed precision {runtime.mixed_precision}"
+        f"{', frozen models in bf16' if runtime.frozen_bf16 else ''}",
+        flush=True,
+    )
+    return runtime
 
 
 def cli(main) -> None:

@@ -21,7 +21,7 @@ from rlhf.evaluation import EvalConfig, evaluate_policy
 from rlhf.models import load_causal_lm, load_scalar_model, load_tokenizer
 from rlhf.rollout import GenerationSettings
 from rlhf.training import config_from_params
-from tasks.common import cli, setup_torch
+from tasks.common import cli, setup_torch, stage_runtime
 from tasks.outputs import StagedOutputs, write_metrics
 from tasks.params import stage_params
 from tasks.runs import StageRun
@@ -46,17 +46,22 @@ def samples_markdown(samples: list[dict[str, Any]]) -> str:
 
 
 def run(
-    params: dict[str, Any], generation: dict[str, Any]
+    params: dict[str, Any], generation: dict[str, Any], device: dict[str, Any] | None = None
 ) -> tuple[dict[str, float], list[dict[str, Any]], EvalConfig]:
-    """Evaluate with the ``generation`` section PPO used; returns ``(metrics, samples, config)``."""
+    """Evaluate with the ``generation`` section PPO used; returns ``(metrics, samples, config)``.
+
+    ``device``: the params.yaml ``device`` section (None: read from params.yaml). The SFT model (the
+    reference of the KL) and the policy are placed alike, so identical weights give identical logprobs.
+    """
     config = config_from_params(EvalConfig, params, "evaluate")
     settings = config_from_params(GenerationSettings, generation, "generation")
     setup_torch(config.seed)
     prompts = [row["prompt"] for row in sorted(load_jsonl(PROMPTS), key=lambda row: row["id"])]
     tokenizer = load_tokenizer(SFT)
-    metrics, samples = evaluate_policy(
-        load_causal_lm(SFT), load_causal_lm(POLICY), load_scalar_model(REWARD), tokenizer, prompts, config, settings
-    )
+    runtime = stage_runtime("evaluate", device)
+    sft, policy = runtime.place(load_causal_lm(SFT)), runtime.place(load_causal_lm(POLICY))
+    reward_model = runtime.frozen(load_scalar_model(REWARD))
+    metrics, samples = evaluate_policy(sft, policy, reward_model, tokenizer, prompts, config, settings, runtime)
     return metrics, samples, config
 
 
@@ -64,9 +69,12 @@ def main() -> None:
     """DVC stage command."""
     import mlflow
 
-    params, generation = stage_params("evaluate"), stage_params("generation")
-    with StageRun("evaluate", {**params, "generation": generation}) as stage, StagedOutputs() as outputs:
-        metrics, samples, config = run(params, generation)
+    params, generation, device = stage_params("evaluate"), stage_params("generation"), stage_params("device")
+    with (
+        StageRun("evaluate", {**params, "generation": generation, "device": device}) as stage,
+        StagedOutputs() as outputs,
+    ):
+        metrics, samples, config = run(params, generation, device)
         stage.log(metrics, 0)
         mlflow.log_table({key: [s[key] for s in samples] for key in samples[0]}, artifact_file="samples.json")
         reports = outputs.folder(REPORTS)

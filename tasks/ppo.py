@@ -22,7 +22,7 @@ from rlhf.ppo import PPOModels, train_ppo
 from rlhf.ppo_config import PPOConfig
 from rlhf.rollout import GenerationSettings
 from rlhf.training import config_from_params
-from tasks.common import cli, setup_torch
+from tasks.common import cli, setup_torch, stage_runtime
 from tasks.outputs import StagedOutputs, write_metrics
 from tasks.params import stage_params
 from tasks.resume import run_checkpointer
@@ -44,8 +44,12 @@ def run(
     out_dir: str = OUT_DIR,
     checkpoint_name: str = "ppo",
     outputs: StagedOutputs | None = None,
+    device: dict[str, Any] | None = None,
 ):
     """Train the policy and stage it as ``out_dir`` in ``outputs``; returns the trainer's result.
+
+    ``device``: the params.yaml ``device`` section (None: read from params.yaml); the policy and value
+    model are trained in float32, the reference and reward model stored as ``device.frozen_bf16`` says.
 
     The policy is written when ``outputs`` commits (without ``outputs``, as soon as it is trained).
 
@@ -60,8 +64,14 @@ def run(
     settings = config_from_params(GenerationSettings, generation, "generation")
     setup_torch(config.seed)
     tokenizer = load_tokenizer(SFT)
-    value_model = load_scalar_model(REWARD if config.value_init == "reward" else SFT)
-    models = PPOModels(load_causal_lm(SFT), load_causal_lm(SFT), load_scalar_model(REWARD), value_model)
+    runtime = stage_runtime("ppo", device)
+    value_model = runtime.place(load_scalar_model(REWARD if config.value_init == "reward" else SFT))
+    models = PPOModels(
+        runtime.place(load_causal_lm(SFT)),
+        runtime.frozen(load_causal_lm(SFT)),
+        runtime.frozen(load_scalar_model(REWARD)),
+        value_model,
+    )
     rows = sorted(load_jsonl(PROMPTS), key=lambda row: row["id"])
     held_out = config.validation_prompts if config.validate_every else 0
     if len(rows) <= held_out:
@@ -74,7 +84,7 @@ def run(
     checkpointer = run_checkpointer(
         checkpoint_name, {"ppo": params, "generation": generation}, [PROMPTS, PTX, SFT, REWARD]
     )
-    result = train_ppo(models, tokenizer, train_prompts, validation, ptx, config, settings, log, checkpointer)
+    result = train_ppo(models, tokenizer, train_prompts, validation, ptx, config, settings, log, checkpointer, runtime)
     with contextlib.nullcontext(outputs) if outputs is not None else StagedOutputs() as staged:
         folder = staged.folder(out_dir)
         models.policy.save_pretrained(folder, safe_serialization=True)
@@ -101,9 +111,9 @@ def main() -> None:
     """DVC stage command."""
     import mlflow
 
-    params, generation = stage_params("ppo"), stage_params("generation")
-    with StageRun("ppo", {**params, "generation": generation}) as stage, StagedOutputs() as outputs:
-        result = run(params, generation, stage.log, outputs=outputs)
+    params, generation, device = stage_params("ppo"), stage_params("generation"), stage_params("device")
+    with StageRun("ppo", {**params, "generation": generation, "device": device}) as stage, StagedOutputs() as outputs:
+        result = run(params, generation, stage.log, outputs=outputs, device=device)
         reports = outputs.folder(REPORTS)
         save_figures({"ppo": result.history}, {"ppo": result.reward_samples}, reports)
         mlflow.log_artifacts(reports, "ppo")

@@ -21,7 +21,7 @@ from rlhf.models import load_scalar_model, load_tokenizer
 from rlhf.reward import RewardConfig, center_rewards, encode_pairs, evaluate_reward_model, train_reward_model
 from rlhf.stats import chance_warning
 from rlhf.training import config_from_params
-from tasks.common import cli, setup_torch
+from tasks.common import cli, setup_torch, stage_runtime
 from tasks.outputs import StagedOutputs, write_metrics
 from tasks.params import stage_params
 from tasks.resume import run_checkpointer
@@ -31,8 +31,12 @@ TRAIN, EVAL, SFT = "data/validated/rm_train.jsonl", "data/validated/rm_eval.json
 OUT_DIR, FIGURE, METRICS = "models/reward", "reports/reward_margins.png", "metrics/reward.json"
 
 
-def run(params: dict[str, Any], log, outputs: StagedOutputs) -> tuple[dict[str, float], Any]:
+def run(
+    params: dict[str, Any], log, outputs: StagedOutputs, device: dict[str, Any] | None = None
+) -> tuple[dict[str, float], Any]:
     """Train, centre and evaluate; stage the model as ``models/reward/`` in ``outputs`` (written when they commit).
+
+    ``device``: the params.yaml ``device`` section (None: read from params.yaml).
 
     Returns:
         ``(metrics, margin histogram figure)``.
@@ -43,16 +47,18 @@ def run(params: dict[str, Any], log, outputs: StagedOutputs) -> tuple[dict[str, 
     config = config_from_params(RewardConfig, params, "reward")
     setup_torch(config.seed)  # before the model is built: the seed owns any new head's initialisation
     tokenizer, model = load_tokenizer(SFT), load_scalar_model(SFT)
+    runtime = stage_runtime("reward", device)
+    model = runtime.place(model)
     train = load_jsonl(TRAIN)
     checkpointer = run_checkpointer("reward", params, [TRAIN, SFT])
-    metrics = train_reward_model(model, tokenizer, train, config, log, checkpointer)
+    metrics = train_reward_model(model, tokenizer, train, config, log, runtime, checkpointer)
     demonstrations = [
         chosen.input_ids
         for chosen, _ in encode_pairs(tokenizer, train[: config.center_max_examples], config.max_length)
     ]
-    metrics["rm/offset"] = center_rewards(model, tokenizer, demonstrations, config.eval_batch_size)
+    metrics["rm/offset"] = center_rewards(model, tokenizer, demonstrations, config.eval_batch_size, runtime)
     eval_metrics, margins = evaluate_reward_model(
-        model, tokenizer, load_jsonl(EVAL), config.max_length, config.eval_batch_size
+        model, tokenizer, load_jsonl(EVAL), config.max_length, config.eval_batch_size, runtime
     )
     metrics.update(eval_metrics)
     bad = int((~torch.isfinite(margins)).sum())
@@ -66,7 +72,7 @@ def run(params: dict[str, Any], log, outputs: StagedOutputs) -> tuple[dict[str, 
     tokenizer.save_pretrained(folder)
     outputs.on_commit(checkpointer.clear)  # a failure before the commit resumes from the checkpoints
     figure, axis = plt.subplots(figsize=(6, 4))
-    axis.hist(margins.numpy(), bins=30)
+    axis.hist(margins.cpu().numpy(), bins=30)
     axis.axvline(0, color="black", linewidth=1)
     axis.set(
         xlabel="score(chosen) - score(rejected)",
@@ -107,9 +113,9 @@ def main() -> None:
     """DVC stage command."""
     import mlflow
 
-    params = stage_params("reward")
-    with StageRun("reward", params) as stage, StagedOutputs() as outputs:
-        metrics, figure = run(params, stage.log, outputs)
+    params, device = stage_params("reward"), stage_params("device")
+    with StageRun("reward", {**params, "device": device}) as stage, StagedOutputs() as outputs:
+        metrics, figure = run(params, stage.log, outputs, device)
         stage.log(metrics, int(metrics["rm/steps"]))
         figure.savefig(outputs.file(FIGURE), dpi=100)
         mlflow.log_figure(figure, "reward_margins.png")

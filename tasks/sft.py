@@ -12,7 +12,7 @@ from rlhf.data import load_jsonl
 from rlhf.models import load_causal_lm, load_tokenizer
 from rlhf.sft import SFTConfig, train_sft
 from rlhf.training import config_from_params
-from tasks.common import cli, setup_torch
+from tasks.common import cli, setup_torch, stage_runtime
 from tasks.outputs import StagedOutputs, write_metrics
 from tasks.params import stage_params
 from tasks.resume import run_checkpointer
@@ -23,8 +23,10 @@ BASE = "models/base"
 OUT_DIR, METRICS = "models/sft", "metrics/sft.json"
 
 
-def run(params: dict[str, Any], log, outputs: StagedOutputs) -> dict[str, float]:
+def run(params: dict[str, Any], log, outputs: StagedOutputs, device: dict[str, Any] | None = None) -> dict[str, float]:
     """Train the SFT model and stage it as ``models/sft/`` in ``outputs`` (written when they commit).
+
+    ``device``: the params.yaml ``device`` section (None: read from params.yaml).
 
     Returns:
         The summary metrics.
@@ -35,8 +37,10 @@ def run(params: dict[str, Any], log, outputs: StagedOutputs) -> dict[str, float]
     config = config_from_params(SFTConfig, params, "sft")
     setup_torch(config.seed)  # before the model is built: the seed owns any new head's initialisation
     tokenizer, model = load_tokenizer(BASE), load_causal_lm(BASE)
+    runtime = stage_runtime("sft", device)
+    model = runtime.place(model)
     checkpointer = run_checkpointer("sft", params, [DATA, BASE])
-    metrics = train_sft(model, tokenizer, load_jsonl(DATA), config, log, checkpointer)
+    metrics = train_sft(model, tokenizer, load_jsonl(DATA), config, log, runtime, checkpointer)
     folder = outputs.folder(OUT_DIR)
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
@@ -46,9 +50,9 @@ def run(params: dict[str, Any], log, outputs: StagedOutputs) -> dict[str, float]
 
 def main() -> None:
     """DVC stage command."""
-    params = stage_params("sft")
-    with StageRun("sft", params) as stage, StagedOutputs() as outputs:
-        metrics = run(params, stage.log, outputs)
+    params, device = stage_params("sft"), stage_params("device")
+    with StageRun("sft", {**params, "device": device}) as stage, StagedOutputs() as outputs:
+        metrics = run(params, stage.log, outputs, device)
         write_metrics(outputs.file(METRICS), metrics, stage)
 
 

@@ -32,6 +32,7 @@ import rlhf.finite as finite_module
 import rlhf.ppo as ppo_module
 import rlhf.update as update_module
 from rlhf.chat import encode_prompt
+from rlhf.device import Runtime
 from rlhf.finite import non_finite_weights
 from rlhf.models import load_causal_lm, load_scalar_model
 from rlhf.ppo import PPOModels, train_ppo
@@ -87,6 +88,7 @@ def toy_loop(plan: dict[int, str], lr: float = 0.1, steps: int = 5, scheduler: s
             config,
             prefix="toy",
             log=log,
+            runtime=Runtime(),
             progress=False,
             scaler_step=scaler_step,
         )
@@ -99,7 +101,7 @@ def test_a_nan_loss_stops_the_loop_before_its_step_and_is_logged():
     model, logged, err = toy_loop({3: "nan"})
     assert str(err) == "toy: non-finite toy/loss (nan) at step 3 of 5; training stopped"
     assert sorted(logged) == [1, 2, 3]
-    assert math.isnan(logged[3]["toy/loss"]) and "toy/grad_norm" not in logged[3]
+    assert math.isnan(logged[3]["toy/loss"]) and math.isnan(logged[3]["toy/grad_norm"])
     assert model.w.item() == pytest.approx(0.8, abs=1e-6)  # 1 - 0.1 - 0.1: the third step was not taken
 
 
@@ -172,7 +174,7 @@ def test_a_huge_learning_rate_stops_sft_and_reward_training_at_the_first_non_fin
         model, train, config = load_scalar_model(tiny_dir), train_reward_model, RewardConfig
     config = config(steps=6, batch_size=2, lr=1e8, warmup_steps=0, scheduler="constant", checkpoint_every=0)
     with pytest.raises(FloatingPointError) as caught:
-        train(model, tokenizer, ROWS, config, lambda m, s: logged.update({s: m}), None, progress=False)
+        train(model, tokenizer, ROWS, config, lambda m, s: logged.update({s: m}), Runtime(), None, progress=False)
     prefix = "sft" if kind == "sft" else "rm"
     match = re.fullmatch(
         rf"{prefix}: non-finite {prefix}/(loss|grad_norm) \((nan|inf|-inf)\) at step (\d) of 6; training stopped",
@@ -241,6 +243,7 @@ def ppo_run(tiny_dir, tokenizer, root, scaler_step=None, **overrides):
             SETTINGS,
             lambda m, s: logged.update({s: m}),
             Checkpointer(str(root)),
+            Runtime(),
             False,
             scaler_step=scaler_step,
         )

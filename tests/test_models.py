@@ -84,7 +84,7 @@ def test_pad_equals_eos_trap_reward_read_at_second_eos(tiny_dir, tokenizer, rewa
     assert trap.pad_token_id == eos
     p1, p2, r1 = 100, 101, 102
     sequences = [[p1, p2, eos, r1, eos], [p1, p2, eos, r1, eos, r1]]
-    input_ids, attention_mask = pad(trap, sequences, "right")
+    input_ids, attention_mask = pad(trap, sequences, "right", torch.device("cpu"))
     assert input_ids[0].tolist() == [p1, p2, eos, r1, eos, eos]  # [p1, p2, EOS, r1, EOS, PAD]
     assert attention_mask[0].tolist() == [1, 1, 1, 1, 1, 0]  # both EOS kept, the pad masked
     with torch.no_grad():
@@ -111,7 +111,7 @@ def test_reward_score_alone_equals_score_in_padded_batch(tokenizer, reward_model
     assert len(long) == 2 * len(short)
     with torch.no_grad():
         alone = sequence_scores(reward_model, torch.tensor([short]), torch.ones(1, len(short), dtype=torch.long))
-        input_ids, attention_mask = pad(tokenizer, [short, long], side)
+        input_ids, attention_mask = pad(tokenizer, [short, long], side, torch.device("cpu"))
         batched = sequence_scores(reward_model, input_ids, attention_mask)
     assert batched[0].item() == pytest.approx(alone.item(), abs=1e-5)
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from rlhf import losses
+from rlhf.device import Runtime
 from rlhf.models import load_causal_lm, load_scalar_model, response_logprobs, response_mask_from_tokens, sequence_scores
 from rlhf.ppo_config import PPOConfig
 from rlhf.rollout import Experience, value_predictions
@@ -251,7 +252,7 @@ def test_policy_step_adds_exactly_ptx_coef_times_the_lm_gradient(tiny_dir):
             torch.optim.lr_scheduler.LambdaLR(recorder, lambda step: 1.0),
             torch.optim.lr_scheduler.LambdaLR(value_optimizer, lambda step: 1.0),
         )
-        stats = policy_step(policy, optimisers, experience, torch.arange(2), config, 0.7, (ptx_ids, ptx_attn))
+        stats = policy_step(policy, optimisers, experience, [0, 1], config, 0.7, (ptx_ids, ptx_attn), Runtime())
         return recorder.recorded, stats
 
     with_ptx, stats = step_gradients(0.5)

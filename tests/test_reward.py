@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from rlhf.chat import encode_chat
+from rlhf.device import Runtime
 from rlhf.models import load_scalar_model
 from rlhf.reward import center_rewards, expected_calibration_error, pearson, preference_metrics, score_sequences
 
@@ -62,9 +63,9 @@ def test_centering_makes_mean_demonstration_score_zero(tiny_dir, tokenizer):
         ).input_ids
         for i in range(7)
     ]
-    before = score_sequences(model, tokenizer, demos, batch_size=3)
-    offset = center_rewards(model, tokenizer, demos, batch_size=3)
-    after = score_sequences(model, tokenizer, demos, batch_size=3)
+    before = score_sequences(model, tokenizer, demos, 3, Runtime())
+    offset = center_rewards(model, tokenizer, demos, 3, Runtime())
+    after = score_sequences(model, tokenizer, demos, 3, Runtime())
     assert offset == pytest.approx(before.mean().item(), abs=1e-5)
     assert after.mean().item() == pytest.approx(0.0, abs=1e-5)
     assert model.config.reward_offset == offset
@@ -76,8 +77,8 @@ def test_score_sequences_keeps_input_order_despite_length_sorting(tiny_dir, toke
     torch.manual_seed(0)
     model = load_scalar_model(tiny_dir)
     sequences = [[5, 6, 7, 8, 9], [5], [5, 6, 7]]
-    batched = score_sequences(model, tokenizer, sequences, batch_size=2)
-    alone = torch.stack([score_sequences(model, tokenizer, [s], batch_size=1)[0] for s in sequences])
+    batched = score_sequences(model, tokenizer, sequences, 2, Runtime())
+    alone = torch.stack([score_sequences(model, tokenizer, [s], 1, Runtime())[0] for s in sequences])
     assert torch.allclose(batched, alone, atol=1e-5)
 
 
@@ -100,10 +101,10 @@ def test_reward_loss_is_bradley_terry_plus_lm_coef_times_imitation_loss(tiny_dir
     config = RewardConfig(
         steps=1, batch_size=2, lr=0.0, warmup_steps=0, scheduler="constant", lm_coef=0.7, margin=0.5, max_length=64
     )
-    train_reward_model(model, tokenizer, examples, config, lambda m, s: logged.update(m), progress=False)
+    train_reward_model(model, tokenizer, examples, config, lambda m, s: logged.update(m), Runtime(), progress=False)
     pairs = encode_pairs(tokenizer, examples, 64)
-    chosen = score_sequences(model, tokenizer, [c.input_ids for c, _ in pairs], 4)
-    rejected = score_sequences(model, tokenizer, [r.input_ids for _, r in pairs], 4)
+    chosen = score_sequences(model, tokenizer, [c.input_ids for c, _ in pairs], 4, Runtime())
+    rejected = score_sequences(model, tokenizer, [r.input_ids for _, r in pairs], 4, Runtime())
     expected = bradley_terry_loss(chosen, rejected, margin=0.5).item() + 0.7 * logged["rm/lm_loss"]
     assert logged["rm/loss"] == pytest.approx(expected, abs=1e-5)
     assert logged["rm/lm_loss"] > 0

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from rlhf.device import Runtime
 from rlhf.models import Rollout, load_scalar_model, sequence_scores
 from rlhf.ppo_config import PPOConfig, max_skewness
 from rlhf.rollout import (
@@ -104,7 +105,7 @@ def test_max_skewness_by_hand():
     # reached by n - 1 equal values and one outlier
     from rlhf.rollout import skewness
 
-    assert skewness(torch.tensor([0.0] * 7 + [1.0])) == pytest.approx(max_skewness(8), abs=1e-6)
+    assert skewness([0.0] * 7 + [1.0]) == pytest.approx(max_skewness(8), abs=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -159,7 +160,7 @@ def test_make_experience_penalises_each_token_by_k1_and_adds_the_score_once(tiny
     prompts = [encode_prompt(tokenizer, [{"role": "user", "content": t}], 16) for t in ("Hi", "Tell me a joke")]
     beta = 0.3
     models = (policy, reference, reward_model, value_model)
-    experience, stats = make_experience(models, tokenizer, prompts, config, settings, RunningMoments(), beta)
+    experience, stats = make_experience(models, tokenizer, prompts, config, settings, RunningMoments(), beta, Runtime())
     ids, attn, start, mask = experience.input_ids, experience.attention_mask, experience.response_start, experience.mask
     logprobs, _ = response_logprobs(policy, ids, attn, start, 0.7)
     ref_logprobs, _ = response_logprobs(reference, ids, attn, start, 0.7)

@@ -4,6 +4,7 @@ import pytest
 import torch
 from conftest import Killed
 
+from rlhf.device import Runtime
 from rlhf.models import load_causal_lm, load_scalar_model
 from rlhf.reward import RewardConfig, train_reward_model
 from rlhf.sft import SFTConfig, train_sft
@@ -62,7 +63,7 @@ def test_supervised_training_resumes_exactly(tiny_dir, tokenizer, tmp_path, kind
                 RewardConfig(steps=5, batch_size=2, checkpoint_every=1, lr=1e-3),
                 train_reward_model,
             )
-        train(model, tokenizer, EXAMPLES, config, log, Checkpointer(str(root)), progress=False)
+        train(model, tokenizer, EXAMPLES, config, log, Runtime(), Checkpointer(str(root)), progress=False)
         return model
 
     full_log, resumed_log = {}, {}

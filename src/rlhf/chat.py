@@ -132,18 +132,35 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: list[dict], max_le
     return encode_messages(tokenizer, prompt, add_generation_prompt=True)[-max_length:]
 
 
-def pad(tokenizer: PreTrainedTokenizerBase, sequences: list[list[int]], side: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pad token lists into ``(input_ids, attention_mask)``, both ``(B, T)`` int64, on ``side`` ("left"/"right")."""
-    batch = tokenizer.pad(
-        {"input_ids": sequences}, padding=True, padding_side=side, return_attention_mask=True, return_tensors="pt"
-    )
-    return batch["input_ids"], batch["attention_mask"]
+def pad(
+    tokenizer: PreTrainedTokenizerBase, sequences: list[list[int]], side: str, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad token lists with the tokenizer's pad id into ``(input_ids, attention_mask)`` on ``device``.
+
+    Args:
+        tokenizer: its ``pad_token_id`` fills the padding.
+        sequences: token lists.
+        side: ``"left"`` (prompts to generate from) or ``"right"``.
+        device: where the batch is created (the stage's :class:`rlhf.device.Runtime` device).
+
+    Returns:
+        ``(input_ids, attention_mask)``, both ``(B, T)`` int64, ``T`` the longest sequence.
+    """
+    length = max((len(s) for s in sequences), default=0)
+    ids = _pad_rows(sequences, length, side, tokenizer.pad_token_id)
+    mask = _pad_rows([[1] * len(s) for s in sequences], length, side, 0)
+    return torch.tensor(ids, dtype=torch.long, device=device), torch.tensor(mask, dtype=torch.long, device=device)
 
 
-def pad_masks(masks: list[list[bool]], length: int, side: str) -> torch.Tensor:
-    """Pad boolean lists with False to ``length`` on ``side``; returns ``(B, length)`` bool."""
-    rows = [
-        ([False] * (length - len(m)) + list(m)) if side == "left" else (list(m) + [False] * (length - len(m)))
-        for m in masks
+def pad_masks(masks: list[list[bool]], length: int, side: str, device: torch.device) -> torch.Tensor:
+    """Pad boolean lists with False to ``length`` on ``side``; returns ``(B, length)`` bool on ``device``."""
+    return torch.tensor(_pad_rows(masks, length, side, False), dtype=torch.bool, device=device)
+
+
+def _pad_rows(rows: list[list[Any]], length: int, side: str, value: Any) -> list[list[Any]]:
+    if side not in ("left", "right"):
+        raise ValueError(f"padding side {side!r}: use 'left' or 'right'")
+    return [
+        ([value] * (length - len(r)) + list(r)) if side == "left" else (list(r) + [value] * (length - len(r)))
+        for r in rows
     ]
-    return torch.tensor(rows, dtype=torch.bool)

@@ -10,6 +10,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf import losses
 from rlhf.chat import encode_prompt
+from rlhf.device import Runtime
 from rlhf.models import response_logprobs
 from rlhf.rollout import GenerationSettings, sample_and_score
 from rlhf.stats import PairedRate, paired_rate
@@ -57,6 +58,7 @@ def _generate_and_score(
     prompts: list[list[int]],
     config: EvalConfig,
     settings: GenerationSettings,
+    runtime: Runtime,
 ) -> dict[str, Any]:
     """Sample (or decode greedily) and score every prompt as PPO does; KL to ``reference`` per response."""
     torch.manual_seed(config.seed)
@@ -64,16 +66,17 @@ def _generate_and_score(
     temperature = 1.0 if config.greedy else settings.temperature
     for start in range(0, len(prompts), config.batch_size):
         batch = prompts[start : start + config.batch_size]
-        scored = sample_and_score(model, reward_model, tokenizer, batch, settings, greedy=config.greedy)
-        rollout = scored.rollout
-        ids, attn, begin, mask = (
-            rollout.input_ids,
-            rollout.attention_mask,
-            rollout.response_start,
-            rollout.response_mask,
-        )
-        logprobs, _ = response_logprobs(model, ids, attn, begin, temperature)
-        ref_logprobs, _ = response_logprobs(reference, ids, attn, begin, temperature)
+        with runtime.autocast():
+            scored = sample_and_score(model, reward_model, tokenizer, batch, settings, greedy=config.greedy)
+            rollout = scored.rollout
+            ids, attn, begin, mask = (
+                rollout.input_ids,
+                rollout.attention_mask,
+                rollout.response_start,
+                rollout.response_mask,
+            )
+            logprobs, _ = response_logprobs(model, ids, attn, begin, temperature)
+            ref_logprobs, _ = response_logprobs(reference, ids, attn, begin, temperature)
         kls.append(torch.where(mask, losses.kl_k1(logprobs - ref_logprobs), 0.0).sum(-1))
         scores.append(scored.scores)
         ended.append(rollout.ended)
@@ -96,6 +99,7 @@ def evaluate_policy(
     prompts: list[list[dict]],
     config: EvalConfig,
     settings: GenerationSettings,
+    runtime: Runtime,
 ) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """Generate with the SFT model and the policy on the same prompts and compare them.
 
@@ -110,6 +114,7 @@ def evaluate_policy(
         tokenizer: shared tokenizer.
         prompts: message lists (each ends with a user turn).
         config: :class:`EvalConfig`; settings: the shared generation settings.
+        runtime: device and precision; the models already on its device.
 
     Returns:
         ``(metrics, samples)``: metrics ``eval/{sft,policy}/{reward,length,eos_rate}``,
@@ -126,8 +131,8 @@ def evaluate_policy(
     encoded = [encode_prompt(tokenizer, p, config.max_prompt_length) for p in prompts]
     for model in (sft, policy, reward_model):
         model.eval()
-    base = _generate_and_score(sft, sft, reward_model, tokenizer, encoded, config, settings)
-    tuned = _generate_and_score(policy, sft, reward_model, tokenizer, encoded, config, settings)
+    base = _generate_and_score(sft, sft, reward_model, tokenizer, encoded, config, settings, runtime)
+    tuned = _generate_and_score(policy, sft, reward_model, tokenizer, encoded, config, settings, runtime)
     wins = win_rate(tuned["scores"], base["scores"])
     metrics = {
         **{f"eval/{name}/reward": float(run["scores"].mean()) for name, run in (("sft", base), ("policy", tuned))},

@@ -11,13 +11,14 @@ from collections.abc import Callable
 import torch
 
 
-def clip_gradients(model: torch.nn.Module, max_norm: float | None) -> float:
-    """Global gradient-norm clipping (paper appendix C.2); returns the norm before clipping.
+def clip_gradients(model: torch.nn.Module, max_norm: float | None) -> torch.Tensor:
+    """Global gradient-norm clipping (paper appendix C.2); returns the norm before clipping, a 0-dim tensor.
 
-    ``max_norm=None`` measures the norm without clipping.
+    ``max_norm=None`` measures the norm without clipping. No host round trip: the
+    norm stays on the model's device until the step's figures are gathered.
     """
     params = [p for p in model.parameters() if p.grad is not None]
-    return float(torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf")))
+    return torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf"))
 
 
 ScalerStep = Callable[[torch.optim.Optimizer], bool]
@@ -70,38 +71,54 @@ class FiniteGuard:
         if not math.isfinite(value):
             raise self.stop(key, value, where)
 
+    def clip(self, model: torch.nn.Module, max_grad_norm: float | None) -> torch.Tensor:
+        """Clip the gradients of ``model`` (:func:`clip_gradients`); returns the norm before clipping."""
+        return clip_gradients(model, max_grad_norm)
+
     def step(
         self,
-        model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         schedule: torch.optim.lr_scheduler.LRScheduler,
-        max_grad_norm: float | None,
+        grad_norm: float,
         key: str,
         where: str,
-    ) -> float:
-        """Clip the gradients (:func:`clip_gradients`), then take the optimiser and schedule step.
+    ) -> None:
+        """Take the optimiser and schedule step after :meth:`clip`, unless the gradient norm says stop.
 
         A step the scaler skipped is counted and the schedule does not step (the
         optimiser step did not happen; as accelerate's scheduler wrapper does).
 
-        Returns:
-            The gradient norm before clipping (non-finite only on a skipped step).
+        Args:
+            grad_norm: the norm :meth:`clip` returned, on the host (logged as ``key``).
 
         Raises:
-            NonFiniteError: a non-finite gradient norm (logged as ``key``) that no scaler skipped.
+            NonFiniteError: a non-finite gradient norm that no scaler skipped.
         """
-        grad_norm = clip_gradients(model, max_grad_norm)
         if self.scaler_step is None:
             if not math.isfinite(grad_norm):
                 raise self.stop(key, grad_norm, where)
             optimizer.step()
         elif self.scaler_step(optimizer):
             self.skipped += 1
-            return grad_norm
+            return
         elif not math.isfinite(grad_norm):
             raise self.stop(key, grad_norm, where)
         schedule.step()
-        return grad_norm
+
+
+def to_host(values: dict[str, torch.Tensor | float]) -> dict[str, float]:
+    """The figures of one optimiser step as floats, in one host round trip (one device sync).
+
+    Args:
+        values: 0-dim tensors (any device, any float dtype) or floats.
+
+    Returns:
+        The same keys, as Python floats (NaN and inf kept).
+    """
+    tensors = {k: v for k, v in values.items() if isinstance(v, torch.Tensor)}
+    stacked = torch.stack([v.detach().float().reshape(()) for v in tensors.values()]).tolist() if tensors else []
+    host = dict(zip(tensors, stacked, strict=True))
+    return {k: host[k] if k in host else float(v) for k, v in values.items()}
 
 
 def non_finite_weights(model: torch.nn.Module) -> list[str]:

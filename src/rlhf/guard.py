@@ -34,7 +34,7 @@ def window_signals(window: list[dict[str, list[float]]]) -> dict[str, float]:
     scores = [s for entry in window for s in entry["scores"]]
     truncated = [t for entry in window for t in entry["truncated"]]
     return {
-        "ppo/window/reward_skew": skewness(torch.tensor(scores)) if scores else 0.0,
+        "ppo/window/reward_skew": skewness(scores),
         "ppo/window/truncated_share": sum(truncated) / len(truncated) if truncated else 0.0,
     }
 

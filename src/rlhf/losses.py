@@ -237,7 +237,7 @@ def clipped_value_loss(
     values, old_values, returns = (torch.where(mask, x, torch.zeros_like(x)) for x in (values, old_values, returns))
     unclipped = (values - returns) ** 2
     if clip is None:
-        return 0.5 * masked_mean(unclipped, mask), {"clipfrac": torch.zeros(())}
+        return 0.5 * masked_mean(unclipped, mask), {"clipfrac": values.new_zeros(())}
     values_clipped = old_values + torch.clamp(values - old_values, -clip, clip)
     clipped = (values_clipped - returns) ** 2
     loss = 0.5 * masked_mean(torch.maximum(unclipped, clipped), mask)
@@ -259,18 +259,36 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp).sum(-1)
 
 
-def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Log-probability of each token under the logits that predict it.
+LOGPROB_CHUNK = 512
+"""Positions per chunk of :func:`logprobs_from_logits`: bounds its float32 working copy to 512 x vocab."""
+
+
+def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Log-probability of each token under the logits that predict it: ``z_token / T - logsumexp(z / T)``.
+
+    Computed as gather minus logsumexp over chunks of :data:`LOGPROB_CHUNK`
+    positions in float32 (whatever the logits' dtype), so no float32
+    log-softmax over the whole ``(B, R, V)`` vocabulary is ever built beside the
+    logits (TRL's ``selective_log_softmax`` does the same per row).
 
     Args:
-        logits: ``(B, R, V)`` float, the logits *predicting* each token (already
+        logits: ``(B, R, V)`` float (any float dtype), the logits *predicting* each token (already
             shifted: ``logits[:, t]`` predicts ``tokens[:, t]``).
         tokens: ``(B, R)`` int64.
+        temperature: the sampling temperature the logits are divided by (> 0).
 
     Returns:
-        ``(B, R)`` float log-probabilities (nats).
+        ``(B, R)`` float32 log-probabilities (nats).
     """
-    return torch.gather(F.log_softmax(logits.float(), dim=-1), 2, tokens.unsqueeze(-1)).squeeze(-1)
+    flat, targets = logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1, 1)
+    parts = []
+    for start in range(0, flat.shape[0], LOGPROB_CHUNK):
+        chunk = flat[start : start + LOGPROB_CHUNK].float()
+        if temperature != 1.0:
+            chunk = chunk / temperature
+        chosen = chunk.gather(-1, targets[start : start + LOGPROB_CHUNK]).squeeze(-1)
+        parts.append(chosen - torch.logsumexp(chunk, dim=-1))
+    return (torch.cat(parts) if parts else flat.new_zeros(0, dtype=torch.float32)).reshape(tokens.shape)
 
 
 def next_token_logprobs(

@@ -286,12 +286,15 @@ def response_logprobs(
     Returns:
         ``(logprobs (B, T - response_start) float32, logits (B, T - response_start, V) or None)``.
     """
+    # only the positions that predict response tokens go through the LM head (logits_to_keep)
     logits = model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)
-    ).logits
-    logits = logits[:, response_start - 1 : -1].float() / temperature
-    logprobs = logprobs_from_logits(logits, input_ids[:, response_start:])
-    return logprobs, (logits if with_logits else None)
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        logits_to_keep=input_ids.shape[1] - response_start + 1,
+    ).logits[:, :-1]
+    logprobs = logprobs_from_logits(logits, input_ids[:, response_start:], temperature)
+    return logprobs, (logits.float() / temperature if with_logits else None)
 
 
 @dataclass
@@ -350,7 +353,7 @@ def sample(
     Returns:
         :class:`Rollout`.
     """
-    input_ids, attention_mask = pad(tokenizer, prompts, "left")
+    input_ids, attention_mask = pad(tokenizer, prompts, "left", model.device)
     config = GenerationConfig(
         do_sample=not greedy,
         temperature=temperature if not greedy else None,

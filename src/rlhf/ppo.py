@@ -19,6 +19,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf import losses
+from rlhf.device import Runtime
 from rlhf.finite import NonFiniteError, ScalerStep, check_finite_weights
 from rlhf.guard import act_on_collapse, detect_collapse, window_signals
 from rlhf.ppo_config import PPOConfig
@@ -96,6 +97,7 @@ def train_ppo(
     settings: GenerationSettings,
     log: LogFn,
     checkpointer: Checkpointer,
+    runtime: Runtime,
     progress: bool = True,
     scaler_step: ScalerStep | None = None,
 ) -> PPOResult:
@@ -130,6 +132,7 @@ def train_ppo(
         config: :class:`PPOConfig`; settings: :class:`GenerationSettings`.
         log: ``log(metrics, step)`` with step = rollout iteration (1-based; 0 holds the SFT validation).
         checkpointer: resume point and home of the best policy.
+        runtime: device and precision (:class:`rlhf.device.Runtime`); the four models already on its device.
         scaler_step: a mixed-precision loss scaler's step (:class:`rlhf.finite.FiniteGuard`); None: no scaler.
 
     Returns:
@@ -174,13 +177,24 @@ def train_ppo(
         state = _restore(checkpointer, resume, models, opt, moments)
         opt.policy_guard.skipped, opt.value_guard.skipped = state.setdefault("skipped_steps", [0, 0])
     else:
-        _keep_best(models, tokenizer, validation if validate else [], settings, state, best_dir, 0)
+        _keep_best(models, tokenizer, validation if validate else [], settings, runtime, state, best_dir, 0)
         log(state["best"]["stats"], 0)
     bar = tqdm(desc="ppo", total=config.iterations, initial=state["policy_iterations"], disable=not progress)
     while state["policy_iterations"] < config.iterations and not state["stopped_by"]:
         try:
             stats = _iteration(
-                models, tokenizer, prompts, ptx_texts, config, settings, opt, moments, state, best_dir, bar.write
+                models,
+                tokenizer,
+                prompts,
+                ptx_texts,
+                config,
+                settings,
+                runtime,
+                opt,
+                moments,
+                state,
+                best_dir,
+                bar.write,
             )
         except NonFiniteError as err:
             log(err.metrics, state["iteration"] + 1)
@@ -194,7 +208,7 @@ def train_ppo(
                 or state["policy_iterations"] == config.iterations
             )
         ):
-            stats.update(_keep_best(models, tokenizer, validation, settings, state, best_dir, step))
+            stats.update(_keep_best(models, tokenizer, validation, settings, runtime, state, best_dir, step))
         log(stats, step)
         state["history"][step] = stats
         bar.update(int(stats.get("ppo/updated_policy", 0.0)))
@@ -219,7 +233,7 @@ def train_ppo(
     )
 
 
-def _iteration(models, tokenizer, prompts, ptx_texts, config, settings, opt, moments, state, best_dir, say):
+def _iteration(models, tokenizer, prompts, ptx_texts, config, settings, runtime, opt, moments, state, best_dir, say):
     """One rollout and, unless the guard holds it back, one update; returns the iteration's stats."""
     iteration = state["iteration"]
     # a continuing stream over seeded epochs, so every rollout has rollout_batch_size prompts
@@ -228,7 +242,15 @@ def _iteration(models, tokenizer, prompts, ptx_texts, config, settings, opt, mom
     batch = [prompts[minibatch_indices(iteration * size + j, len(prompts), 1, config.seed)[0]] for j in range(size)]
     calibrate = config.value_init == "reward" and state["value_affine"] is None
     experience, stats = make_experience(
-        models.as_tuple(), tokenizer, batch, config, settings, moments, state["kl_coef"], calibrate_value=calibrate
+        models.as_tuple(),
+        tokenizer,
+        batch,
+        config,
+        settings,
+        moments,
+        state["kl_coef"],
+        runtime,
+        calibrate_value=calibrate,
     )
     _check_rollout(experience, stats, iteration + 1)
     if calibrate:
@@ -255,8 +277,11 @@ def _iteration(models, tokenizer, prompts, ptx_texts, config, settings, opt, mom
         line = f"pattern collapse in the rollout of iteration {iteration + 1}: {reason}"
         stats["ppo/rollback"] = act_on_collapse(line, config, state, models.policy, opt.policy, best_dir, say)
     if not held_back:
-        generator = torch.Generator().manual_seed(config.seed * 100003 + iteration)
-        ptx = ptx_batches(tokenizer, ptx_texts, config, state["policy_iterations"]) if update_policy else None
+        ptx = (
+            ptx_batches(tokenizer, ptx_texts, config, state["policy_iterations"], runtime.device)
+            if update_policy
+            else None
+        )
         policy, value_model = models.policy, models.value_model
         temperature = settings.temperature
         try:
@@ -268,9 +293,10 @@ def _iteration(models, tokenizer, prompts, ptx_texts, config, settings, opt, mom
                     experience,
                     config,
                     temperature,
-                    generator,
+                    config.seed * 100003 + iteration,  # the minibatch order, fixed by the iteration
                     ptx,
                     update_policy,
+                    runtime,
                     iteration + 1,
                 )
             )
@@ -316,11 +342,13 @@ def _check_rollout(experience, stats: dict[str, float], iteration: int) -> None:
         )
 
 
-def _keep_best(models, tokenizer, validation, settings, state, best_dir, step) -> dict[str, float]:
+def _keep_best(models, tokenizer, validation, settings, runtime, state, best_dir, step) -> dict[str, float]:
     """Validate the policy; keep it in ``best_dir`` when it beats the best so far (always at step 0)."""
     stats = {}
     if validation:
-        stats = validation_stats(models.policy, models.reference, models.reward_model, tokenizer, validation, settings)
+        stats = validation_stats(
+            models.policy, models.reference, models.reward_model, tokenizer, validation, settings, runtime
+        )
     reward = stats.get("ppo/validation/reward", -math.inf)
     if step == 0 or reward > state["best"]["reward"]:
         state["best"] = {"iteration": step, "reward": reward, "stats": stats}

@@ -11,6 +11,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.chat import Encoded, encode_chat, pad, pad_masks
+from rlhf.device import Runtime
 from rlhf.losses import bradley_terry_loss, language_model_loss, last_token_index
 from rlhf.models import position_ids_from_mask, sequence_scores
 from rlhf.stats import TiesWarning, paired_rate
@@ -58,6 +59,7 @@ def train_reward_model(
     examples: list[dict[str, Any]],
     config: RewardConfig,
     log: LogFn,
+    runtime: Runtime,
     checkpointer: Checkpointer | None = None,
     progress: bool = True,
 ) -> dict[str, float]:
@@ -74,6 +76,7 @@ def train_reward_model(
         examples: rows with ``prompt``, ``chosen``, ``rejected``.
         config: :class:`RewardConfig`.
         log: ``log(metrics, step)``.
+        runtime: device and precision; ``model`` already placed with ``runtime.trained``.
         checkpointer: resume point.
 
     Returns:
@@ -83,53 +86,71 @@ def train_reward_model(
     backbone = getattr(model, model.base_model_prefix)
     freeze_lower_layers(model, config.trainable_layers)
 
-    def step(indices: list[int]) -> tuple[torch.Tensor, dict[str, float]]:
+    def step(indices: list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         batch = [pairs[i][0] for i in indices] + [pairs[i][1] for i in indices]
-        input_ids, attention_mask = pad(tokenizer, [e.input_ids for e in batch], "right")
+        input_ids, attention_mask = pad(tokenizer, [e.input_ids for e in batch], "right", runtime.device)
         hidden = backbone(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)
         ).last_hidden_state
-        token_scores = model.score(hidden).squeeze(-1)
+        token_scores = model.score(hidden).squeeze(-1).float()
         last = last_token_index(attention_mask)
-        scores = token_scores[torch.arange(len(batch)), last]
+        scores = token_scores[torch.arange(len(batch), device=runtime.device), last]
         chosen, rejected = scores[: len(indices)], scores[len(indices) :]
         loss = bradley_terry_loss(chosen, rejected, config.margin)
         metrics = {
-            "rm/train_accuracy": (chosen > rejected).float().mean().item(),
-            "rm/train_margin": (chosen - rejected).mean().item(),
+            "rm/train_accuracy": (chosen > rejected).float().mean(),
+            "rm/train_margin": (chosen - rejected).detach().mean(),
         }
         if config.lm_coef > 0:
-            target = pad_masks([e.response_mask for e in batch[: len(indices)]], input_ids.shape[1], "right")
+            responses = [e.response_mask for e in batch[: len(indices)]]
+            target = pad_masks(responses, input_ids.shape[1], "right", runtime.device)
             lm_loss = language_model_loss(_lm_logits(model, hidden[: len(indices)]), input_ids[: len(indices)], target)
             loss = loss + config.lm_coef * lm_loss
-            metrics["rm/lm_loss"] = lm_loss.item()
+            metrics["rm/lm_loss"] = lm_loss.detach()
         return loss, metrics
 
     return supervised_loop(
-        model, step, len(pairs), config, prefix="rm", log=log, checkpointer=checkpointer, progress=progress
+        model,
+        step,
+        len(pairs),
+        config,
+        prefix="rm",
+        log=log,
+        runtime=runtime,
+        checkpointer=checkpointer,
+        progress=progress,
     )
 
 
 @torch.no_grad()
 def score_sequences(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, sequences: list[list[int]], batch_size: int
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    sequences: list[list[int]],
+    batch_size: int,
+    runtime: Runtime,
 ) -> torch.Tensor:
-    """Reward-model scores of token sequences, ``(N,)`` float32, in the input order.
+    """Reward-model scores of token sequences, ``(N,)`` float32 on ``runtime.device``, in the input order.
 
     Batches are formed from length-sorted sequences so little compute goes to padding.
     """
     model.eval()
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
-    scores = torch.zeros(len(sequences))
+    scores = torch.zeros(len(sequences), device=runtime.device)
     for start in range(0, len(order), batch_size):
         chunk = order[start : start + batch_size]
-        input_ids, attention_mask = pad(tokenizer, [sequences[i] for i in chunk], "right")
-        scores[chunk] = sequence_scores(model, input_ids, attention_mask)
+        input_ids, attention_mask = pad(tokenizer, [sequences[i] for i in chunk], "right", runtime.device)
+        with runtime.autocast():
+            scores[chunk] = sequence_scores(model, input_ids, attention_mask)
     return scores
 
 
 def center_rewards(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, demonstrations: list[list[int]], batch_size: int
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    demonstrations: list[list[int]],
+    batch_size: int,
+    runtime: Runtime,
 ) -> float:
     """Shift the reward model so the mean score of the demonstrations is 0; returns the offset.
 
@@ -141,7 +162,7 @@ def center_rewards(
         demonstrations: token sequences of prompt + chosen response (the RM training split).
     """
     model.config.reward_offset = 0.0
-    offset = float(score_sequences(model, tokenizer, demonstrations, batch_size).mean())
+    offset = float(score_sequences(model, tokenizer, demonstrations, batch_size, runtime).mean())
     model.config.reward_offset = offset
     return offset
 
@@ -244,6 +265,7 @@ def evaluate_reward_model(
     examples: list[dict[str, Any]],
     max_length: int,
     batch_size: int,
+    runtime: Runtime,
 ) -> tuple[dict[str, float], torch.Tensor]:
     """Score held-out pairs; returns the metrics and the ``(N,)`` margins (for the histogram).
 
@@ -251,14 +273,14 @@ def evaluate_reward_model(
     same prompts (what the model says of an empty answer, a known hack).
     """
     pairs = encode_pairs(tokenizer, examples, max_length)
-    chosen = score_sequences(model, tokenizer, [c.input_ids for c, _ in pairs], batch_size)
-    rejected = score_sequences(model, tokenizer, [r.input_ids for _, r in pairs], batch_size)
-    chosen_lengths = torch.tensor([sum(c.response_mask) for c, _ in pairs])
-    rejected_lengths = torch.tensor([sum(r.response_mask) for _, r in pairs])
+    chosen = score_sequences(model, tokenizer, [c.input_ids for c, _ in pairs], batch_size, runtime)
+    rejected = score_sequences(model, tokenizer, [r.input_ids for _, r in pairs], batch_size, runtime)
+    chosen_lengths = torch.tensor([sum(c.response_mask) for c, _ in pairs], device=runtime.device)
+    rejected_lengths = torch.tensor([sum(r.response_mask) for _, r in pairs], device=runtime.device)
     empty = [
         encode_chat(tokenizer, ex["prompt"], [{"role": "assistant", "content": ""}], max_length) for ex in examples
     ]
-    empty_scores = score_sequences(model, tokenizer, [e.input_ids for e in empty], batch_size)
+    empty_scores = score_sequences(model, tokenizer, [e.input_ids for e in empty], batch_size, runtime)
     metrics = {
         **preference_metrics(chosen, rejected, chosen_lengths, rejected_lengths),
         **empty_response_metrics(empty_scores, chosen),

@@ -10,6 +10,7 @@ predictions (paper Eq. 9).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf import losses
+from rlhf.device import PhaseTimer, Runtime
 from rlhf.models import Rollout, response_logprobs, sample, sequence_scores, token_scores
 from rlhf.ppo_config import PPOConfig
 
@@ -120,10 +122,17 @@ def sample_and_score(
     prompts: list[list[int]],
     settings: GenerationSettings,
     greedy: bool = False,
+    timer: PhaseTimer | None = None,
 ) -> ScoredRollout:
-    """Sample one response per prompt and score it as the settings say (PPO, validation and evaluation)."""
-    rollout = sample(policy, tokenizer, prompts, settings.max_new_tokens, settings.temperature, greedy=greedy)
-    raw = sequence_scores(reward_model, rollout.input_ids, rollout.attention_mask)
+    """Sample one response per prompt and score it as the settings say (PPO, validation and evaluation).
+
+    Runs in the caller's autocast context; ``timer`` (optional) records ``generation`` and ``reward`` seconds.
+    """
+    phase = timer if timer is not None else (lambda name: contextlib.nullcontext())
+    with phase("generation"):
+        rollout = sample(policy, tokenizer, prompts, settings.max_new_tokens, settings.temperature, greedy=greedy)
+    with phase("reward"):
+        raw = sequence_scores(reward_model, rollout.input_ids, rollout.attention_mask)
     unfinished, empty = unfinished_responses(rollout, tokenizer, settings)
     return ScoredRollout(rollout, raw, treat_unfinished(raw, unfinished, settings), unfinished, empty)
 
@@ -241,6 +250,7 @@ def make_experience(
     settings: GenerationSettings,
     moments: RunningMoments,
     kl_coef: float,
+    runtime: Runtime,
     calibrate_value: bool = False,
 ) -> tuple[Experience, dict[str, float]]:
     """Roll out, score and turn a batch of prompts into advantages and returns.
@@ -252,21 +262,27 @@ def make_experience(
         config: :class:`PPOConfig`; settings: :class:`GenerationSettings`.
         moments: running reward statistics (updated here when normalisation is on).
         kl_coef: the current beta.
+        runtime: device and precision; every forward pass runs under ``runtime.autocast()``.
         calibrate_value: put the value model on the reward scale first (:func:`calibrate_value_head`),
             once the statistics include this batch.
 
     Returns:
-        ``(experience, stats)``; stats are the iteration's monitoring signals.
+        ``(experience, stats)``; stats are the iteration's monitoring signals and the seconds of each
+        phase: ``ppo/time/{generation,reward,policy_logprobs,reference,values}``.
     """
     policy, reference, reward_model, value_model = models
-    scored = sample_and_score(policy, reward_model, tokenizer, prompts, settings)
-    rollout = scored.rollout
-    ids, attn, start, mask = rollout.input_ids, rollout.attention_mask, rollout.response_start, rollout.response_mask
-    logprobs, logits = response_logprobs(policy, ids, attn, start, settings.temperature, with_logits=True)
-    entropy = losses.entropy_from_logits(logits)
-    del logits
-    ref_logprobs, _ = response_logprobs(reference, ids, attn, start, settings.temperature)
-    scores = scored.scores
+    timer = PhaseTimer(runtime)
+    with runtime.autocast():
+        scored = sample_and_score(policy, reward_model, tokenizer, prompts, settings, timer=timer)
+        rollout = scored.rollout
+        ids, attn, start = rollout.input_ids, rollout.attention_mask, rollout.response_start
+        with timer("policy_logprobs"):
+            logprobs, logits = response_logprobs(policy, ids, attn, start, settings.temperature, with_logits=True)
+            entropy = losses.entropy_from_logits(logits)
+            del logits
+        with timer("reference"):
+            ref_logprobs, _ = response_logprobs(reference, ids, attn, start, settings.temperature)
+    mask, scores = rollout.response_mask, scored.scores
     if config.reward_normalize:
         moments.update(scores)
         scores = moments.normalize(scores, config.reward_clip)
@@ -275,7 +291,8 @@ def make_experience(
     if calibrate_value:
         offset = float(getattr(reward_model.config, "reward_offset", 0.0))
         calibrate_value_head(value_model, offset, moments if config.reward_normalize else None)
-    values = value_predictions(value_model, ids, attn, start)
+    with timer("values"), runtime.autocast():
+        values = value_predictions(value_model, ids, attn, start)
     logratio = torch.where(mask, logprobs - ref_logprobs, 0.0)
     rewards = losses.token_rewards(logratio, scores, mask, kl_coef)
     advantages, returns = losses.gae(rewards, values, mask, config.gamma, config.lam)
@@ -283,7 +300,7 @@ def make_experience(
         ids, attn, start, mask, logprobs, values, advantages, returns, scored.raw_scores, rollout.ended
     )
     stats = rollout_stats(scored, scores, logprobs, logratio, entropy, experience)
-    return experience, {**stats, "ppo/kl_coef": kl_coef}
+    return experience, {**stats, "ppo/kl_coef": kl_coef, **timer.stats("ppo/time")}
 
 
 def rollout_stats(
@@ -304,7 +321,7 @@ def rollout_stats(
         "ppo/reward/scored_mean": float(scored.scores.mean()),
         "ppo/reward/normalized_mean": float(scores.mean()),
         "ppo/reward/normalized_std": float(scores.std(unbiased=False)),
-        "ppo/reward/skew": skewness(raw),
+        "ppo/reward/skew": skewness(raw.tolist()),
         **{f"ppo/reward/p{q}": float(torch.quantile(raw, q / 100)) for q in (10, 50, 90)},
         "ppo/reward/max": float(raw.max()),
         "ppo/kl": float(kl_seq.mean()),
@@ -324,11 +341,16 @@ def rollout_stats(
     }
 
 
-def skewness(x: torch.Tensor) -> float:
-    """Sample skewness ``E[(x - mu)^3] / sigma^3`` of ``(N,)`` values (population moments); 0 when constant."""
-    x = x.double()
-    std = float(x.std(unbiased=False))
-    return float(((x - x.mean()) ** 3).mean()) / std**3 if std > 0 else 0.0
+def skewness(values: list[float]) -> float:
+    """Sample skewness ``E[(x - mu)^3] / sigma^3`` of ``N`` values (population moments); 0 when constant or empty.
+
+    On the host (the values are already there, e.g. a rollout's scores for the collapse guard).
+    """
+    if not values:
+        return 0.0
+    mean = math.fsum(values) / len(values)
+    std = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / len(values))
+    return math.fsum((v - mean) ** 3 for v in values) / len(values) / std**3 if std > 0 else 0.0
 
 
 @torch.no_grad()
@@ -339,19 +361,24 @@ def validation_stats(
     tokenizer: PreTrainedTokenizerBase,
     prompts: list[list[int]],
     settings: GenerationSettings,
+    runtime: Runtime,
 ) -> dict[str, float]:
     """Greedy responses on held-out prompts, scored as in training: what the best policy is kept by.
+
+    Every forward pass runs under ``runtime.autocast()``.
 
     Returns:
         ``ppo/validation/reward`` (mean score after the unfinished-response rule),
         ``ppo/validation/eos_rate``, ``ppo/validation/length`` (tokens) and
         ``ppo/validation/kl`` (sequence k1 to the reference, nats/response).
     """
-    scored = sample_and_score(policy, reward_model, tokenizer, prompts, settings, greedy=True)
-    rollout = scored.rollout
-    ids, attn, start, mask = rollout.input_ids, rollout.attention_mask, rollout.response_start, rollout.response_mask
-    logprobs, _ = response_logprobs(policy, ids, attn, start, settings.temperature)
-    ref_logprobs, _ = response_logprobs(reference, ids, attn, start, settings.temperature)
+    with runtime.autocast():
+        scored = sample_and_score(policy, reward_model, tokenizer, prompts, settings, greedy=True)
+        rollout = scored.rollout
+        ids, attn, start = rollout.input_ids, rollout.attention_mask, rollout.response_start
+        logprobs, _ = response_logprobs(policy, ids, attn, start, settings.temperature)
+        ref_logprobs, _ = response_logprobs(reference, ids, attn, start, settings.temperature)
+    mask = rollout.response_mask
     kl = torch.where(mask, logprobs - ref_logprobs, 0.0).sum(-1)
     return {
         "ppo/validation/reward": float(scored.scores.mean()),

@@ -9,6 +9,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.chat import encode_chat, pad, pad_masks
+from rlhf.device import Runtime
 from rlhf.losses import language_model_loss
 from rlhf.models import position_ids_from_mask
 from rlhf.training import Checkpointer, LogFn, LoopConfig, freeze_lower_layers, supervised_loop
@@ -31,6 +32,7 @@ def train_sft(
     examples: list[dict[str, Any]],
     config: SFTConfig,
     log: LogFn,
+    runtime: Runtime,
     checkpointer: Checkpointer | None = None,
     progress: bool = True,
 ) -> dict[str, float]:
@@ -42,6 +44,7 @@ def train_sft(
         examples: rows with ``prompt`` and ``chosen`` message lists.
         config: :class:`SFTConfig`.
         log: ``log(metrics, step)``.
+        runtime: device and precision; ``model`` already placed with ``runtime.trained``.
         checkpointer: resume point (see :func:`rlhf.training.supervised_loop`).
 
     Returns:
@@ -53,16 +56,24 @@ def train_sft(
     encoded = [encode_chat(tokenizer, ex["prompt"], ex["chosen"], config.max_length) for ex in examples]
     freeze_lower_layers(model, config.trainable_layers)
 
-    def step(indices: list[int]) -> tuple[torch.Tensor, dict[str, float]]:
+    def step(indices: list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         batch = [encoded[i] for i in indices]
-        input_ids, attention_mask = pad(tokenizer, [e.input_ids for e in batch], "right")
-        target = pad_masks([e.response_mask for e in batch], input_ids.shape[1], "right")
+        input_ids, attention_mask = pad(tokenizer, [e.input_ids for e in batch], "right", runtime.device)
+        target = pad_masks([e.response_mask for e in batch], input_ids.shape[1], "right", runtime.device)
         logits = model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)
         ).logits
-        return language_model_loss(logits, input_ids, target), {"sft/tokens": float(target.sum())}
+        return language_model_loss(logits, input_ids, target), {"sft/tokens": target.sum()}
 
     summary = supervised_loop(
-        model, step, len(encoded), config, prefix="sft", log=log, checkpointer=checkpointer, progress=progress
+        model,
+        step,
+        len(encoded),
+        config,
+        prefix="sft",
+        log=log,
+        runtime=runtime,
+        checkpointer=checkpointer,
+        progress=progress,
     )
     return {**summary, "sft/examples": float(len(encoded))}

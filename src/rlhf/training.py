@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import random
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -18,7 +19,8 @@ from typing import Any, ClassVar
 import torch
 from transformers import PreTrainedModel, get_scheduler
 
-from rlhf.finite import FiniteGuard, NonFiniteError, ScalerStep, check_finite_weights
+from rlhf.device import Runtime
+from rlhf.finite import FiniteGuard, NonFiniteError, ScalerStep, check_finite_weights, to_host
 
 LogFn = Callable[[dict[str, float], int], None]
 
@@ -89,7 +91,7 @@ def minibatch_indices(step: int, n: int, batch_size: int, seed: int) -> list[int
         raise ValueError("no examples to train on")
     per_epoch = -(-n // batch_size)
     epoch, index = divmod(step, per_epoch)
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    order = random.Random(seed + epoch).sample(range(n), n)  # host-side bookkeeping: no tensor, no device
     return order[index * batch_size : (index + 1) * batch_size]
 
 
@@ -227,12 +229,13 @@ class LoopConfig:
 
 def supervised_loop(
     model: PreTrainedModel,
-    step_fn: Callable[[list[int]], tuple[torch.Tensor, dict[str, float]]],
+    step_fn: Callable[[list[int]], tuple[torch.Tensor, dict[str, torch.Tensor]]],
     num_examples: int,
     config: LoopConfig,
     *,
     prefix: str,
     log: LogFn,
+    runtime: Runtime,
     checkpointer: Checkpointer | None = None,
     progress: bool = True,
     scaler_step: ScalerStep | None = None,
@@ -243,6 +246,10 @@ def supervised_loop(
     model, optimiser, scheduler, RNG states and step counter are checkpointed
     every ``checkpoint_every`` steps and restored on start.
 
+    ``step_fn`` runs inside ``runtime.autocast()`` and returns its loss and figures as
+    tensors on the device; the step's figures (loss, gradient norm and the rest) reach
+    the host in one round trip per optimiser step (:func:`rlhf.finite.to_host`).
+
     The first non-finite loss or gradient norm stops the run (:class:`FiniteGuard`)
     before its optimiser step, after logging that step's figures (the NaN or inf
     included), with one line such as ``sft: non-finite sft/loss (nan) at step 3 of
@@ -250,12 +257,13 @@ def supervised_loop(
 
     Args:
         model: the model to train (dropout already off).
-        step_fn: maps a list of example indices to ``(loss, metrics)``.
+        step_fn: maps a list of example indices to ``(loss, metrics)``: a 0-dim loss and 0-dim tensors.
         num_examples: size of the training set.
         config: :class:`LoopConfig` (steps, batch size, learning rate and schedule, clipping, seed,
             ``checkpoint_every``).
         prefix: metric prefix, e.g. ``"sft"``.
         log: ``log(metrics, step)`` callback.
+        runtime: device and precision (:class:`rlhf.device.Runtime`); ``model`` already placed on it.
         checkpointer: where to save and resume; None disables both.
         progress: show a tqdm bar.
         scaler_step: a mixed-precision loss scaler's step (see :class:`FiniteGuard`); None: no scaler.
@@ -288,15 +296,15 @@ def supervised_loop(
     model.eval()  # dropout off; gradients still flow
     for step in tqdm(range(start, steps), desc=prefix, initial=start, total=steps, disable=not progress):
         where = f"step {step + 1} of {steps}"
-        loss, metrics = step_fn(minibatch_indices(step, num_examples, config.batch_size, seed))
-        row = {f"{prefix}/loss": loss.item(), **metrics}
+        with runtime.autocast():
+            loss, metrics = step_fn(minibatch_indices(step, num_examples, config.batch_size, seed))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = guard.clip(model, config.max_grad_norm)
+        row = to_host({f"{prefix}/loss": loss, **metrics, f"{prefix}/grad_norm": grad_norm})
         try:
             guard.check_loss(f"{prefix}/loss", row[f"{prefix}/loss"], where)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            row[f"{prefix}/grad_norm"] = guard.step(
-                model, optimizer, schedule, config.max_grad_norm, f"{prefix}/grad_norm", where
-            )
+            guard.step(optimizer, schedule, row[f"{prefix}/grad_norm"], f"{prefix}/grad_norm", where)
         except NonFiniteError as err:
             log({**row, **err.metrics}, step + 1)
             raise

@@ -10,6 +10,7 @@ either model stops the run (:class:`rlhf.finite.FiniteGuard`).
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 
 import torch
@@ -17,7 +18,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf import losses
 from rlhf.chat import pad
-from rlhf.finite import FiniteGuard, NonFiniteError, ScalerStep
+from rlhf.device import PhaseTimer, Runtime
+from rlhf.finite import FiniteGuard, NonFiniteError, ScalerStep, to_host
 from rlhf.models import position_ids_from_mask, response_logprobs
 from rlhf.ppo_config import PPOConfig
 from rlhf.rollout import Experience, value_predictions
@@ -68,9 +70,10 @@ def ppo_update(
     experience: Experience,
     config: PPOConfig,
     temperature: float,
-    generator: torch.Generator,
+    order_seed: int,
     ptx_batches: list[tuple[torch.Tensor, torch.Tensor]] | None,
     update_policy: bool,
+    runtime: Runtime,
     iteration: int = 1,
 ) -> dict[str, float]:
     """``ppo_epochs`` passes over the buffer in minibatches: a policy step and a value step each.
@@ -86,13 +89,14 @@ def ppo_update(
         experience: from :func:`rlhf.rollout.make_experience`.
         config: :class:`PPOConfig`.
         temperature: the sampling temperature (logprobs are those of the sampled distribution).
-        generator: orders the minibatches (seeded per iteration for exact resume).
+        order_seed: seeds the minibatch order (one per iteration, so a resumed run repeats it).
         ptx_batches: ``(input_ids, attention_mask)`` batches of ptx text, one per policy step, or None.
         update_policy: False during critic pre-training (value steps only).
+        runtime: device and precision; forward passes run under ``runtime.autocast()``.
         iteration: the rollout iteration (1-based), named when a step fails.
 
     Returns:
-        Mean of each loss and diagnostic over the minibatches.
+        Mean of each loss and diagnostic over the minibatches, and ``ppo/time/update`` (seconds).
 
     Raises:
         NonFiniteError: (a ``FloatingPointError``) a non-finite loss or gradient norm, e.g.
@@ -103,40 +107,47 @@ def ppo_update(
     count = 0
     n = experience.input_ids.shape[0]
     ptx_iter = iter(ptx_batches or [])
-    for epoch in range(config.ppo_epochs):
-        order = torch.randperm(n, generator=generator)
-        for number, start in enumerate(range(0, n, config.minibatch_size), 1):
-            idx = order[start : start + config.minibatch_size]
-            where = f"iteration {iteration}, PPO epoch {epoch + 1}, minibatch {number}"
-            stats: dict[str, float] = {}
-            try:
-                if update_policy:
-                    ptx = next(ptx_iter, None)
-                    policy_step(policy, optimisers, experience, idx, config, temperature, ptx, where, stats)
-                value_step(value_model, optimisers, experience, idx, config, where, stats)
-            except NonFiniteError as err:
-                err.metrics = {**stats, **err.metrics}
-                raise
-            for key, value in stats.items():
-                totals[key] = totals.get(key, 0.0) + value
-            count += 1
-    return {key: value / count for key, value in totals.items()}
+    rng, timer = random.Random(order_seed), PhaseTimer(runtime)
+    with timer("update"):
+        for epoch in range(config.ppo_epochs):
+            order = rng.sample(range(n), n)  # host-side bookkeeping: no tensor, no device
+            for number, start in enumerate(range(0, n, config.minibatch_size), 1):
+                idx = order[start : start + config.minibatch_size]
+                where = f"iteration {iteration}, PPO epoch {epoch + 1}, minibatch {number}"
+                stats: dict[str, float] = {}
+                try:
+                    if update_policy:
+                        ptx = next(ptx_iter, None)
+                        policy_step(
+                            policy, optimisers, experience, idx, config, temperature, ptx, runtime, where, stats
+                        )
+                    value_step(value_model, optimisers, experience, idx, config, runtime, where, stats)
+                except NonFiniteError as err:
+                    err.metrics = {**stats, **err.metrics}
+                    raise
+                for key, value in stats.items():
+                    totals[key] = totals.get(key, 0.0) + value
+                count += 1
+    return {**{key: value / count for key, value in totals.items()}, **timer.stats("ppo/time")}
 
 
 def policy_step(
     policy: PreTrainedModel,
     optimisers: Optimisers,
     experience: Experience,
-    idx: torch.Tensor,
+    idx: list[int],
     config: PPOConfig,
     temperature: float,
     ptx_batch: tuple[torch.Tensor, torch.Tensor] | None,
+    runtime: Runtime,
     where: str = "a policy step",
     stats: dict[str, float] | None = None,
 ) -> dict[str, float]:
-    """One optimiser step of the policy on the rollouts ``idx`` (``(M,)`` int64) of the buffer; returns its stats.
+    """One optimiser step of the policy on the rollouts ``idx`` of the buffer; returns its stats.
 
-    The stats are written into ``stats`` as they are measured (so a failing step's figures reach the log).
+    The forward passes run under ``runtime.autocast()``; the step's figures reach
+    the host once, after the backward pass and before the optimiser step, and are
+    written into ``stats`` (so a failing step's figures reach the log).
 
     Raises:
         NonFiniteError: the PPO-clip loss, the ptx loss, their sum or the gradient norm is not finite.
@@ -150,27 +161,34 @@ def policy_step(
     if config.advantage_clip is not None:
         advantages = advantages.clamp(-config.advantage_clip, config.advantage_clip)
     with_logits = config.entropy_coef > 0
-    logprobs, logits = response_logprobs(policy, ids, attn, experience.response_start, temperature, with_logits)
-    loss, clip_stats = losses.ppo_clip_loss(logprobs, experience.logprobs[idx], advantages, mask, config.clip)
-    stats["ppo/loss/policy"] = loss.item()
-    stats.update({f"ppo/policy/{key}": float(value) for key, value in clip_stats.items()})
-    guard.check_loss("ppo/loss/policy", stats["ppo/loss/policy"], where)
-    if config.entropy_coef > 0:
-        loss = loss - config.entropy_coef * losses.masked_mean(losses.entropy_from_logits(logits), mask)
-    if config.ptx_coef > 0 and ptx_batch is not None:
-        ptx_ids, ptx_attn = ptx_batch
-        position_ids = position_ids_from_mask(ptx_attn)
-        ptx_logits = policy(input_ids=ptx_ids, attention_mask=ptx_attn, position_ids=position_ids).logits
-        ptx_loss = losses.language_model_loss(ptx_logits, ptx_ids, ptx_attn.bool())
-        loss = losses.ppo_ptx_loss(loss, ptx_loss, config.ptx_coef)
-        stats["ppo/loss/ptx"] = ptx_loss.item()
-        guard.check_loss("ppo/loss/ptx", stats["ppo/loss/ptx"], where)
-    guard.check_loss("ppo/loss/policy_total", loss.item(), where)  # with the entropy bonus and ptx term
+    figures: dict[str, torch.Tensor] = {}
+    with runtime.autocast():
+        logprobs, logits = response_logprobs(policy, ids, attn, experience.response_start, temperature, with_logits)
+        loss, clip_stats = losses.ppo_clip_loss(logprobs, experience.logprobs[idx], advantages, mask, config.clip)
+        figures["ppo/loss/policy"] = loss
+        figures.update({f"ppo/policy/{key}": value for key, value in clip_stats.items()})
+        if config.entropy_coef > 0:
+            loss = loss - config.entropy_coef * losses.masked_mean(losses.entropy_from_logits(logits), mask)
+        if config.ptx_coef > 0 and ptx_batch is not None:
+            ptx_ids, ptx_attn = ptx_batch
+            position_ids = position_ids_from_mask(ptx_attn)
+            ptx_logits = policy(input_ids=ptx_ids, attention_mask=ptx_attn, position_ids=position_ids).logits
+            ptx_loss = losses.language_model_loss(ptx_logits, ptx_ids, ptx_attn.bool())
+            loss = losses.ppo_ptx_loss(loss, ptx_loss, config.ptx_coef)
+            figures["ppo/loss/ptx"] = ptx_loss
+    figures["ppo/loss/policy_total"] = loss  # with the entropy bonus and ptx term
     optimisers.policy.zero_grad(set_to_none=True)
     loss.backward()
-    stats["ppo/policy/grad_norm"] = guard.step(
-        policy, optimisers.policy, optimisers.policy_schedule, config.max_grad_norm, "ppo/policy/grad_norm", where
+    figures["ppo/policy/grad_norm"] = guard.clip(policy, config.max_grad_norm)
+    host = to_host(figures)
+    stats.update({k: v for k, v in host.items() if k != "ppo/loss/policy_total"})
+    for key in ("ppo/loss/policy", "ppo/loss/ptx", "ppo/loss/policy_total"):
+        if key in host:
+            guard.check_loss(key, host[key], where)
+    guard.step(
+        optimisers.policy, optimisers.policy_schedule, host["ppo/policy/grad_norm"], "ppo/policy/grad_norm", where
     )
+    optimisers.policy.zero_grad(set_to_none=True)  # the gradients' memory is free for the value step
     return stats
 
 
@@ -178,43 +196,54 @@ def value_step(
     value_model: PreTrainedModel,
     optimisers: Optimisers,
     experience: Experience,
-    idx: torch.Tensor,
+    idx: list[int],
     config: PPOConfig,
+    runtime: Runtime,
     where: str = "a value step",
     stats: dict[str, float] | None = None,
 ) -> dict[str, float]:
     """One optimiser step of the value model on the rollouts ``idx`` of the buffer (paper Eq. 16, clipped).
 
-    The stats are written into ``stats`` as they are measured; returns them.
+    The forward pass runs under ``runtime.autocast()``; the step's figures reach the
+    host once and are written into ``stats``; returns them.
 
     Raises:
         NonFiniteError: the value loss or the gradient norm is not finite.
     """
     stats = {} if stats is None else stats
+    guard = optimisers.value_guard
     ids, attn, mask = experience.input_ids[idx], experience.attention_mask[idx], experience.mask[idx]
-    values = value_predictions(value_model, ids, attn, experience.response_start)
-    old_values, returns = experience.values[idx], experience.returns[idx]
-    loss, value_stats = losses.clipped_value_loss(values, old_values, returns, mask, config.value_clip)
-    stats["ppo/loss/value"] = loss.item()
-    stats["ppo/value/clipfrac"] = float(value_stats["clipfrac"])
-    optimisers.value_guard.check_loss("ppo/loss/value", stats["ppo/loss/value"], where)
+    with runtime.autocast():
+        values = value_predictions(value_model, ids, attn, experience.response_start)
+        old_values, returns = experience.values[idx], experience.returns[idx]
+        loss, value_stats = losses.clipped_value_loss(values, old_values, returns, mask, config.value_clip)
     optimisers.value.zero_grad(set_to_none=True)
     loss.backward()
-    stats["ppo/value/grad_norm"] = optimisers.value_guard.step(
-        value_model, optimisers.value, optimisers.value_schedule, config.max_grad_norm, "ppo/value/grad_norm", where
+    grad_norm = guard.clip(value_model, config.max_grad_norm)
+    host = to_host(
+        {"ppo/loss/value": loss, "ppo/value/clipfrac": value_stats["clipfrac"], "ppo/value/grad_norm": grad_norm}
     )
+    stats.update(host)
+    guard.check_loss("ppo/loss/value", host["ppo/loss/value"], where)
+    guard.step(optimisers.value, optimisers.value_schedule, host["ppo/value/grad_norm"], "ppo/value/grad_norm", where)
+    optimisers.value.zero_grad(set_to_none=True)  # the gradients' memory is free for the next policy step
     return stats
 
 
 def ptx_batches(
-    tokenizer: PreTrainedTokenizerBase, ptx_texts: list[list[int]], config: PPOConfig, policy_iteration: int
+    tokenizer: PreTrainedTokenizerBase,
+    ptx_texts: list[list[int]],
+    config: PPOConfig,
+    policy_iteration: int,
+    device: torch.device,
 ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-    """The ptx minibatches of one policy iteration, one per policy step, in an order fixed by the iteration."""
+    """The ptx minibatches of one policy iteration on ``device``, one per policy step, in an order fixed by the
+    iteration."""
     if config.ptx_coef <= 0 or not ptx_texts:
         return None
     steps = config.steps_per_iteration()
     batches = []
     for s in range(steps):
         indices = minibatch_indices(policy_iteration * steps + s, len(ptx_texts), config.ptx_batch_size, config.seed)
-        batches.append(pad(tokenizer, [ptx_texts[i] for i in indices], "right"))
+        batches.append(pad(tokenizer, [ptx_texts[i] for i in indices], "right", device))
     return batches

@@ -1,0 +1,129 @@
+"""Where the tensors live and at which precision: one :class:`Runtime` per stage, taken from accelerate.
+
+The stages build it from accelerate's ``Accelerator`` (:func:`runtime_from_params`):
+CUDA when present, the CPU otherwise, and the ``device.mixed_precision`` of
+params.yaml. The trainers receive it, place their models and create every batch
+on ``runtime.device``, and run forward passes inside ``runtime.autocast()``.
+
+``mixed_precision: bf16`` means: every model keeps float32 (master) weights and
+optimiser states, and forward passes run under bfloat16 autocast (on CPUs with AMX
+and on GPUs). ``frozen_bf16`` also stores the models PPO never trains (reference,
+reward model) in bfloat16: half their memory, but their numbers then differ from
+the policy's even where the weights are equal (see params.yaml ``device``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+MIXED_PRECISION = ("no", "bf16")
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """A stage's device and precision.
+
+    Attributes:
+        device: where every model and batch lives.
+        mixed_precision: ``"no"`` (float32 everywhere) or ``"bf16"`` (see the module docstring).
+        frozen_bf16: models that are never trained are stored in bfloat16.
+    """
+
+    device: torch.device = torch.device("cpu")
+    mixed_precision: str = "no"
+    frozen_bf16: bool = False
+
+    def __post_init__(self) -> None:
+        """Refuse a precision the trainers do not implement.
+
+        Raises:
+            ValueError: not one of ``no``, ``bf16`` (fp16 needs a loss scaler the trainers do not run).
+        """
+        if self.mixed_precision not in MIXED_PRECISION:
+            raise ValueError(
+                f"device.mixed_precision {self.mixed_precision!r}: use one of {', '.join(MIXED_PRECISION)} "
+                "(fp16 needs a loss scaler the trainers do not run; bf16 needs none)"
+            )
+
+    @property
+    def bf16(self) -> bool:
+        """True under ``mixed_precision: bf16``."""
+        return self.mixed_precision == "bf16"
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The forward-pass context: bfloat16 autocast on ``device`` under bf16, nothing otherwise."""
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
+
+    def place(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Move a model that will be trained (or must compute exactly as one) to ``device``, float32; returns it."""
+        return model.to(device=self.device, dtype=torch.float32)
+
+    def frozen(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Move a model that is never trained to ``device``, in bfloat16 under ``frozen_bf16``; returns it."""
+        return model.to(device=self.device, dtype=torch.bfloat16 if self.frozen_bf16 else torch.float32)
+
+    def synchronize(self) -> None:
+        """Wait for queued device work (CUDA), so a wall-clock reading covers it; nothing on the CPU."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def runtime_from_accelerator(accelerator: Any) -> Runtime:
+    """The :class:`Runtime` of an ``accelerate.Accelerator`` (its device and ``mixed_precision``).
+
+    Raises:
+        ValueError: a mixed precision other than ``no`` or ``bf16``.
+    """
+    return Runtime(device=torch.device(accelerator.device), mixed_precision=str(accelerator.mixed_precision))
+
+
+def runtime_from_params(params: dict[str, Any]) -> Runtime:
+    """Build the stage's :class:`Runtime` from the params.yaml ``device`` section through accelerate.
+
+    Args:
+        params: ``{"mixed_precision": "no" | "bf16", "cpu": bool, "frozen_bf16": bool}``; ``cpu: true``
+            stays on the CPU where CUDA is present.
+
+    Raises:
+        ValueError: an unknown mixed precision (checked before accelerate is asked, whose own
+            error would be a traceback).
+    """
+    from accelerate import Accelerator
+
+    Runtime(mixed_precision=params["mixed_precision"])  # the clear refusal first
+    accelerator = Accelerator(mixed_precision=params["mixed_precision"], cpu=bool(params["cpu"]))
+    return dataclasses.replace(runtime_from_accelerator(accelerator), frozen_bf16=bool(params["frozen_bf16"]))
+
+
+class PhaseTimer:
+    """Wall-clock seconds per named phase (e.g. ``generation``, ``update``), summed over repeats.
+
+    ``with timer("generation"): ...`` waits for the device before and after, so
+    queued GPU work is counted in the phase that queued it.
+    """
+
+    def __init__(self, runtime: Runtime):
+        self.runtime = runtime
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        """Time the block as ``phase``."""
+        self.runtime.synchronize()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.runtime.synchronize()
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+
+    def stats(self, prefix: str) -> dict[str, float]:
+        """``{f"{prefix}/{phase}": seconds}``."""
+        return {f"{prefix}/{phase}": seconds for phase, seconds in self.seconds.items()}
