@@ -26,6 +26,24 @@ def test_minibatch_indices_cover_each_epoch_once():
     assert minibatch_indices(1, 5, 2, seed=7) == minibatch_indices(1, 5, 2, seed=7)
 
 
+def test_length_grouped_minibatches_cover_each_epoch_once_with_less_padding():
+    # 64 examples of lengths 1..64, batches of 4: padded tokens = batch size x the longest in each batch
+    lengths = [(7 * i) % 64 + 1 for i in range(64)]
+    steps = 16  # one epoch
+
+    def padded(grouping):
+        batches = [minibatch_indices(step, 64, 4, seed=3, lengths=grouping) for step in range(steps)]
+        assert sorted(i for batch in batches for i in batch) == list(range(64))  # every example once
+        return sum(4 * max(lengths[i] for i in batch) for batch in batches)
+
+    # seed 3: 3440 padded tokens shuffled, 2452 grouped (sorted within 4 mega-batches of 16; 2080 are real)
+    assert padded(None) == 3440 and padded(lengths) == 2452
+    assert minibatch_indices(5, 64, 4, 3, lengths) == minibatch_indices(5, 64, 4, 3, lengths)  # resumable
+    assert minibatch_indices(16, 64, 4, 3, lengths) != minibatch_indices(0, 64, 4, 3, lengths)  # a new epoch
+    with pytest.raises(ValueError, match="3 lengths for 64 examples"):
+        minibatch_indices(0, 64, 4, 3, [1, 2, 3])
+
+
 def test_crash_while_writing_keeps_previous_checkpoint(tiny_dir, tmp_path, monkeypatch):
     model = load_causal_lm(tiny_dir)
     checkpointer = Checkpointer(str(tmp_path))

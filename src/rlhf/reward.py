@@ -80,7 +80,8 @@ def train_reward_model(
         checkpointer: resume point.
 
     Returns:
-        Summary metrics (``rm/loss_first``, ``rm/loss_last``, ``rm/steps``).
+        Summary metrics (``rm/loss_first``, ``rm/loss_last``, ``rm/steps``, ``rm/train_pairs``, and
+        ``rm/epochs``: pairs seen / training pairs).
     """
     pairs = encode_pairs(tokenizer, examples, config.max_length)
     backbone = getattr(model, model.base_model_prefix)
@@ -109,7 +110,7 @@ def train_reward_model(
             metrics["rm/lm_loss"] = lm_loss.detach()
         return loss, metrics
 
-    return supervised_loop(
+    summary = supervised_loop(
         model,
         step,
         len(pairs),
@@ -117,9 +118,12 @@ def train_reward_model(
         prefix="rm",
         log=log,
         runtime=runtime,
+        lengths=[max(len(c.input_ids), len(r.input_ids)) for c, r in pairs],
         checkpointer=checkpointer,
         progress=progress,
     )
+    # how much of rm_train the model saw: 1.0 means every pair once
+    return {**summary, "rm/train_pairs": float(len(pairs)), "rm/epochs": config.steps * config.batch_size / len(pairs)}
 
 
 @torch.no_grad()

@@ -73,6 +73,7 @@ def train_sft(
         prefix="sft",
         log=log,
         runtime=runtime,
+        lengths=[len(e.input_ids) for e in encoded],
         checkpointer=checkpointer,
         progress=progress,
     )

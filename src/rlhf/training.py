@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 import torch
 from transformers import PreTrainedModel, get_scheduler
+from transformers.trainer_pt_utils import get_length_grouped_indices
 
 from rlhf.device import Runtime
 from rlhf.finite import FiniteGuard, NonFiniteError, ScalerStep, check_finite_weights, to_host
@@ -72,26 +73,37 @@ def make_scheduler(
     )
 
 
-def minibatch_indices(step: int, n: int, batch_size: int, seed: int) -> list[int]:
+def minibatch_indices(step: int, n: int, batch_size: int, seed: int, lengths: list[int] | None = None) -> list[int]:
     """Example indices of minibatch ``step``: epoch ``e`` visits ``range(n)`` in an order seeded by ``seed + e``.
 
     A pure function of the step, so a resumed run sees exactly the batches the
-    uninterrupted run would have seen.
+    uninterrupted run would have seen. With ``lengths`` the epoch's order is
+    grouped by length (transformers' ``get_length_grouped_indices``, the
+    ``group_by_length`` of its Trainer): shuffled, cut into mega-batches, sorted by
+    length within each, so a batch holds examples of similar length and little of
+    its compute goes to padding; each example is still seen once per epoch.
 
     Args:
         step: 0-based optimiser step.
         n: number of examples.
         batch_size: > 0 (the last batch of an epoch may be shorter).
         seed: base seed.
+        lengths: tokens of each example (``n`` of them), or None for a plain shuffle.
 
     Raises:
-        ValueError: ``n`` is 0.
+        ValueError: ``n`` is 0, or ``lengths`` does not have ``n`` entries.
     """
     if n == 0:
         raise ValueError("no examples to train on")
+    if lengths is not None and len(lengths) != n:
+        raise ValueError(f"{len(lengths)} lengths for {n} examples")
     per_epoch = -(-n // batch_size)
     epoch, index = divmod(step, per_epoch)
-    order = random.Random(seed + epoch).sample(range(n), n)  # host-side bookkeeping: no tensor, no device
+    if lengths is None:
+        order = random.Random(seed + epoch).sample(range(n), n)  # host-side bookkeeping: no tensor, no device
+    else:
+        generator = torch.Generator().manual_seed(seed + epoch)
+        order = get_length_grouped_indices(lengths, batch_size, generator=generator)
     return order[index * batch_size : (index + 1) * batch_size]
 
 
@@ -216,6 +228,7 @@ class LoopConfig:
     max_grad_norm: float | None = 1.0  # global gradient-norm clipping (None: measure only)
     checkpoint_every: int = 10  # steps between resume checkpoints (0: never)
     trainable_layers: int | None = None  # train only the top N blocks (CPU budget); None: all
+    group_by_length: bool = False  # batches of similar length (less padding); still every example once per epoch
     seed: int = 0  # minibatch order and any new head's initialisation
 
     def __post_init__(self) -> None:
@@ -236,6 +249,7 @@ def supervised_loop(
     prefix: str,
     log: LogFn,
     runtime: Runtime,
+    lengths: list[int] | None = None,
     checkpointer: Checkpointer | None = None,
     progress: bool = True,
     scaler_step: ScalerStep | None = None,
@@ -264,6 +278,7 @@ def supervised_loop(
         prefix: metric prefix, e.g. ``"sft"``.
         log: ``log(metrics, step)`` callback.
         runtime: device and precision (:class:`rlhf.device.Runtime`); ``model`` already placed on it.
+        lengths: tokens of each example; the batches are grouped by length when ``config.group_by_length``.
         checkpointer: where to save and resume; None disables both.
         progress: show a tqdm bar.
         scaler_step: a mixed-precision loss scaler's step (see :class:`FiniteGuard`); None: no scaler.
@@ -275,8 +290,13 @@ def supervised_loop(
 
     Raises:
         NonFiniteError: (a ``FloatingPointError``) a non-finite loss, gradient norm or final weight.
+        ValueError: ``config.group_by_length`` without ``lengths``.
     """
     from tqdm.auto import tqdm
+
+    if config.group_by_length and lengths is None:
+        raise ValueError(f"{prefix}: group_by_length needs the examples' lengths")
+    grouping = lengths if config.group_by_length else None
 
     steps, seed, checkpoint_every = config.steps, config.seed, config.checkpoint_every
     torch.manual_seed(seed)
@@ -297,7 +317,7 @@ def supervised_loop(
     for step in tqdm(range(start, steps), desc=prefix, initial=start, total=steps, disable=not progress):
         where = f"step {step + 1} of {steps}"
         with runtime.autocast():
-            loss, metrics = step_fn(minibatch_indices(step, num_examples, config.batch_size, seed))
+            loss, metrics = step_fn(minibatch_indices(step, num_examples, config.batch_size, seed, grouping))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = guard.clip(model, config.max_grad_norm)
