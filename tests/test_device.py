@@ -203,11 +203,9 @@ def test_supervised_trainers_stay_on_device_and_sync_once_per_step(tiny_dir, tok
     # between two log calls lies one optimiser step: exactly one host round trip, the step's to_host
     assert at_log == list(range(1, steps + 1)), check.report()
     assert all(s.chain[-1] == "to_host" for s in check.syncs[:steps]), check.report()
-    # after the loop: check_finite_weights, one bool() per weight tensor (see the report on finite.py:127)
+    # after the loop: check_finite_weights, one round trip for every weight tensor together
     after = check.syncs[steps:]
-    weights = [t for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()]
-    assert all("check_finite_weights" in s.chain for s in after), check.report()
-    assert len(after) == len(weights)
+    assert len(after) == 1 and "check_finite_weights" in after[0].chain, check.report()
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16+frozen_bf16"])
@@ -254,11 +252,6 @@ def test_ppo_stays_on_device_and_syncs_once_per_policy_and_value_step(tiny_dir, 
     assert [s for s in check.implicit_syncs if "ppo_update" in s.chain] == [], check.report()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="src/rlhf/rollout.py:96 (unfinished_responses): one .tolist() and one bool-mask index per response",
-)
 def test_rollout_host_round_trips_do_not_grow_with_the_batch(tiny_dir, tokenizer):
     runtime = RUNTIMES["fp32"]
     counts = []
@@ -270,7 +263,7 @@ def test_rollout_host_round_trips_do_not_grow_with_the_batch(tiny_dir, tokenizer
             make_experience(models.as_tuple(), tokenizer, prompts, config, SETTINGS, RunningMoments(), 0.05, runtime)
         assert check.violations == [], check.report()
         counts.append(Counter(e.where for e in check.syncs + check.implicit_syncs))
-    # the same host round trips for 1 and 2 responses (today: +1 tolist and +1 bool index per extra response)
+    # the same host round trips for 1 and 2 responses (none per response)
     assert counts[1] - counts[0] == Counter(), counts[1] - counts[0]
 
 
@@ -296,12 +289,6 @@ def test_evaluation_and_reward_scoring_stay_on_device(tiny_dir, tokenizer, preci
     assert [s for s in check.syncs if "score_sequences" in s.chain] == [], check.report()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="src/rlhf/reward.py:189 (expected_calibration_error): torch.linspace without device=; "
-    "torch.bucketize then mixes a CUDA input with CPU boundaries",
-)
 def test_reward_model_evaluation_stays_on_device(tiny_dir, tokenizer):
     runtime = RUNTIMES["fp32"]
     model = runtime.frozen(load_scalar_model(tiny_dir))

@@ -123,8 +123,11 @@ def to_host(values: dict[str, torch.Tensor | float]) -> dict[str, float]:
 
 def non_finite_weights(model: torch.nn.Module) -> list[str]:
     """Names of the floating-point parameters and buffers of ``model`` that hold a NaN or an infinity."""
-    tensors = [*model.named_parameters(), *model.named_buffers()]
-    return [name for name, t in tensors if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    tensors = [(name, t) for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_floating_point()]
+    if not tensors:
+        return []
+    finite = torch.stack([torch.isfinite(t).all() for _, t in tensors]).tolist()  # one host round trip
+    return [name for (name, _), ok in zip(tensors, finite, strict=True) if not ok]
 
 
 def check_finite_weights(model: torch.nn.Module, stage: str, where: str) -> None:

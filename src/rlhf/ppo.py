@@ -65,6 +65,7 @@ def _save(checkpointer: Checkpointer, step: int, models: PPOModels, opt: Optimis
             "value_schedule": opt.value_schedule.state_dict(),
             "moments": moments.state_dict(),
             "rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],  # sampling on a GPU
             "trainer": state,
         },
     )
@@ -81,6 +82,8 @@ def _restore(checkpointer: Checkpointer, path: str, models: PPOModels, opt: Opti
     opt.value_schedule.load_state_dict(saved["value_schedule"])
     moments.load_state_dict(saved["moments"])
     torch.set_rng_state(saved["rng"])
+    if saved.get("cuda_rng"):
+        torch.cuda.set_rng_state_all(saved["cuda_rng"])
     state = saved["trainer"]
     if state["value_affine"] is not None:
         models.value_model.config.value_shift, models.value_model.config.value_scale = state["value_affine"]

@@ -190,7 +190,7 @@ def expected_calibration_error(probs: torch.Tensor, labels: torch.Tensor, bins: 
         return 0.0
     confidence = torch.maximum(probs, 1 - probs)
     correct = ((probs > 0.5) == labels.bool()).float()
-    edges = torch.linspace(0.5, 1.0, bins + 1)
+    edges = torch.linspace(0.5, 1.0, bins + 1, device=probs.device)
     index = torch.clamp(torch.bucketize(confidence, edges[1:-1], right=True), 0, bins - 1)
     ece = 0.0
     for b in range(bins):

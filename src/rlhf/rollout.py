@@ -19,6 +19,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf import losses
 from rlhf.device import PhaseTimer, Runtime
+from rlhf.finite import to_host
 from rlhf.models import Rollout, response_logprobs, sample, sequence_scores, token_scores
 from rlhf.ppo_config import PPOConfig
 
@@ -92,8 +93,9 @@ def unfinished_responses(
     """
     start = rollout.response_start
     content = rollout.response_mask & (rollout.input_ids[:, start:] != tokenizer.eos_token_id)
+    rows, keeps = rollout.input_ids[:, start:].tolist(), content.tolist()  # two host round trips per rollout
     texts = tokenizer.batch_decode(
-        [row[keep].tolist() for row, keep in zip(rollout.input_ids[:, start:], content, strict=True)],
+        [[t for t, keep in zip(row, flags, strict=True) if keep] for row, flags in zip(rows, keeps, strict=True)],
         skip_special_tokens=True,
     )
     empty = torch.tensor([not text.strip() for text in texts], dtype=torch.bool, device=rollout.ended.device)
@@ -311,33 +313,40 @@ def rollout_stats(
     entropy: torch.Tensor,
     experience: Experience,
 ) -> dict[str, float]:
-    """The monitoring signals of one rollout (metric names of the README's PPO section)."""
+    """The monitoring signals of one rollout (metric names of the README's PPO section), in one host round trip
+    (besides the explained variance and the skewness, which read the host copies)."""
     mask, raw = experience.mask, scored.raw_scores
     kl_seq = (losses.kl_k1(logratio) * mask).sum(-1)
     kl3_seq = (losses.kl_k3(logratio) * mask).sum(-1)
+    quantiles = torch.quantile(raw.float(), torch.tensor([0.1, 0.5, 0.9], device=raw.device))
+    stats = to_host(
+        {
+            "ppo/reward/mean": raw.mean(),
+            "ppo/reward/std": raw.std(unbiased=False),
+            "ppo/reward/scored_mean": scored.scores.mean(),
+            "ppo/reward/normalized_mean": scores.mean(),
+            "ppo/reward/normalized_std": scores.std(unbiased=False),
+            **{f"ppo/reward/p{q}": quantiles[i] for i, q in enumerate((10, 50, 90))},
+            "ppo/reward/max": raw.max(),
+            "ppo/kl": kl_seq.mean(),
+            "ppo/kl_k3": kl3_seq.mean(),
+            "ppo/kl_token": losses.masked_mean(losses.kl_k1(logratio), mask),
+            "ppo/kl_token_k3": losses.masked_mean(losses.kl_k3(logratio), mask),
+            "ppo/perplexity": torch.exp(-losses.masked_mean(logprobs, mask)),
+            "ppo/response_length": mask.sum(-1).float().mean(),
+            "ppo/eos_rate": scored.rollout.ended.float().mean(),
+            "ppo/truncated_share": (~scored.rollout.ended).float().mean(),
+            "ppo/empty_share": scored.empty.float().mean(),
+            "ppo/unfinished_share": scored.unfinished.float().mean(),
+            "ppo/entropy": losses.masked_mean(entropy, mask),
+            "ppo/advantages/mean": losses.masked_mean(experience.advantages, mask),
+            "ppo/returns/mean": losses.masked_mean(experience.returns, mask),
+        }
+    )
     return {
-        "ppo/reward/mean": float(raw.mean()),
-        "ppo/reward/std": float(raw.std(unbiased=False)),
-        "ppo/reward/scored_mean": float(scored.scores.mean()),
-        "ppo/reward/normalized_mean": float(scores.mean()),
-        "ppo/reward/normalized_std": float(scores.std(unbiased=False)),
+        **stats,
         "ppo/reward/skew": skewness(raw.tolist()),
-        **{f"ppo/reward/p{q}": float(torch.quantile(raw, q / 100)) for q in (10, 50, 90)},
-        "ppo/reward/max": float(raw.max()),
-        "ppo/kl": float(kl_seq.mean()),
-        "ppo/kl_k3": float(kl3_seq.mean()),
-        "ppo/kl_token": float(losses.masked_mean(losses.kl_k1(logratio), mask)),
-        "ppo/kl_token_k3": float(losses.masked_mean(losses.kl_k3(logratio), mask)),
-        "ppo/perplexity": float(torch.exp(-losses.masked_mean(logprobs, mask))),
-        "ppo/response_length": float(mask.sum(-1).float().mean()),
-        "ppo/eos_rate": float(scored.rollout.ended.float().mean()),
-        "ppo/truncated_share": float((~scored.rollout.ended).float().mean()),
-        "ppo/empty_share": float(scored.empty.float().mean()),
-        "ppo/unfinished_share": float(scored.unfinished.float().mean()),
-        "ppo/entropy": float(losses.masked_mean(entropy, mask)),
         "ppo/value/explained_variance": losses.explained_variance(experience.values, experience.returns, mask),
-        "ppo/advantages/mean": float(losses.masked_mean(experience.advantages, mask)),
-        "ppo/returns/mean": float(losses.masked_mean(experience.returns, mask)),
     }
 
 
