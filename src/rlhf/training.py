@@ -31,8 +31,14 @@ def no_log(metrics: dict[str, float], step: int) -> None:
 
 
 def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.0) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters of ``model``."""
-    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay)
+    """AdamW over the trainable parameters of ``model``, fused (one kernel for all parameters, CPU and CUDA).
+
+    torch's default AdamW on CPU loops over the tensors: 8.3 s for one step of SmolLM2-135M here against
+    1.3 s fused (the same arithmetic; tests/test_levers.py checks the weights agree). TRL uses the fused one too.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    fused = bool(params) and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused or None)
 
 
 def check_schedule(section: str, name: str, warmup_steps: int) -> None:
