@@ -10,7 +10,7 @@ export DVC_NO_ANALYTICS := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export HF_HUB_DISABLE_TELEMETRY := 1
 
-.PHONY: setup pipeline test unit lint mutants
+.PHONY: setup pipeline test unit lint mutants speed
 
 setup: $(VENV)/.installed
 
@@ -39,3 +39,7 @@ unit: setup
 # Mutation run (not part of `make test` or CI): one-line bugs planted in a copy of the tree; the unit suite must catch each.
 mutants: setup
 	$(BIN)/python -m bench.mutants
+
+# Speed benchmark against TRL 1.12.0 (not part of `make test` or CI): alone on the machine, ~45 min on 2 cores.
+speed: setup
+	$(BIN)/python -m bench.speed
