@@ -164,8 +164,13 @@ TIMINGS_DIR = "timings"  # each stage's last wall time: git-ignored, never a DVC
 
 
 def timing_path(stage: str) -> str:
-    """Where a stage's last wall time is kept: ``timings/<stage>.json``, ``{"stage", "seconds"}``."""
+    """Where a stage's last wall time is kept: ``timings/<stage>.json``, ``{"stage", "seconds", "phases"}``."""
     return os.path.join(TIMINGS_DIR, f"{stage}.json")
+
+
+def is_timing(key: str) -> bool:
+    """A wall-clock figure (``ppo/time/generation``, ``ppo/last/time/update``): kept out of metrics and curves."""
+    return "/time/" in key
 
 
 def write_metrics(
@@ -178,8 +183,9 @@ def write_metrics(
 
     The metrics and curves files are ``cache: false`` in ``dvc.yaml`` and tracked by git, so a commit and
     every ``dvc exp run`` carry them, and ``dvc exp show``, ``dvc metrics diff`` and ``dvc plots diff``
-    compare them. They hold results only: the wall time (``stage.seconds``) differs between two runs of the
-    same inputs, so it goes to :func:`timing_path` (git-ignored; the flow's summary reads it).
+    compare them. They hold results only: the wall time (``stage.seconds``) and every per-phase time
+    (:func:`is_timing`; MLflow has them per iteration) differ between two runs of the same inputs, so they
+    go to :func:`timing_path` (git-ignored; the flow's summary reads it).
     Every file is JSON, written atomically; non-finite floats become null.
 
     Args:
@@ -195,16 +201,17 @@ def write_metrics(
     def clean(value: Any) -> Any:
         return None if isinstance(value, float) and not math.isfinite(value) else value
 
-    write_json(path, {k: clean(v) for k, v in metrics.items()})
+    write_json(path, {k: clean(v) for k, v in metrics.items() if not is_timing(k)})
     for plots_path, history in (curves or {}).items():
         numbers = {
-            int(step): {k: float(v) for k, v in stats.items() if isinstance(v, (int, float))}
+            int(step): {k: float(v) for k, v in stats.items() if isinstance(v, (int, float)) and not is_timing(k)}
             for step, stats in history.items()
         }
         signals = sorted({k for stats in numbers.values() for k in stats})  # every row has every signal
         rows = [{"iteration": step, **{k: clean(numbers[step].get(k)) for k in signals}} for step in sorted(numbers)]
         atomic_write_text(plots_path, json.dumps(rows, indent=1) + "\n")
-    write_json(timing_path(stage.stage), {"stage": stage.stage, "seconds": stage.seconds})
+    phases = {k: v for k, v in metrics.items() if is_timing(k)}
+    write_json(timing_path(stage.stage), {"stage": stage.stage, "seconds": stage.seconds, "phases": phases})
 
 
 def load_json(path: str) -> dict[str, Any]:

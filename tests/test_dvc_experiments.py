@@ -31,12 +31,20 @@ def test_write_metrics_keeps_wall_time_apart_and_the_summary_reads_it_there(tmp_
     from tasks.outputs import write_metrics
 
     monkeypatch.chdir(tmp_path)
-    history = {2: {"ppo/kl": 0.25, "ppo/reward/mean": 1.0}, "1": {"ppo/value/pretrain_iterations": 1.0}}
-    metrics = {"ppo/policy_iterations": 1.0, "ppo/last/kl": float("nan"), "stopped_by": None}
+    history = {
+        2: {"ppo/kl": 0.25, "ppo/reward/mean": 1.0, "ppo/time/update": 3.5},
+        "1": {"ppo/value/pretrain_iterations": 1.0},
+    }
+    metrics = {
+        "ppo/policy_iterations": 1.0,
+        "ppo/last/kl": float("nan"),
+        "stopped_by": None,
+        "ppo/last/time/update": 3.5,
+    }
     curves = "metrics/ppo_curves.json"
     write_metrics("metrics/ppo.json", metrics, SimpleNamespace(stage="ppo", seconds=12.25), curves={curves: history})
     assert load("metrics/ppo.json") == {"ppo/policy_iterations": 1.0, "ppo/last/kl": None, "stopped_by": None}
-    assert load("timings/ppo.json") == {"stage": "ppo", "seconds": 12.25}
+    assert load("timings/ppo.json") == {"stage": "ppo", "seconds": 12.25, "phases": {"ppo/last/time/update": 3.5}}
     # every row holds every signal (DVC's plots fail on a row without the plotted field), in iteration order
     assert load(curves) == [
         {"iteration": 1, "ppo/kl": None, "ppo/reward/mean": None, "ppo/value/pretrain_iterations": 1.0},
@@ -76,7 +84,8 @@ def test_an_experiment_compares_with_the_committed_baseline_in_dvc_exp_show_and_
         assert "seconds" in load(os.path.join(project, "timings", f"{stage}.json"))
     for name in os.listdir(os.path.join(project, "metrics")):
         values = load(os.path.join(project, "metrics", name))
-        assert "seconds" not in (values if isinstance(values, dict) else values[0]), name
+        keys = values if isinstance(values, dict) else values[0]
+        assert "seconds" not in keys and not [k for k in keys if "/time/" in k], name
     # what the README says to commit is all the run leaves for git
     git(project, "add", "dvc.lock", "metrics", "params.yaml")
     git(project, "commit", "-qm", "baseline")
