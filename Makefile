@@ -40,6 +40,6 @@ unit: setup
 mutants: setup
 	$(BIN)/python -m bench.mutants
 
-# Speed benchmark against TRL 1.12.0 (not part of `make test` or CI): alone on the machine, ~45 min on 2 cores.
+# Speed benchmark against TRL 1.12.0 (not part of `make test` or CI): alone on the machine, ~35 min on 2 cores.
 speed: setup
 	$(BIN)/python -m bench.speed

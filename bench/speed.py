@@ -20,7 +20,7 @@ Writes ``bench/out/speed/results.json`` (every run, raw) and ``bench/out/speed/t
 (the tables for the README) and prints the tables. Worker logs go to ``bench/out/speed/logs/``.
 
 Usage:
-    python -m bench.speed            # the full run, alone on the machine (about 45 minutes on 2 cores)
+    python -m bench.speed            # the full run, alone on the machine (~35 min on 2 cores; 2 rounds took 24)
     python -m bench.speed --quick    # one round, fewer steps and scaling points, no lever rows (~10 min, 2 cores)
     python -m bench.speed --report-only  # rebuild the tables from bench/out/speed/results.json
 """

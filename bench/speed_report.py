@@ -221,7 +221,7 @@ def build_report(results: dict[str, Any]) -> dict[str, Any]:
         "Not equal by design of each implementation: TRL's PPO takes the rollout logprobs from the generation "
         "logits (ours runs a policy forward), trains policy and value in one forward/backward and one AdamW "
         "over both and clips no gradients (ours: one step per model, each clipped at norm 1.0); TRL's trainers "
-        "use adamw_torch_fused (transformers' default; ours torch.optim.AdamW, foreach) and SFTTrainer computes "
+        "use adamw_torch_fused, as ours do (torch.optim.AdamW fused=True), and SFTTrainer computes "
         "entropy and token accuracy every step. Ours best = Runtime(mixed_precision='bf16'): bf16 autocast, "
         "fp32 master weights, frozen PPO models in bf16 weights; TRL best = bf16 autocast on the trained models only.",
         "Utilisation: model FLOPs / time / peak of the precision that ran; model FLOPs = (2 N + 4 N_trainable) x "
