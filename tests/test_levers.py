@@ -3,7 +3,7 @@
 The levers: chunked gather-minus-logsumexp logprobs (``losses.LOGPROB_CHUNK``), only the response positions
 through the LM head (``logits_to_keep`` in ``models.response_logprobs``), bf16 autocast
 (``device.mixed_precision: bf16``), bf16 storage of the frozen models (``device.frozen_bf16``) and the fused
-AdamW of ``training.make_optimizer``.
+AdamW of ``training.make_optimizer`` and the ``gradient_checkpointing`` option of the supervised loop.
 Each tolerance is stated where it is used, with the figure measured on the tiny model.
 
 bf16 keeps 8 significant bits (7 stored + 1 implicit): a unit roundoff of 2**-8 = 3.9e-3, about 3 significant
@@ -25,6 +25,7 @@ from rlhf.device import Runtime
 from rlhf.models import load_causal_lm, position_ids_from_mask, response_logprobs, sequence_scores
 from rlhf.ppo_config import PPOConfig
 from rlhf.rollout import GenerationSettings, RunningMoments, make_experience, value_predictions
+from rlhf.sft import SFTConfig, train_sft
 from rlhf.training import make_optimizer
 from rlhf.update import make_optimisers, ppo_update
 
@@ -254,3 +255,26 @@ def test_fused_adamw_takes_the_same_steps_as_the_looped_one(tiny_dir):
         for a, b in zip(fused_model.parameters(), load_causal_lm(tiny_dir).parameters(), strict=True)
     ]
     assert all(moved)  # every tensor took its steps
+
+
+def test_gradient_checkpointing_trains_exactly_as_without(tiny_dir, tokenizer):
+    # the same two SFT steps with the block activations kept or recomputed in the backward pass: the same
+    # arithmetic in the same order, so the losses and the weights agree to fp32 noise (1e-6)
+    examples = [
+        {"prompt": [{"role": "user", "content": f"question {i}"}], "chosen": [{"role": "assistant", "content": "ok"}]}
+        for i in range(4)
+    ]
+    results = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model, logged = load_causal_lm(tiny_dir), []
+        config = SFTConfig(steps=2, batch_size=2, lr=1e-2, checkpoint_every=0, gradient_checkpointing=checkpointing)
+        log = logged.append
+        train_sft(model, tokenizer, examples, config, lambda m, s, log=log: log(m["sft/loss"]), FP32, progress=False)
+        assert model.is_gradient_checkpointing == checkpointing
+        results.append((logged, model.state_dict()))
+    (plain_losses, plain), (checkpointed_losses, checkpointed) = results
+    assert checkpointed_losses == pytest.approx(plain_losses, abs=1e-6)
+    for name, tensor in plain.items():
+        assert torch.allclose(tensor, checkpointed[name], atol=1e-6), name
+    assert not torch.equal(plain["lm_head.weight"], load_causal_lm(tiny_dir).state_dict()["lm_head.weight"])

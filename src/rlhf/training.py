@@ -235,6 +235,7 @@ class LoopConfig:
     checkpoint_every: int = 10  # steps between resume checkpoints (0: never)
     trainable_layers: int | None = None  # train only the top N blocks (CPU budget); None: all
     group_by_length: bool = False  # batches of similar length (less padding); still every example once per epoch
+    gradient_checkpointing: bool = False  # recompute each block's activations in the backward: less memory, slower
     seed: int = 0  # minibatch order and any new head's initialisation
 
     def __post_init__(self) -> None:
@@ -320,6 +321,11 @@ def supervised_loop(
         start, losses = state["step"], list(state["losses"])
         guard.skipped = state.get("skipped_steps", 0)
     model.eval()  # dropout off; gradients still flow
+    if config.gradient_checkpointing:
+        # transformers recomputes activations only in train mode; the loaders zero every dropout, so train mode
+        # computes exactly what eval mode does (tests/test_levers.py)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
     for step in tqdm(range(start, steps), desc=prefix, initial=start, total=steps, disable=not progress):
         where = f"step {step + 1} of {steps}"
         with runtime.autocast():
