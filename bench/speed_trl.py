@@ -93,10 +93,12 @@ def _clock_callback(clock: StepClock) -> Any:
     from transformers import TrainerCallback
 
     class Clock(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kwargs):  # noqa: ANN001, D102
+        def on_train_begin(self, args, state, control, **kwargs):
+            """Start the clock when TRL's training loop starts."""
             clock.start()
 
-        def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001, D102
+        def on_step_end(self, args, state, control, **kwargs):
+            """Tick after every optimiser step."""
             clock.tick()
 
     return Clock()

@@ -101,7 +101,10 @@ def test_reward_loss_is_bradley_terry_plus_lm_coef_times_imitation_loss(tiny_dir
     config = RewardConfig(
         steps=1, batch_size=2, lr=0.0, warmup_steps=0, scheduler="constant", lm_coef=0.7, margin=0.5, max_length=64
     )
-    train_reward_model(model, tokenizer, examples, config, lambda m, s: logged.update(m), Runtime(), progress=False)
+    summary = train_reward_model(
+        model, tokenizer, examples, config, lambda m, s: logged.update(m), Runtime(), progress=False
+    )
+    assert summary["rm/train_pairs"] == 2.0 and summary["rm/epochs"] == 1.0  # 1 step x 2 pairs of 2: each pair once
     pairs = encode_pairs(tokenizer, examples, 64)
     chosen = score_sequences(model, tokenizer, [c.input_ids for c, _ in pairs], 4, Runtime())
     rejected = score_sequences(model, tokenizer, [r.input_ids for _, r in pairs], 4, Runtime())
