@@ -306,7 +306,15 @@ class StageRun:
         infinity), which would read as a finite number: so an infinity is logged
         as NaN, and every non-finite value also sets the run tag
         ``rlhf.non_finite.<metric>`` to what it was, e.g. ``inf at step 3``.
+
+        A stop signal that arrives during the write is delivered right after it
+        (:func:`held_stop_signals`): raised inside the tracking store's database call it would
+        cut the query, and SQLAlchemy logs a traceback of its own.
         """
+        with held_stop_signals():
+            self._log(metrics, step)
+
+    def _log(self, metrics: dict[str, float], step: int) -> None:
         import mlflow
 
         values = {key: float(value) for key, value in metrics.items()}
