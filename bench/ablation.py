@@ -21,7 +21,7 @@ import mlflow
 import typer
 import yaml
 
-from rlhf.training import write_json
+from rlhf.checkpoint import write_json
 from tasks import ppo
 from tasks.outputs import atomic_dir
 from tasks.params import read_params, stage_params

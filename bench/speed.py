@@ -63,13 +63,15 @@ def plan(
     minibatches: int,
     train_batch: int,
     lever_layers: int | None,
+    lora_rank: int,
     scaling_batches: list[int],
     scaling_responses: list[int],
     scaling_steps: int,
     scaling_precision: str,
 ) -> list[dict[str, Any]]:
-    """The runs in order: each round alternates ours and TRL per figure and precision, then the lever row
-    (``lever_layers`` None: none); the scaling run (ours only, one process) comes once, after the rounds.
+    """The runs in order: each round alternates ours and TRL per figure and precision, then the lever rows
+    (``lever_layers`` None: none; PPO also a LoRA policy of ``lora_rank``, 0: none); the scaling run
+    (ours only, one process) comes once, after the rounds.
 
     Returns:
         ``[{"row": str, "round": int, "impl": "ours" | "trl", "spec": Spec}]``.
@@ -87,6 +89,9 @@ def plan(
             if lever_layers is not None:
                 lever = Spec(task=figure, precision="fp32", steps=steps, trainable_layers=lever_layers, **shape)
                 runs.append({"row": f"{figure}/lever", "round": round_, "impl": "ours", "spec": lever})
+            if lever_layers is not None and figure == "ppo" and lora_rank:
+                lora = Spec(task=figure, precision="fp32", steps=steps, lora_rank=lora_rank, **shape)
+                runs.append({"row": f"{figure}/lora", "round": round_, "impl": "ours", "spec": lora})
     grid = [[b, response] for b in scaling_batches] + [[batch, r] for r in scaling_responses if r != response]
     if batch not in scaling_batches:
         grid.insert(0, [batch, response])
@@ -139,6 +144,7 @@ def _describe(run: dict[str, Any]) -> str:
     extra = f" sizes={spec.sizes}" if spec.sizes else f" batch={spec.batch}"
     extra += f" response={spec.response}" if spec.task == "ppo" and not spec.sizes else ""
     extra += f" trainable_layers={spec.trainable_layers}" if spec.trainable_layers is not None else ""
+    extra += f" lora_rank={spec.lora_rank}" if spec.lora_rank else ""
     return f"{run['impl']:4s} {spec.task:6s} {spec.precision}{extra}"
 
 
@@ -162,11 +168,15 @@ def main(
     minibatches: int = typer.Option(1, help="PPO minibatches per epoch (TRL's default)"),
     train_batch: int = typer.Option(4, help="SFT examples / reward pairs per optimiser step"),
     lever_layers: int = typer.Option(8, help="trainable_layers of our lever rows"),
+    lora_rank: int = typer.Option(
+        16, help="rank of the LoRA policy of our PPO lever row (alpha = 2 x rank; 0: no row)"
+    ),
     levers: bool = typer.Option(True, help="run the lever rows (not with --quick)"),
     scaling_batches: str = typer.Option("4,8,16", help="PPO batch sizes of the scaling run (response fixed)"),
     scaling_responses: str = typer.Option("32,64,128", help="PPO response lengths of the scaling run (batch fixed)"),
     scaling_steps: int = typer.Option(2, help="timed iterations per scaling point (1 with --quick)"),
     scaling_precision: str = typer.Option("bf16", help="precision of the scaling run (fp32 or bf16)"),
+    rows: str = typer.Option("", help="run only these rows, e.g. ppo/fp32,ppo/lora (default: every row)"),
     report_only: bool = typer.Option(False, help="only rebuild table.md and the tables from results.json"),
 ) -> None:
     """Run the speed benchmark and write bench/out/speed/results.json and table.md."""
@@ -187,12 +197,15 @@ def main(
     print(f"matmul peak: fp32 {peak['fp32']:.0f} GFLOP/s, bf16 {peak['bf16']:.0f} GFLOP/s", flush=True)
     runs = plan(
         repeats, ppo_steps, train_steps, batch, response, epochs, minibatches, train_batch,
-        lever_layers if levers else None,
+        lever_layers if levers else None, lora_rank,
         _ints(scaling_batches), _ints(scaling_responses), scaling_steps, scaling_precision,
     )  # fmt: skip
+    if rows:
+        runs = [run for run in runs if run["row"] in rows.split(",")]
     settings = {"quick": quick, "repeats": repeats, "ppo_steps": ppo_steps, "train_steps": train_steps}
     settings |= {"batch": batch, "response": response, "epochs": epochs, "minibatches": minibatches}
     settings |= {"train_batch": train_batch, "lever_layers": lever_layers if levers else None}
+    settings |= {"lora_rank": lora_rank if levers else 0, "rows": rows or "all"}
     settings |= {"scaling_precision": scaling_precision}
     results: dict[str, Any] = {"settings": settings, "peak_gflops": peak, "runs": []}
     for number, run in enumerate(runs, 1):

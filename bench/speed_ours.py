@@ -53,6 +53,7 @@ def _runtime(precision: str, ppo: bool = False) -> tuple[Runtime, str]:
 
 def run_ppo(spec: Spec) -> dict[str, Any]:
     """PPO iterations (rollout, scoring, update) with SmolLM2-135M as policy, reference, reward and value model."""
+    from rlhf.lora import AdapterDisabledReference, add_lora
     from rlhf.models import load_causal_lm, load_scalar_model, load_tokenizer
     from rlhf.ppo_config import PPOConfig
     from rlhf.rollout import GenerationSettings, RunningMoments, make_experience
@@ -62,7 +63,12 @@ def run_ppo(spec: Spec) -> dict[str, Any]:
     runtime, applied = _runtime(spec.precision, ppo=True)
     prompts = load_inputs()["prompts"]
     tokenizer = load_tokenizer(BASE)
-    policy, reference = runtime.place(load_causal_lm(BASE)), runtime.frozen(load_causal_lm(BASE))
+    policy = runtime.place(load_causal_lm(BASE))
+    if spec.lora_rank:  # as tasks/ppo.py builds it: no second copy of the weights for the reference
+        policy = add_lora(policy, spec.lora_rank, 2.0 * spec.lora_rank)
+        reference = AdapterDisabledReference(policy)
+    else:
+        reference = runtime.frozen(load_causal_lm(BASE))
     reward_model, value_model = runtime.frozen(load_scalar_model(BASE)), runtime.place(load_scalar_model(BASE))
     models = (policy, reference, reward_model, value_model)
     config = PPOConfig(
@@ -74,6 +80,8 @@ def run_ppo(spec: Spec) -> dict[str, Any]:
         value_pretrain_iterations=0,
         collapse_reward_skew=None,
         trainable_layers=spec.trainable_layers,
+        lora_rank=spec.lora_rank,
+        lora_alpha=2.0 * max(spec.lora_rank, 1),
         seed=spec.seed,
     )
     for model in models:

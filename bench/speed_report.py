@@ -23,6 +23,7 @@ import statistics
 from typing import Any
 
 PHASES = ("generation", "reference", "reward", "values", "policy_logprobs", "update")
+SETTINGS = ("fp32", "best", "lever", "lora")  # the lever rows compare with ours fp32, never with TRL
 LABELS = {"ppo": "PPO iteration (s/iteration)", "reward": "Reward model (tokens/s)", "sft": "SFT (tokens/s)"}
 
 
@@ -99,11 +100,13 @@ def _pair_row(runs: list[dict[str, Any]], figure: str, setting: str, peak: dict[
     def faster(ours_value: float, trl_value: float) -> float:
         return trl_value / ours_value if figure == "ppo" else ours_value / trl_value
 
-    if setting == "lever":
+    if setting in ("lever", "lora"):
         base = {k: figures(v, peak) for k, v in _ok(runs, f"{figure}/fp32", "ours").items()}
         speedup = _median([faster(ours[k]["value"], base[k]["value"]) for k in ours if k in base])
-        layers = next(iter(raw_ours.values()))["spec"]["trainable_layers"] if raw_ours else "?"
-        name, trl_value = f"{LABELS[figure]}, ours trainable_layers={layers} (fp32)", "-"
+        spec = next(iter(raw_ours.values()))["spec"] if raw_ours else {}
+        lever = f"trainable_layers={spec.get('trainable_layers', '?')}"
+        lever = f"LoRA policy rank {spec.get('lora_rank', '?')}" if setting == "lora" else lever
+        name, trl_value = f"{LABELS[figure]}, ours {lever} (fp32)", "-"
         ratio, precision = f"n/a ({_fmt(speedup)}x ours fp32)", applied(raw_ours, "ours")
     else:
         kind = "fp32 both" if setting == "fp32" else "best: ours bf16 / TRL bf16 autocast"
@@ -175,13 +178,10 @@ def build_report(results: dict[str, Any]) -> dict[str, Any]:
     runs, peak, settings = results["runs"], results["peak_gflops"], results["settings"]
     planned = {r["row"] for r in runs}
     main_rows = [
-        _pair_row(runs, f, s, peak)
-        for f in ("ppo", "reward", "sft")
-        for s in ("fp32", "best", "lever")
-        if f"{f}/{s}" in planned
+        _pair_row(runs, f, s, peak) for f in ("ppo", "reward", "sft") for s in SETTINGS if f"{f}/{s}" in planned
     ]
     phase_rows = []
-    for setting in ("fp32", "best", "lever"):
+    for setting in SETTINGS:
         for round_, result in sorted(_ok(runs, f"ppo/{setting}", "ours").items()):
             spec = result["spec"]
             label = f"{setting}, round {round_ + 1}, batch {spec['batch']}, response {spec['response']}"
@@ -228,12 +228,14 @@ def build_report(results: dict[str, Any]) -> dict[str, Any]:
         "real tokens, N = weights of every nn.Linear (tied LM head included, embeddings not): 6 N x tokens when "
         "every layer trains. PPO iteration: generation, reference, reward and value forwards (2 N each) plus the "
         "PPO epochs of policy and value training; the policy's rollout logprobs are not counted. Generation is "
-        "reported as tokens/s (new tokens of all responses / seconds inside generate).",
+        "reported as tokens/s (new tokens of all responses / seconds inside generate). A LoRA policy's "
+        "N_trainable is its adapters: the input gradients its backward still computes through the frozen "
+        "weights (2 N) are not model FLOPs by this count, so that row's utilisation reads low.",
     ]
     sizes = {}
     for r in runs:
         params = r["result"].get("params", {})
-        if "policy" in params:
+        if "policy" in params and not r["spec"].get("lora_rank"):  # a LoRA policy adds its adapters to N
             sizes = {"causal LM": params["policy"]["matmul"], "scalar model": params["value"]["matmul"]}
     if sizes:
         notes.append("N (matmul weights): " + ", ".join(f"{k} {v / 1e6:.1f}M" for k, v in sizes.items()) + ".")

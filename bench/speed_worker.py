@@ -37,7 +37,8 @@ class Spec:
     """One measurement: which trainer, at which precision and sizes.
 
     ``batch`` is prompts per PPO iteration, or examples (pairs for the reward model) per
-    optimiser step; ``minibatches`` splits a PPO rollout; ``trainable_layers`` None trains every layer.
+    optimiser step; ``minibatches`` splits a PPO rollout; ``trainable_layers`` None trains every layer;
+    ``lora_rank`` > 0 trains a LoRA policy instead (PPO only).
     """
 
     task: str  # ppo | reward | sft
@@ -48,6 +49,7 @@ class Spec:
     epochs: int = 4  # PPO epochs per iteration
     minibatches: int = 1  # PPO minibatches per epoch
     trainable_layers: int | None = None
+    lora_rank: int = 0  # PPO: a LoRA policy of this rank, its reference the same weights with adapters off
     lr: float = 1e-6
     seed: int = 0
     # PPO scaling (ours only): ``[[batch, response], ...]``; one warm-up iteration at the first size,

@@ -196,7 +196,7 @@ def write_metrics(
             ``{"iteration": i, signal: value, ...}`` rows in iteration order, numbers only, every row
             with every signal (null where an iteration has none: DVC's plots fail on a missing field).
     """
-    from rlhf.training import atomic_write_text, write_json
+    from rlhf.checkpoint import atomic_write_text, write_json
 
     def clean(value: Any) -> Any:
         return None if isinstance(value, float) and not math.isfinite(value) else value

@@ -16,6 +16,7 @@ from typing import Any
 
 from rlhf.chat import encode_prompt
 from rlhf.data import load_jsonl, ptx_token_ids
+from rlhf.lora import AdapterDisabledReference, add_lora, merged_copy
 from rlhf.models import load_causal_lm, load_scalar_model, load_tokenizer
 from rlhf.plots import reward_histograms, signal_figures
 from rlhf.ppo import PPOModels, train_ppo
@@ -49,7 +50,8 @@ def run(
     """Train the policy and stage it as ``out_dir`` in ``outputs``; returns the trainer's result.
 
     ``device``: the params.yaml ``device`` section (None: read from params.yaml); the policy and value
-    model are trained in float32, the reference and reward model stored as ``device.frozen_bf16`` says.
+    model are trained in float32, the reference and reward model stored as ``device.frozen_bf16`` says
+    (with ``ppo.lora_rank`` the reference is the policy's own float32 base, adapters disabled).
 
     The policy is written when ``outputs`` commits (without ``outputs``, as soon as it is trained).
 
@@ -67,10 +69,7 @@ def run(
     runtime = stage_runtime("ppo", device)
     value_model = runtime.place(load_scalar_model(REWARD if config.value_init == "reward" else SFT))
     models = PPOModels(
-        runtime.place(load_causal_lm(SFT)),
-        runtime.frozen(load_causal_lm(SFT)),
-        runtime.frozen(load_scalar_model(REWARD)),
-        value_model,
+        *policy_and_reference(SFT, config, runtime), runtime.frozen(load_scalar_model(REWARD)), value_model
     )
     rows = sorted(load_jsonl(PROMPTS), key=lambda row: row["id"])
     held_out = config.validation_prompts if config.validate_every else 0
@@ -87,10 +86,24 @@ def run(
     result = train_ppo(models, tokenizer, train_prompts, validation, ptx, config, settings, log, checkpointer, runtime)
     with contextlib.nullcontext(outputs) if outputs is not None else StagedOutputs() as staged:
         folder = staged.folder(out_dir)
-        models.policy.save_pretrained(folder, safe_serialization=True)
+        merged_copy(models.policy).save_pretrained(folder, safe_serialization=True)  # LoRA: adapters folded in
         tokenizer.save_pretrained(folder)
         staged.on_commit(checkpointer.clear)  # a failure before the commit resumes from the checkpoints
     return result
+
+
+def policy_and_reference(sft: str, config: PPOConfig, runtime) -> tuple[Any, Any]:
+    """The policy (trained in float32 on ``runtime``'s device) and its reference, both the SFT model at the start.
+
+    With ``ppo.lora_rank`` the policy is a LoRA model and the reference is that model with its adapters
+    disabled (:mod:`rlhf.lora`): the SFT weights are loaded once. Otherwise the reference is a second,
+    frozen copy (bf16 under ``device.frozen_bf16``).
+    """
+    policy = runtime.place(load_causal_lm(sft))
+    if config.lora_rank:
+        policy = add_lora(policy, config.lora_rank, config.lora_alpha)
+        return policy, AdapterDisabledReference(policy)
+    return policy, runtime.frozen(load_causal_lm(sft))
 
 
 def save_figures(histories: dict, samples: dict, folder: str) -> list[str]:

@@ -117,7 +117,7 @@ def stale_changes(old: dict[str, Any] | None, new: dict[str, Any]) -> list[str]:
 
 
 def run_checkpointer(stage: str, params: dict[str, Any], inputs: list[str]):
-    """A :class:`rlhf.training.Checkpointer` for this stage, params and inputs, in ``checkpoints/<stage>/<fp>/``.
+    """A :class:`rlhf.checkpoint.Checkpointer` for this stage, params and inputs, in ``checkpoints/<stage>/<fp>/``.
 
     The fingerprint ``<fp>`` hashes the stage's params and the *content* of
     its current input files (sha256 of every file, streamed; never file sizes,
@@ -139,7 +139,7 @@ def run_checkpointer(stage: str, params: dict[str, Any], inputs: list[str]):
     Raises:
         FileNotFoundError: an input does not exist.
     """
-    from rlhf.training import Checkpointer, atomic_write_text
+    from rlhf.checkpoint import Checkpointer, atomic_write_text
 
     manifest = fingerprint_manifest(params, inputs)
     root = checkpoint_root(stage)

@@ -18,9 +18,10 @@ import os
 import sys
 from typing import Any
 
+from rlhf.checkpoint import write_json
 from rlhf.data import SPLITS, load_jsonl, write_jsonl
 from rlhf.models import load_tokenizer
-from rlhf.training import config_from_params, write_json
+from rlhf.training import config_from_params
 from rlhf.validation import ValidationConfig, split_kind, validate_split
 from tasks.common import cli
 from tasks.outputs import StagedOutputs, write_metrics

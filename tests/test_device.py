@@ -20,6 +20,7 @@ from test_ppo import PROMPTS, four_models, small_config
 from torch.overrides import TorchFunctionMode
 
 from rlhf.chat import encode_chat, encode_prompt
+from rlhf.checkpoint import Checkpointer
 from rlhf.device import Runtime
 from rlhf.evaluation import EvalConfig, evaluate_policy
 from rlhf.finite import to_host
@@ -28,7 +29,6 @@ from rlhf.ppo import train_ppo
 from rlhf.reward import RewardConfig, evaluate_reward_model, score_sequences, train_reward_model
 from rlhf.rollout import GenerationSettings, RunningMoments, make_experience
 from rlhf.sft import SFTConfig, train_sft
-from rlhf.training import Checkpointer
 
 CPU = torch.device("cpu")
 HERE = os.path.abspath(__file__)

@@ -32,6 +32,7 @@ import rlhf.finite as finite_module
 import rlhf.ppo as ppo_module
 import rlhf.update as update_module
 from rlhf.chat import encode_prompt
+from rlhf.checkpoint import Checkpointer
 from rlhf.device import Runtime
 from rlhf.finite import non_finite_weights
 from rlhf.models import load_causal_lm, load_scalar_model
@@ -40,7 +41,7 @@ from rlhf.ppo_config import PPOConfig
 from rlhf.reward import RewardConfig, train_reward_model
 from rlhf.rollout import GenerationSettings
 from rlhf.sft import SFTConfig, train_sft
-from rlhf.training import Checkpointer, LoopConfig, supervised_loop
+from rlhf.training import LoopConfig, supervised_loop
 from tasks.outputs import StagedOutputs
 from tasks.runs import BOOT_TAG, HOST_TAG, PID_TAG, START_TAG, StageRun, Stopped, owner_gone, owner_tags
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from rlhf.training import Checkpointer, atomic_write_text
+from rlhf.checkpoint import Checkpointer, atomic_write_text
 from tasks.outputs import load_json
 from tasks.resume import MANIFEST, file_sha256, fingerprint_manifest, input_hashes, run_checkpointer
 

@@ -3,7 +3,8 @@
 The levers: chunked gather-minus-logsumexp logprobs (``losses.LOGPROB_CHUNK``), only the response positions
 through the LM head (``logits_to_keep`` in ``models.response_logprobs``), bf16 autocast
 (``device.mixed_precision: bf16``), bf16 storage of the frozen models (``device.frozen_bf16``) and the fused
-AdamW of ``training.make_optimizer`` and the ``gradient_checkpointing`` option of the supervised loop.
+AdamW of ``training.make_optimizer`` and the ``gradient_checkpointing`` option of the supervised loop
+(the LoRA policy has its own file, ``tests/test_lora.py``).
 Each tolerance is stated where it is used, with the figure measured on the tiny model.
 
 bf16 keeps 8 significant bits (7 stored + 1 implicit): a unit roundoff of 2**-8 = 3.9e-3, about 3 significant

@@ -13,12 +13,12 @@ from conftest import Killed
 
 import rlhf.ppo as ppo_module
 from rlhf.chat import encode_prompt
+from rlhf.checkpoint import Checkpointer
 from rlhf.device import Runtime
 from rlhf.models import load_causal_lm, load_scalar_model
 from rlhf.ppo import PPOModels, train_ppo
 from rlhf.ppo_config import PPOConfig
 from rlhf.rollout import GenerationSettings, RunningMoments, make_experience
-from rlhf.training import Checkpointer
 from rlhf.update import make_optimisers, ppo_update
 
 PROMPTS = [

@@ -4,11 +4,12 @@ import pytest
 import torch
 from conftest import Killed
 
+from rlhf.checkpoint import Checkpointer
 from rlhf.device import Runtime
 from rlhf.models import load_causal_lm, load_scalar_model
 from rlhf.reward import RewardConfig, train_reward_model
 from rlhf.sft import SFTConfig, train_sft
-from rlhf.training import Checkpointer, minibatch_indices
+from rlhf.training import minibatch_indices
 
 EXAMPLES = [
     {

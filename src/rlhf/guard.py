@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from rlhf.checkpoint import Checkpointer
 from rlhf.ppo_config import PPOConfig
 from rlhf.rollout import skewness
-from rlhf.training import Checkpointer
 
 
 def window_signals(window: list[dict[str, list[float]]]) -> dict[str, float]:

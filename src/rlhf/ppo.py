@@ -19,12 +19,13 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf import losses
+from rlhf.checkpoint import Checkpointer
 from rlhf.device import Runtime
 from rlhf.finite import NonFiniteError, ScalerStep, check_finite_weights
 from rlhf.guard import act_on_collapse, detect_collapse, window_signals
 from rlhf.ppo_config import PPOConfig
 from rlhf.rollout import GenerationSettings, RunningMoments, make_experience, validation_stats
-from rlhf.training import Checkpointer, LogFn, freeze_lower_layers, minibatch_indices
+from rlhf.training import LogFn, freeze_lower_layers, minibatch_indices
 from rlhf.update import Optimisers, make_optimisers, ppo_update, ptx_batches
 
 

@@ -89,6 +89,10 @@ class PPOConfig:
     validation_prompts: int = 8
     checkpoint_every: int = 1
     trainable_layers: int | None = None  # train only the top N blocks of policy and value model (CPU budget); None: all
+    # LoRA policy (rlhf.lora): adapters of this rank on every linear layer of the policy's blocks, whose reference is
+    # the same weights with the adapters disabled (one copy of the weights fewer); 0: the whole policy trains
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
     seed: int = 0  # rollout sampling, minibatch order and the value head of a value model initialised from SFT
 
     def __post_init__(self) -> None:
@@ -96,7 +100,7 @@ class PPOConfig:
 
         Raises:
             ValueError: an unknown choice, a size below 1, warm-up with a schedule
-                that has none, an inert adaptive-KL horizon, or a collapse
+                that has none, LoRA together with ``trainable_layers``, an inert adaptive-KL horizon, or a collapse
                 threshold that cannot fire at these sizes (names the key).
         """
         if self.on_collapse not in ("stop", "rollback", "warn"):
@@ -125,6 +129,15 @@ class PPOConfig:
             raise ValueError(
                 f"ppo.value_pretrain_explained_variance {self.value_pretrain_explained_variance} is out of reach "
                 "(explained variance is at most 1)"
+            )
+        if self.lora_rank < 0 or self.lora_alpha <= 0:
+            raise ValueError(
+                f"ppo.lora_rank must be >= 0 and ppo.lora_alpha > 0, got {self.lora_rank}, {self.lora_alpha}"
+            )
+        if self.lora_rank and self.trainable_layers is not None:
+            raise ValueError(
+                "ppo.lora_rank and ppo.trainable_layers both choose what the policy trains: with lora_rank "
+                f"{self.lora_rank} set trainable_layers to null (the value model then trains every block)"
             )
         for name in ("collapse_length_ratio", "collapse_perplexity_ratio"):
             if getattr(self, name) is not None and getattr(self, name) <= 1:

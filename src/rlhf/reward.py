@@ -11,11 +11,12 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.chat import Encoded, encode_chat, pad, pad_masks
+from rlhf.checkpoint import Checkpointer
 from rlhf.device import Runtime
 from rlhf.losses import bradley_terry_loss, language_model_loss, last_token_index
 from rlhf.models import position_ids_from_mask, sequence_scores
 from rlhf.stats import TiesWarning, paired_rate
-from rlhf.training import Checkpointer, LogFn, LoopConfig, freeze_lower_layers, supervised_loop
+from rlhf.training import LogFn, LoopConfig, freeze_lower_layers, supervised_loop
 
 
 @dataclass

@@ -9,10 +9,11 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.chat import encode_chat, pad, pad_masks
+from rlhf.checkpoint import Checkpointer
 from rlhf.device import Runtime
 from rlhf.losses import language_model_loss
 from rlhf.models import position_ids_from_mask
-from rlhf.training import Checkpointer, LogFn, LoopConfig, freeze_lower_layers, supervised_loop
+from rlhf.training import LogFn, LoopConfig, freeze_lower_layers, supervised_loop
 
 
 @dataclass

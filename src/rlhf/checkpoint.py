@@ -1,0 +1,130 @@
+"""Atomic files and resumable checkpoints: what a stage writes survives a crash whole or not at all.
+
+A :class:`Checkpointer` stores models with ``save_pretrained`` (safetensors) and
+trainer state with ``torch.save``, read back with ``weights_only=True``; a LoRA
+policy stores only its adapters (:mod:`rlhf.lora`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from rlhf.lora import is_lora, load_adapter_weights
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    """Write a text file atomically (write a temporary file beside it, then rename).
+
+    The file gets the usual mode of a new file, ``0o666 & ~umask`` (``mkstemp``
+    alone would leave it 0600), as :func:`tasks.outputs.atomic_dir` does for
+    folders. On an error the temporary file is removed and ``path`` is left as it was.
+
+    Args:
+        path: the file to write (its folder is created if needed).
+        text: the content, written as UTF-8.
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            umask = os.umask(0)
+            os.umask(umask)
+            os.fchmod(handle.fileno(), 0o666 & ~umask)
+            handle.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        raise
+
+
+class Checkpointer:
+    """Atomic, resumable checkpoints of models, optimisers, schedulers and trainer state.
+
+    Layout: ``<root>/step-<n>/`` holds ``<name>/`` (``save_pretrained``,
+    safetensors) per model, ``state.pt`` (optimiser and scheduler state dicts,
+    RNG states, counters; read back with ``weights_only=True``) and
+    ``<root>/latest`` names the newest complete one. A checkpoint is written
+    into a temporary folder and renamed into place, and ``latest`` is replaced
+    atomically after it, so a crash while writing leaves the previous checkpoint
+    intact. Only the newest ``keep`` are kept.
+    """
+
+    def __init__(self, root: str, keep: int = 1):
+        self.root = root
+        self.keep = keep
+
+    def latest(self) -> str | None:
+        """Path of the newest complete checkpoint, or None."""
+        pointer = os.path.join(self.root, "latest")
+        if not os.path.exists(pointer):
+            return None
+        with open(pointer, encoding="utf-8") as handle:
+            path = os.path.join(self.root, handle.read().strip())
+        return path if os.path.isdir(path) else None
+
+    def save(self, step: int, models: dict[str, PreTrainedModel], state: dict[str, Any]) -> str:
+        """Write checkpoint ``step``.
+
+        Args:
+            step: the number of completed steps (iterations).
+            models: name -> model, saved with ``save_pretrained`` (a LoRA policy: its adapters only).
+            state: anything ``torch.save`` can store and ``torch.load(weights_only=True)`` can read
+                (tensors, numbers, strings, lists, dicts; optimiser ``state_dict()`` s).
+
+        Returns:
+            The checkpoint folder.
+        """
+        os.makedirs(self.root, exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=self.root, prefix=".tmp-")
+        for name, model in models.items():
+            model.save_pretrained(os.path.join(tmp, name), safe_serialization=True)
+        torch.save(state, os.path.join(tmp, "state.pt"))
+        final = os.path.join(self.root, f"step-{step:08d}")
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        atomic_write_text(os.path.join(self.root, "latest"), os.path.basename(final))
+        kept = sorted(d for d in os.listdir(self.root) if d.startswith("step-"))
+        for old in kept[: -self.keep]:
+            shutil.rmtree(os.path.join(self.root, old), ignore_errors=True)
+        for leftover in (
+            d for d in os.listdir(self.root) if d.startswith(".tmp-") and os.path.join(self.root, d) != tmp
+        ):
+            shutil.rmtree(os.path.join(self.root, leftover), ignore_errors=True)
+        return final
+
+    def load_state(self, path: str) -> dict[str, Any]:
+        """Read ``state.pt`` of a checkpoint (``weights_only=True``)."""
+        return torch.load(os.path.join(path, "state.pt"), weights_only=True)
+
+    def load_model_weights(self, path: str, name: str, model: PreTrainedModel) -> None:
+        """Copy the weights of checkpointed model ``name`` into ``model`` (safetensors, no remote code).
+
+        A LoRA policy's checkpoint holds its adapters only (:func:`rlhf.lora.load_adapter_weights`).
+        """
+        if is_lora(model):
+            load_adapter_weights(model, os.path.join(path, name))
+            return
+        saved = type(model).from_pretrained(
+            os.path.join(path, name), dtype=torch.float32, use_safetensors=True, trust_remote_code=False
+        )
+        model.load_state_dict(saved.state_dict())
+
+    def clear(self) -> None:
+        """Delete every checkpoint (after the stage's final outputs are written)."""
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def write_json(path: str, payload: dict[str, Any]) -> None:
+    """Write ``payload`` as indented JSON, atomically."""
+    atomic_write_text(path, json.dumps(payload, indent=2, sort_keys=True) + "\n")
