@@ -31,7 +31,9 @@ SUMMARY = {
     "validate": ["validate/valid", "validate/quarantined"],
     "sft": ["sft/loss_first", "sft/loss_last"],
     "reward": ["rm/accuracy", "rm/pairs", "rm/ties", "rm/accuracy_chosen_shorter", "rm/margin", "rm/ece"],
+    "gate": ["gate/passed", "gate/candidate_version", "gate/champion_version"],
     "ppo": [
+        "ppo/reward_model_version",
         "ppo/policy_iterations",
         "ppo/value/pretrain_explained_variance",
         "ppo/shipped_iteration",
@@ -302,21 +304,28 @@ def _figure(values: dict, key: str) -> str | None:
 
 
 def summary_warnings(metrics: dict[str, dict]) -> list[str]:
-    """Loud lines for the summary: the reward model's accuracy interval includes chance (or is below it, or undefined).
+    """Loud lines for the summary: the reward model's accuracy interval includes chance (or is below it, or
+    undefined), and each ``GATE FAILED: criterion, value, bound`` line of the gate's decision.
 
     Reads ``rm/accuracy``, ``rm/accuracy_low`` and ``rm/accuracy_high`` of the
     reward stage's metrics file (NaN is stored as null); the rule and wording
-    are :func:`rlhf.stats.chance_warning`'s, as printed by the reward stage.
+    are :func:`rlhf.stats.chance_warning`'s, as printed by the reward stage. The
+    gate's lines come from ``reports/reward_gate.json``.
     """
     from rlhf.stats import chance_warning
 
+    lines = []
     reward = metrics.get("reward", {})
-    if "rm/accuracy_low" not in reward:
-        return []
-    warning = chance_warning(
-        "rm_eval accuracy", reward.get("rm/accuracy"), reward.get("rm/accuracy_low"), reward.get("rm/accuracy_high")
-    )
-    return [f"WARNING: {warning}: the reward model has not learned to rank"] if warning else []
+    if "rm/accuracy_low" in reward:
+        warning = chance_warning(
+            "rm_eval accuracy", reward.get("rm/accuracy"), reward.get("rm/accuracy_low"), reward.get("rm/accuracy_high")
+        )
+        lines += [f"WARNING: {warning}: the reward model has not learned to rank"] if warning else []
+    gate = metrics.get("gate", {})
+    lines += [line for line in gate.get("lines", []) if line.startswith("GATE FAILED")]
+    if gate and not gate.get("champion"):
+        lines.append("WARNING: no reward model holds the champion alias: ppo cannot run (rlhf-registry status)")
+    return lines
 
 
 def stage_seconds(stage: str) -> float | None:

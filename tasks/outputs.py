@@ -74,6 +74,17 @@ class StagedOutputs:
         self._staged[target] = (tmp, os.path.basename(target))
         return os.path.join(tmp, os.path.basename(target))
 
+    def staged(self, path: str) -> str:
+        """The staging folder of output ``path`` (staged before by :meth:`folder`), e.g. to register it.
+
+        Raises:
+            KeyError: ``path`` is not a staged folder.
+        """
+        tmp, name = self._staged[os.path.abspath(path)]
+        if name is not None:
+            raise KeyError(f"{path} is a staged file, not a folder")
+        return tmp
+
     def on_commit(self, action) -> None:
         """Call ``action()`` after a successful commit (e.g. delete the checkpoints a rerun would resume from)."""
         self._on_commit.append(action)

@@ -1,7 +1,8 @@
 """Stage ppo: PPO / PPO-max from the SFT policy against the frozen reward model.
 
 Reads ``data/validated/{ppo_prompts,ptx_text}.jsonl``, ``models/sft`` (policy
-init and reference) and ``models/reward`` (reward model; value-model init).
+init and reference) and ``models/reward_champion`` (the reward model that holds the registry's
+``champion`` alias, written by the gate stage; value-model init).
 Writes ``models/policy/`` (the best policy by validation reward), ``metrics/ppo.json``,
 ``metrics/ppo_curves.json`` and ``reports/ppo/`` (one curve per signal, reward histograms) together,
 after everything that can fail (:class:`tasks.outputs.StagedOutputs`): a failed or stopped run leaves
@@ -23,6 +24,7 @@ from rlhf.ppo import PPOModels, train_ppo
 from rlhf.ppo_config import PPOConfig
 from rlhf.rollout import GenerationSettings
 from rlhf.training import config_from_params
+from tasks.champion import require_champion
 from tasks.common import cli, setup_torch, stage_runtime
 from tasks.outputs import StagedOutputs, write_metrics
 from tasks.params import stage_params
@@ -33,7 +35,7 @@ PROMPTS, PTX, SFT, REWARD = (
     "data/validated/ppo_prompts.jsonl",
     "data/validated/ptx_text.jsonl",
     "models/sft",
-    "models/reward",
+    "models/reward_champion",
 )
 OUT_DIR, REPORTS, METRICS, CURVES = "models/policy", "reports/ppo", "metrics/ppo.json", "metrics/ppo_curves.json"
 
@@ -59,11 +61,12 @@ def run(
     ``ppo.seed`` is set before any model is built, so it owns the value head of ``value_init: sft``.
 
     Raises:
-        ValueError: a bad setting; fewer prompts than the validation set needs.
+        ValueError: a bad setting; fewer prompts than the validation set needs; no reward-model champion.
         FloatingPointError: training diverged (:func:`rlhf.ppo.train_ppo`).
     """
     config = config_from_params(PPOConfig, params, "ppo")
     settings = config_from_params(GenerationSettings, generation, "generation")
+    champion = require_champion(REWARD)  # no champion: stop here, naming the promote command
     setup_torch(config.seed)
     tokenizer = load_tokenizer(SFT)
     runtime = stage_runtime("ppo", device)
@@ -84,6 +87,7 @@ def run(
         checkpoint_name, {"ppo": params, "generation": generation}, [PROMPTS, PTX, SFT, REWARD]
     )
     result = train_ppo(models, tokenizer, train_prompts, validation, ptx, config, settings, log, checkpointer, runtime)
+    result.summary["ppo/reward_model_version"] = float(champion["version"])
     with contextlib.nullcontext(outputs) if outputs is not None else StagedOutputs() as staged:
         folder = staged.folder(out_dir)
         merged_copy(models.policy).save_pretrained(folder, safe_serialization=True)  # LoRA: adapters folded in
@@ -132,6 +136,7 @@ def main() -> None:
         mlflow.log_artifacts(reports, "ppo")
         if result.stopped_by:
             mlflow.set_tag("rlhf.collapse", result.stopped_by)
+        mlflow.set_tag("rlhf.reward_model_version", f"{result.summary['ppo/reward_model_version']:.0f}")
         summary = {**result.summary, "stopped_by": result.stopped_by}
         write_metrics(outputs.file(METRICS), summary, stage, curves={outputs.file(CURVES): result.history})
     nan = float("nan")

@@ -109,6 +109,21 @@ def summary_lines(metrics: dict[str, float]) -> list[str]:
     return lines
 
 
+def register_version(folder: str, metrics: dict[str, float], params: dict[str, Any], run_id: str) -> str:
+    """Register the trained model (``folder``) as a new version of ``registry.reward_model``, the gate's candidate.
+
+    The last thing the stage does before its outputs are put in place: a registry that cannot be reached
+    fails the stage and leaves its previous outputs as they were. Returns the line to print.
+    """
+    from tasks.registry import register, version_tags
+    from tasks.runs import tracking_client
+
+    name = stage_params("registry")["reward_model"]
+    client, _ = tracking_client()
+    found = register(client, name, folder, run_id, version_tags(folder, metrics, params, [TRAIN, EVAL]))
+    return f"[reward] registered {name} version {found.version} (the gate stage decides on it)"
+
+
 def main() -> None:
     """DVC stage command."""
     import mlflow
@@ -121,6 +136,7 @@ def main() -> None:
         mlflow.log_figure(figure, "reward_margins.png")
         lines = summary_lines(metrics)
         write_metrics(outputs.file(METRICS), metrics, stage)
+        lines.append(register_version(outputs.staged(OUT_DIR), metrics, params, stage.run.info.run_id))
     for line in lines:
         print(line, flush=True)
 

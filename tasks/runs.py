@@ -28,13 +28,54 @@ def pipeline_run_id(params_path: str = PARAMS_FILE) -> str:
     """
     if os.environ.get("RLHF_PIPELINE_RUN_ID"):
         return os.environ["RLHF_PIPELINE_RUN_ID"]
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (subprocess.CalledProcessError, FileNotFoundError):
-        commit = "no-git"
     with open(params_path, "rb") as handle:
         digest = hashlib.sha256(handle.read()).hexdigest()[:12]
-    return f"repro-{commit[:12]}-{digest}"
+    return f"repro-{git_commit()[:12]}-{digest}"
+
+
+def git_commit() -> str:
+    """The commit checked out in the current folder (``no-git`` outside a repository)."""
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except (subprocess.CalledProcessError, FileNotFoundError):
+        return "no-git"
+
+
+def project_root() -> str:
+    """The project's root: ``DVC_ROOT`` (DVC sets it for every stage; inside an experiment's temporary copy it
+    names the parent repository) or the current folder."""
+    return os.path.abspath(os.environ.get("DVC_ROOT") or os.getcwd())
+
+
+def tracking_uri() -> str:
+    """``MLFLOW_TRACKING_URI``, else params.yaml's ``mlflow.tracking_uri``, with a relative local path made
+    absolute against :func:`project_root`: every stage, experiment and command of one project reaches the same
+    store whatever folder it runs in."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or read_params().get("mlflow", {}).get("tracking_uri", "")
+    uri = uri or "sqlite:///mlflow.db"
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        return "sqlite:///" + os.path.join(project_root(), uri[len("sqlite:///") :])
+    if "://" not in uri and not os.path.isabs(uri):  # a folder: MLflow's file store
+        return os.path.join(project_root(), uri)
+    return uri
+
+
+def tracking_client():
+    """``(MlflowClient, experiment id)`` of :func:`tracking_uri` and params.yaml's ``mlflow.experiment``.
+
+    A new experiment of a local store keeps its artifacts in ``<project root>/mlruns``, never in the folder
+    the command happens to run in.
+    """
+    import mlflow
+
+    uri = tracking_uri()
+    mlflow.set_tracking_uri(uri)
+    name = read_params().get("mlflow", {}).get("experiment", "rlhf")
+    client = mlflow.MlflowClient()
+    found = client.get_experiment_by_name(name)
+    if found is None and uri.startswith(("sqlite:", "/")):
+        client.create_experiment(name, artifact_location=f"file://{os.path.join(project_root(), 'mlruns')}")
+    return client, mlflow.set_experiment(name).experiment_id
 
 
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, name))
@@ -229,15 +270,8 @@ class StageRun:
 
     @staticmethod
     def _client():
-        """``(MlflowClient, experiment id)`` for the tracking URI and experiment of params.yaml (or the environment)."""
-        import mlflow
-
-        settings = read_params().get("mlflow", {})
-        mlflow.set_tracking_uri(
-            os.environ.get("MLFLOW_TRACKING_URI", settings.get("tracking_uri", "sqlite:///mlflow.db"))
-        )
-        experiment = mlflow.set_experiment(settings.get("experiment", "rlhf"))
-        return mlflow.MlflowClient(), experiment.experiment_id
+        """``(MlflowClient, experiment id)`` for :func:`tracking_uri` and the experiment of params.yaml."""
+        return tracking_client()
 
     @staticmethod
     def _find_parent(client, experiment_id: str, pipeline_run: str):

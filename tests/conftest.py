@@ -40,3 +40,13 @@ def tokenizer(tiny_dir):
     from rlhf.models import load_tokenizer
 
     return load_tokenizer(tiny_dir)
+
+
+@pytest.fixture(scope="session")
+def empty_db(tmp_path_factory) -> str:
+    """An MLflow sqlite store with its tables made (a new store takes seconds to set up); copy it, never write it."""
+    import mlflow
+
+    path = str(tmp_path_factory.mktemp("db") / "mlflow.db")
+    mlflow.MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments()
+    return path

@@ -508,16 +508,6 @@ def test_owner_gone_only_when_the_process_surely_is():
 
 
 @pytest.fixture(scope="module")
-def empty_db(tmp_path_factory) -> str:
-    """An MLflow sqlite store with its tables made (a new store takes seconds to set up)."""
-    import mlflow
-
-    path = str(tmp_path_factory.mktemp("db") / "mlflow.db")
-    mlflow.MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments()
-    return path
-
-
-@pytest.fixture(scope="module")
 def store(tmp_path_factory, empty_db):
     folder = tmp_path_factory.mktemp("store")
     (folder / "params.yaml").write_text("profile: tiny\nmlflow: {experiment: failures}\n")

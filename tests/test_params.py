@@ -116,6 +116,7 @@ def test_each_stage_seeds_with_its_own_seed_before_it_builds_a_model(monkeypatch
 
     monkeypatch.setattr(module, "load_tokenizer", loader)
     monkeypatch.setattr(module, "load_jsonl", lambda path: [])  # no data needed to get that far
+    monkeypatch.setattr(module, "require_champion", lambda folder: {"version": "1"}, raising=False)  # ppo, evaluate
     params = {**stage_params(section, load("params.yaml")), "seed": 4321}
     generation = stage_params("generation", load("params.yaml"))
     args = {"sft": (params, None, None), "reward": (params, None, None), "ppo": (params, generation, None)}

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.integration
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED = os.path.join(os.path.dirname(REPO), "shared")
-STAGES = ["prepare", "base_model", "validate", "sft", "reward", "ppo", "evaluate"]
+STAGES = ["prepare", "base_model", "validate", "sft", "reward", "gate", "ppo", "evaluate"]
 
 
 def make_project(root) -> str:
@@ -71,6 +71,8 @@ def assert_outputs(project: str) -> None:
     for path in (
         "models/policy/model.safetensors",
         "models/reward/model.safetensors",
+        "models/reward_champion/model.safetensors",
+        "models/reward_champion/registry_version.json",
         "reports/eval/samples.md",
         "reports/ppo/ppo_kl.png",
     ):
@@ -83,7 +85,13 @@ def assert_outputs(project: str) -> None:
     status = subprocess.run(
         [sys.executable, "-m", "dvc", "status", "--json"], cwd=project, capture_output=True, text=True, check=True
     ).stdout
-    assert json.loads(status) == {"source": ["always changed"]}  # all up to date but the always_changed source stage
+    # all up to date but the always_changed stages (source re-reads the data source, gate the registry)
+    assert json.loads(status) == {"source": ["always changed"], "gate": ["always changed"]}
+
+
+def champion(project: str) -> str:
+    with open(os.path.join(project, "models/reward_champion/registry_version.json")) as handle:
+        return json.load(handle)["version"]
 
 
 def test_dvc_repro_runs_everything_then_only_what_a_ppo_param_touches(tmp_path):
@@ -91,7 +99,20 @@ def test_dvc_repro_runs_everything_then_only_what_a_ppo_param_touches(tmp_path):
     assert ran_stages(run(project, "dvc", "repro")) == STAGES
     assert_outputs(project)
     set_param(project, "  policy_lr: 1.0e-5", "  policy_lr: 3.0e-5")  # changes the policy, so evaluate reruns too
-    assert ran_stages(run(project, "dvc", "repro")) == ["ppo", "evaluate"]
+    assert ran_stages(run(project, "dvc", "repro")) == ["gate", "ppo", "evaluate"]  # gate: always (the registry)
+    # a new reward model passes the (open) tiny gate: the champion moves, so ppo and evaluate rerun on it
+    reward_seed = "each pair still once per epoch\n  gradient_checkpointing: false  {}\n  seed: {}"
+    comment = "# recompute activations in the backward pass: less memory, more time"
+    set_param(project, reward_seed.format(comment, 0), reward_seed.format(comment, 1))
+    assert ran_stages(run(project, "dvc", "repro")) == ["reward", "gate", "ppo", "evaluate"]
+    assert champion(project) == "2"
+    # a rollback by hand reaches DVC through the gate, and the next repro keeps it (the gate never re-decides)
+    output = run(project, "tasks.registry", "rollback", "reward", "--reason", "test")
+    assert "moved from version 2 to 1" in output
+    assert ran_stages(run(project, "dvc", "repro")) == ["gate", "ppo", "evaluate"]
+    assert champion(project) == "1"
+    assert ran_stages(run(project, "dvc", "repro")) == ["gate"]
+    assert champion(project) == "1"
     # a stage that fails under dvc repro leaves its previous outputs in place
     with open(os.path.join(project, "data/validated/rm_train.jsonl")) as handle:
         before = handle.read()

@@ -1,0 +1,192 @@
+"""The reward-model gate's decision: pure rules over metrics, no registry (DESIGN.md, "Decisions are pure").
+
+A candidate reward model takes the ``champion`` alias only when every check passes. The checks read
+the figures of :func:`rlhf.reward.preference_metrics` on the current rm_eval split, for the candidate
+and, when there is one, for the champion re-scored on that same split (a champion measured on other
+data is not comparable).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from rlhf.stats import wilson_interval
+
+
+@dataclass(frozen=True)
+class GateCriteria:
+    """The bounds of the reward-model gate (params.yaml ``registry.reward_gate``).
+
+    ``min_accuracy_low``: the lower end of the Wilson 95% interval of rm_eval accuracy must be at least it
+    (0.5: better than chance with 95% confidence). ``champion_tolerance``: the candidate's accuracy may
+    be at most this much below the champion's on the same split (non-inferiority). ``max_ece``: expected
+    calibration error of ``sigmoid(margin)`` at most this. ``min_length_accuracy``: the smaller of the
+    accuracies on pairs whose chosen response is the shorter and on those whose chosen response is the
+    longer must be at least this (a model that learned length scores high on one kind, low on the other).
+    """
+
+    min_accuracy_low: float = 0.5
+    champion_tolerance: float = 0.02
+    max_ece: float = 0.15
+    min_length_accuracy: float = 0.35
+
+    def __post_init__(self) -> None:
+        """Raises ValueError on a bound outside [0, 1] (names the key)."""
+        for name, value in asdict(self).items():
+            if not 0 <= value <= 1:
+                raise ValueError(f"registry.reward_gate.{name} must be in [0, 1], got {value}")
+
+
+@dataclass(frozen=True)
+class Check:
+    """One criterion of the gate: the figure, the bound it is held to, and whether it passed."""
+
+    criterion: str
+    value: float
+    bound: float
+    passed: bool
+    detail: str = ""
+
+    def line(self) -> str:
+        """``GATE FAILED: criterion, value, bound`` (or ``gate passed: ...``), one line."""
+        head = "gate passed" if self.passed else "GATE FAILED"
+        detail = f" ({self.detail})" if self.detail else ""
+        return f"{head}: {self.criterion}, {_fmt(self.value)}, bound {_fmt(self.bound)}{detail}"
+
+
+def _fmt(value: float) -> str:
+    return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.3f}"
+
+
+def _at_least(criterion: str, value: float | None, bound: float, detail: str = "") -> Check:
+    """A check ``value >= bound``; an undefined value (no pairs of that kind) fails."""
+    value = float("nan") if value is None else float(value)
+    return Check(criterion, value, bound, not math.isnan(value) and value >= bound, detail)
+
+
+def reward_gate(candidate: dict[str, float], champion: dict[str, float] | None, criteria: GateCriteria) -> list[Check]:
+    """The checks of a candidate reward model, in a fixed order; it passes when all pass.
+
+    Args:
+        candidate: its rm_eval metrics (``rm/accuracy`` over ``rm/pairs`` decisive pairs, ``rm/ece``,
+            ``rm/accuracy_chosen_shorter``, ``rm/accuracy_chosen_longer``, ``rm/pairs_chosen_*``).
+        champion: the current champion's metrics on the same rm_eval split, or None (no champion yet:
+            the non-inferiority check is left out).
+        criteria: the bounds.
+
+    Returns:
+        ``[Check]``: accuracy lower bound (the Wilson 95% interval of :func:`rlhf.stats.wilson_interval`
+        over the decisive pairs, at least its floor; no pairs fail), non-inferiority to the champion,
+        calibration (at most its bound), length bias (the smaller accuracy, at least its bound).
+    """
+    pairs = int(candidate.get("rm/pairs", 0))
+    correct = round(candidate.get("rm/accuracy", float("nan")) * pairs) if pairs else 0
+    low = wilson_interval(correct, pairs)[0]
+    checks = [
+        Check(
+            "rm_eval accuracy lower 95% bound (Wilson)",
+            low,
+            criteria.min_accuracy_low,
+            not math.isnan(low) and low >= criteria.min_accuracy_low,
+            f"accuracy {_fmt(candidate.get('rm/accuracy'))} over {candidate.get('rm/pairs', 0):.0f} pairs",
+        )
+    ]
+    if champion is not None:
+        floor = champion["rm/accuracy"] - criteria.champion_tolerance
+        checks.append(
+            _at_least(
+                "rm_eval accuracy against the champion re-scored on the same split",
+                candidate.get("rm/accuracy"),
+                floor,
+                f"champion {_fmt(champion['rm/accuracy'])} - tolerance {criteria.champion_tolerance}",
+            )
+        )
+    ece = candidate.get("rm/ece", float("nan"))
+    checks.append(Check("rm_eval calibration error (ECE)", ece, criteria.max_ece, ece <= criteria.max_ece))
+    shorter, longer = candidate.get("rm/accuracy_chosen_shorter"), candidate.get("rm/accuracy_chosen_longer")
+    kinds = [v for v in (shorter, longer) if v is not None and not math.isnan(v)]
+    checks.append(
+        _at_least(
+            "length bias: the smaller accuracy of chosen-shorter and chosen-longer pairs",
+            min(kinds) if len(kinds) == 2 else None,
+            criteria.min_length_accuracy,
+            f"chosen shorter {_fmt(shorter)} (n={candidate.get('rm/pairs_chosen_shorter', 0):.0f}), "
+            f"chosen longer {_fmt(longer)} (n={candidate.get('rm/pairs_chosen_longer', 0):.0f})",
+        )
+    )
+    return checks
+
+
+def passed(checks: list[Check]) -> bool:
+    """Whether every check passed (an empty list does not pass)."""
+    return bool(checks) and all(check.passed for check in checks)
+
+
+def as_records(checks: list[Check]) -> list[dict[str, Any]]:
+    """The checks as JSON-ready dicts (for the version's tags and ``reports/reward_gate.json``)."""
+    return [asdict(check) for check in checks]
+
+
+@dataclass(frozen=True)
+class PolicyCriteria:
+    """The bounds of the policy gate (params.yaml ``registry.policy_gate``).
+
+    ``verdict``: whose win rate decides, ``proxy`` (the reward model the policy was trained against; the
+    only one until an independent judge exists). ``min_win_rate_low``: the lower end of the Wilson 95%
+    interval of the win rate over the SFT model (ties left out) must be at least this. ``max_kl``: the
+    policy's KL to the SFT model on the eval prompts, nats per response, at most this. ``min_eos_rate``: the
+    share of the policy's eval responses that end with EOS, at least this.
+    """
+
+    verdict: str = "proxy"
+    min_win_rate_low: float = 0.5
+    max_kl: float = 10.0
+    min_eos_rate: float = 0.5
+
+    def __post_init__(self) -> None:
+        """Raises ValueError on an unknown verdict or a bound out of range (names the key)."""
+        if self.verdict != "proxy":
+            raise ValueError(
+                f"registry.policy_gate.verdict must be proxy (the reward model; an independent judge is not "
+                f"built yet), got {self.verdict!r}"
+            )
+        for name in ("min_win_rate_low", "min_eos_rate"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"registry.policy_gate.{name} must be in [0, 1], got {getattr(self, name)}")
+        if self.max_kl < 0:
+            raise ValueError(f"registry.policy_gate.max_kl must be >= 0, got {self.max_kl}")
+
+
+def policy_gate(evaluation: dict[str, Any], ppo: dict[str, Any], criteria: PolicyCriteria) -> list[Check]:
+    """The checks of a trained policy, in a fixed order; it passes when all pass.
+
+    Args:
+        evaluation: the evaluate stage's metrics (``eval/win_rate`` over ``eval/win_rate_n`` decisive
+            prompts, ``eval/policy/kl``, ``eval/policy/eos_rate``).
+        ppo: the ppo stage's metrics (``stopped_by``: the collapse that stopped the run, or None;
+            ``ppo/last/collapse``).
+        criteria: the bounds.
+
+    Returns:
+        ``[Check]``: win rate lower bound (Wilson 95%, at least its floor; all ties fail), KL (at most its
+        bound), no collapse, EOS rate (at least its bound).
+    """
+    n = int(evaluation.get("eval/win_rate_n") or 0)
+    rate = evaluation.get("eval/win_rate")
+    low = wilson_interval(round(rate * n), n)[0] if n and rate is not None else float("nan")
+    collapsed = bool(ppo.get("stopped_by")) or bool(ppo.get("ppo/last/collapse"))
+    kl = evaluation.get("eval/policy/kl")
+    kl = float("nan") if kl is None else float(kl)
+    return [
+        _at_least(
+            f"win rate over SFT by the {criteria.verdict}, lower 95% bound (Wilson)",
+            low,
+            criteria.min_win_rate_low,
+            f"win rate {_fmt(rate)} over {n} decisive prompts, {evaluation.get('eval/ties', 0):.0f} ties",
+        ),
+        Check("KL to the SFT model (nats/response)", kl, criteria.max_kl, kl <= criteria.max_kl),
+        Check("no collapse in PPO", 1.0 if collapsed else 0.0, 0.0, not collapsed, str(ppo.get("stopped_by") or "")),
+        _at_least("EOS rate of the policy's responses", evaluation.get("eval/policy/eos_rate"), criteria.min_eos_rate),
+    ]

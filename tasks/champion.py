@@ -1,0 +1,37 @@
+"""The reward-model champion as the gate stage writes it into ``models/reward_champion/``, for the stages that read it.
+
+The folder holds the champion's ``save_pretrained`` files plus ``registry_version.json`` (``{name, version,
+sha256}``), or only ``NO_CHAMPION.json`` when no version holds the alias (its message names the command to run).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+OUT_DIR = "models/reward_champion"
+MARKER, VERSION_FILE = "NO_CHAMPION.json", "registry_version.json"
+
+
+def promote_command(version: str | int) -> str:
+    """The command a person runs to make ``version`` the champion."""
+    return f'rlhf-registry promote reward --version {version} --reason "<why this model is good enough>"'
+
+
+def require_champion(folder: str = OUT_DIR) -> dict[str, Any]:
+    """What ``folder`` holds (``{name, version, sha256}``), for the stages that read the champion.
+
+    Raises:
+        ValueError: there is no champion yet (the line names the ``promote`` command), or the folder was not
+            written by the gate stage.
+    """
+    marker = os.path.join(folder, MARKER)
+    if os.path.exists(marker):
+        with open(marker, encoding="utf-8") as handle:
+            raise ValueError(json.load(handle)["message"])
+    path = os.path.join(folder, VERSION_FILE)
+    if not os.path.exists(path):
+        raise ValueError(f"{folder}: no reward-model champion written by the gate stage (run `dvc repro gate`)")
+    with open(path, encoding="utf-8") as handle:
+        return json.load(handle)

@@ -1,0 +1,159 @@
+"""Stage gate: decide once whether the reward model just trained takes the ``champion`` alias, then write the
+champion into ``models/reward_champion/`` (what ppo and evaluate train and judge against).
+
+The candidate is the registered version whose content hash is ``models/reward``'s (registered by the reward
+stage; registered here if it is missing). Its decision is stored on it as tags, so a rerun of this stage (it
+reruns every time: DVC ``always_changed``) never re-decides and never undoes a person's ``promote`` or
+``rollback``: it only writes whichever version holds ``champion`` now. An unchanged champion leaves
+``models/reward_champion/`` untouched, so nothing downstream reruns. Inside a DVC experiment a passing
+candidate is tagged a challenger and ``champion`` does not move. Writes ``reports/reward_gate.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Any
+
+from tasks.champion import MARKER, OUT_DIR, VERSION_FILE, promote_command, require_champion
+
+REWARD, METRICS, EVAL = "models/reward", "metrics/reward.json", "data/validated/rm_eval.jsonl"
+REPORT = "reports/reward_gate.json"
+
+
+def rescore(client, found, reward: dict[str, Any], device: dict[str, Any] | None) -> dict[str, float]:
+    """The champion's preference metrics on the current rm_eval split (a figure from other data is not comparable)."""
+    from rlhf.data import load_jsonl
+    from rlhf.models import load_scalar_model, load_tokenizer
+    from rlhf.reward import evaluate_reward_model
+    from tasks.common import stage_runtime
+    from tasks.registry import download
+
+    runtime = stage_runtime("gate", device)
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(OUT_DIR))) as folder:
+        download(client, found, folder)
+        tokenizer, model = load_tokenizer(folder), runtime.frozen(load_scalar_model(folder))
+        metrics, _ = evaluate_reward_model(
+            model, tokenizer, load_jsonl(EVAL), reward["max_length"], reward["eval_batch_size"], runtime
+        )
+    return metrics
+
+
+def decide(client, name: str, candidate, metrics: dict[str, float], params: dict[str, Any], rescorer) -> dict:
+    """The candidate's decision (:func:`tasks.registry.decide_once`): the current champion, if another version,
+    is re-scored by ``rescorer(version) -> metrics`` on the current rm_eval split, only for a new decision."""
+    from rlhf.gate_rules import GateCriteria, reward_gate
+    from tasks.registry import decide_once, holder
+
+    def judge():
+        champion = holder(client, name)
+        compared = champion if champion is not None and str(champion.version) != str(candidate.version) else None
+        champion_metrics = rescorer(compared) if compared is not None else None
+        checks = reward_gate(metrics, champion_metrics, GateCriteria(**params["reward_gate"]))
+        return checks, {
+            "champion_compared": str(compared.version) if compared is not None else None,
+            "champion_accuracy": champion_metrics["rm/accuracy"] if champion_metrics else None,
+        }
+
+    accuracy = f"rm_eval accuracy {metrics['rm/accuracy']:.3f} over {metrics['rm/pairs']:.0f} pairs"
+    return decide_once(client, name, candidate, judge, f"passed the reward gate ({accuracy})")
+
+
+def materialise(client, name: str, candidate, outputs) -> dict[str, Any] | None:
+    """Stage the champion into ``models/reward_champion/`` unless it is already there; returns what it holds.
+
+    With no champion the folder holds only :data:`MARKER`, whose message gives the promote command.
+
+    Raises:
+        RegistryError: the downloaded folder's content hash is not the one registered.
+    """
+    from tasks.registry import SHA_TAG, RegistryError, download, folder_sha256, holder
+
+    champion = holder(client, name)
+    if champion is None:
+        message = (
+            f"{OUT_DIR}: no reward model holds the champion alias of {name} (the last candidate, version "
+            f"{candidate.version}, failed its gate): to train against it anyway run "
+            f"{promote_command(candidate.version)}"
+        )
+        folder = outputs.folder(OUT_DIR)
+        with open(os.path.join(folder, MARKER), "w", encoding="utf-8") as handle:
+            json.dump({"message": message}, handle, indent=2)
+        return None
+    held = {"name": name, "version": str(champion.version), "sha256": champion.tags.get(SHA_TAG, "")}
+    try:
+        if require_champion() == held:
+            return held  # already written: leave it untouched, so nothing downstream reruns
+    except ValueError:
+        pass
+    folder = outputs.folder(OUT_DIR)
+    download(client, champion, folder)
+    if held["sha256"] and folder_sha256(folder) != held["sha256"]:
+        raise RegistryError(
+            f"registry: {name} version {champion.version} downloaded with other content than registered"
+        )
+    with open(os.path.join(folder, VERSION_FILE), "w", encoding="utf-8") as handle:
+        json.dump(held, handle, indent=2, sort_keys=True)
+    return held
+
+
+def run(params: dict[str, Any], reward: dict[str, Any], device: dict[str, Any] | None, outputs, run_id: str) -> dict:
+    """Find (or register) the candidate, decide once, write the champion; returns the report."""
+    from tasks.outputs import load_json
+    from tasks.registry import find_by_sha, folder_sha256, register, version_tags
+    from tasks.runs import tracking_client
+
+    client, _ = tracking_client()
+    name = params["reward_model"]
+    metrics = load_json(METRICS)
+    candidate = find_by_sha(client, name, folder_sha256(REWARD))
+    if candidate is None:
+        tags = version_tags(REWARD, metrics, reward, ["data/validated/rm_train.jsonl", EVAL])
+        candidate = register(client, name, REWARD, run_id, tags)
+    decision = decide(client, name, candidate, metrics, params, lambda found: rescore(client, found, reward, device))
+    held = materialise(client, name, candidate, outputs)
+    return {
+        "candidate": {"name": name, "version": str(candidate.version)},
+        **decision,
+        "champion": held,
+        "gate/passed": 1.0 if decision["decision"] == "pass" else 0.0,
+        "gate/candidate_version": float(candidate.version),
+        "gate/champion_version": float(held["version"]) if held else None,
+    }
+
+
+def report_lines(report: dict[str, Any]) -> list[str]:
+    """What the stage prints: the decision, a ``GATE FAILED: criterion, value, bound`` line per failed check,
+    and the champion it wrote."""
+    when = "decided now" if report["decided"] == "now" else "decided before, kept"
+    lines = [
+        f"[gate] {report['candidate']['name']} version {report['candidate']['version']}: {report['decision']} ({when})"
+    ]
+    lines += [f"[gate] {line}" for line in report["lines"] if line.startswith("GATE FAILED")]
+    if report["decision"] == "pass" and report.get("experiment"):
+        lines.append(f"[gate] inside DVC experiment {report['experiment']}: tagged a challenger, champion not moved")
+    held = report["champion"]
+    lines.append(f"[gate] champion: version {held['version']}" if held else "[gate] champion: none (ppo will stop)")
+    return lines
+
+
+def main() -> None:
+    """DVC stage command."""
+    from tasks.outputs import StagedOutputs, write_metrics
+    from tasks.params import stage_params
+    from tasks.runs import StageRun
+
+    params, reward, device = stage_params("registry"), stage_params("reward"), stage_params("device")
+    with StageRun("gate", {**params, "device": device}) as stage, StagedOutputs() as outputs:
+        report = run(params, reward, device, outputs, stage.run.info.run_id)
+        stage.log({k: v for k, v in report.items() if k.startswith("gate/") and v is not None}, 0)
+        write_metrics(outputs.file(REPORT), report, stage)
+    for line in report_lines(report):
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    from tasks.common import cli
+
+    cli(main)

@@ -1,0 +1,348 @@
+"""The MLflow model registry: versions found by content, aliases that move with a recorded history.
+
+Everything that talks to the registry lives here (the core imports no MLflow; the gate's decision is
+:mod:`rlhf.gate_rules`). A version holds the ``save_pretrained`` safetensors folder as run artifacts (no
+pickled module) and is read back only by downloading that folder for the project's own loaders.
+
+Every alias move (by a gate, ``promote`` or ``rollback``) is one tag on the version moved to,
+``rlhf.alias_move.<alias>.<nanoseconds>`` = JSON ``{alias, from, to, by, reason, at, pipeline_run}``: MLflow
+keeps only the current alias, and one tag per move never outgrows a tag's size limit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import typer
+
+CHAMPION = "champion"
+SHA_TAG, DATA_TAG, COMMIT_TAG = "rlhf.model_sha256", "rlhf.data_sha256", "rlhf.git_commit"
+DECISION_TAG, CHECKS_TAG, CHALLENGER_TAG = "rlhf.gate.decision", "rlhf.gate.checks", "rlhf.challenger"
+MOVE_PREFIX = "rlhf.alias_move."
+ARTIFACT_PATH = "model"
+MAX_REASON = 1000  # characters kept of a reason (a tag value holds at most 5,000 in MLflow's stores)
+
+
+class RegistryError(ValueError):
+    """A registry failure in one line (a missing name, version or alias; a tracking server that is down).
+
+    A ``ValueError`` so a stage's :func:`tasks.common.cli` and the ``rlhf-registry`` command print it as one line.
+    """
+
+
+def folder_sha256(folder: str) -> str:
+    """sha256 over a folder's files: each relative path (sorted) and its bytes; the content hash of a model.
+
+    Raises:
+        FileNotFoundError: ``folder`` does not exist.
+    """
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"{folder}: no such folder")
+    digest = hashlib.sha256()
+    for root, dirs, files in os.walk(folder):
+        dirs.sort()
+        for name in sorted(files):
+            path = os.path.join(root, name)
+            digest.update(os.path.relpath(path, folder).encode() + b"\0")
+            with open(path, "rb") as handle:
+                for block in iter(lambda: handle.read(1 << 20), b""):
+                    digest.update(block)
+    return digest.hexdigest()
+
+
+def files_sha256(paths: list[str]) -> str:
+    """sha256 over files in the given order (each name and its bytes): the content hash of a training set."""
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(path.encode() + b"\0")
+        with open(path, "rb") as handle:
+            digest.update(handle.read())
+    return digest.hexdigest()
+
+
+def version_tags(folder: str, metrics: dict[str, Any], params: dict[str, Any], data: list[str]) -> dict[str, str]:
+    """The tags of a new version: content hashes of the model folder and its training data, the git commit,
+    the pipeline run id, the params (JSON) and every numeric metric (``rlhf.metric.<name>``)."""
+    from tasks.runs import PIPELINE_RUN_TAG, git_commit, pipeline_run_id
+
+    tags = {
+        SHA_TAG: folder_sha256(folder),
+        DATA_TAG: files_sha256(data),
+        COMMIT_TAG: git_commit(),
+        PIPELINE_RUN_TAG: pipeline_run_id(),
+        "rlhf.params": json.dumps(params, sort_keys=True, default=str)[:5000],
+    }
+    numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return tags | {f"rlhf.metric.{k}": f"{v:.6g}" for k, v in numbers.items()}
+
+
+def _guard(what: str, call, *args, **kwargs):
+    """Run a registry call; a missing resource or an unreachable server becomes one :class:`RegistryError` line."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return call(*args, **kwargs)
+    except MlflowException as err:
+        raise RegistryError(f"registry: {what}: {str(err.message).strip().splitlines()[0]}") from None
+    except OSError as err:  # requests' ConnectionError is an OSError
+        raise RegistryError(f"registry: {what}: tracking server unreachable ({type(err).__name__})") from None
+
+
+def register(client, name: str, folder: str, run_id: str, tags: dict[str, str]):
+    """Log ``folder`` as the artifacts of run ``run_id`` and register them as a new version of ``name``.
+
+    The registered model is created on first use. Returns the ``ModelVersion``.
+    """
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.get_registered_model(name)
+    except MlflowException:
+        _guard(f"create registered model {name}", client.create_registered_model, name)
+    _guard(f"log the artifacts of {folder}", client.log_artifacts, run_id, folder, ARTIFACT_PATH)
+    source = f"{client.get_run(run_id).info.artifact_uri.rstrip('/')}/{ARTIFACT_PATH}"
+    return _guard(f"register {name}", client.create_model_version, name, source, run_id=run_id, tags=tags)
+
+
+def find_by_sha(client, name: str, sha: str):
+    """The newest version of ``name`` whose content hash tag is ``sha``, or None."""
+    found = _guard(f"search {name}", client.search_model_versions, f"name = '{name}' and tags.`{SHA_TAG}` = '{sha}'")
+    return max(found, key=lambda v: int(v.version)) if found else None
+
+
+def holder(client, name: str, alias: str = CHAMPION):
+    """The version that holds ``alias``, or None (also when ``name`` is not registered yet)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return client.get_model_version_by_alias(name, alias)
+    except MlflowException as err:
+        if err.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+            return None
+        raise RegistryError(f"registry: read alias {alias} of {name}: {err.message}") from None
+
+
+def version(client, name: str, number: str | int):
+    """Version ``number`` of ``name``. Raises RegistryError when it does not exist."""
+    return _guard(f"{name} version {number}", client.get_model_version, name, str(number))
+
+
+def move_alias(
+    client, name: str, to: str | int, by: str, reason: str, alias: str = CHAMPION, pipeline_run: str = ""
+) -> dict[str, Any]:
+    """Point ``alias`` of ``name`` at version ``to`` and record the move on that version; returns the record.
+
+    Raises:
+        RegistryError: the version does not exist, or the registry cannot be reached.
+    """
+    target = version(client, name, to)
+    previous = holder(client, name, alias)
+    record = {
+        "alias": alias,
+        "from": str(previous.version) if previous is not None else None,
+        "to": str(target.version),
+        "by": by,
+        "reason": reason.strip()[:MAX_REASON],
+        "at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "pipeline_run": pipeline_run,
+    }
+    _guard(f"move {alias} of {name}", client.set_registered_model_alias, name, alias, target.version)
+    key = f"{MOVE_PREFIX}{alias}.{time.time_ns()}"
+    _guard(f"record the move of {alias}", client.set_model_version_tag, name, target.version, key, json.dumps(record))
+    return record
+
+
+def history(client, name: str, alias: str = CHAMPION) -> list[dict[str, Any]]:
+    """Every recorded move of ``alias`` of ``name``, oldest first."""
+    prefix = f"{MOVE_PREFIX}{alias}."
+    moves = []
+    for found in _guard(f"search {name}", client.search_model_versions, f"name = '{name}'"):
+        for key, value in found.tags.items():
+            if key.startswith(prefix):
+                moves.append((int(key[len(prefix) :]), json.loads(value)))
+    return [record for _, record in sorted(moves, key=lambda item: item[0])]
+
+
+def previous_holder(client, name: str, alias: str = CHAMPION) -> str:
+    """The version that held ``alias`` before the current holder took it (the last move's ``from``).
+
+    Raises:
+        RegistryError: no move of the alias is recorded, or its last move had no previous holder.
+    """
+    moves = history(client, name, alias)
+    if not moves or moves[-1]["from"] is None:
+        raise RegistryError(f"registry: {name} has no previous holder of {alias} to roll back to")
+    return str(moves[-1]["from"])
+
+
+def experiment_name() -> str | None:
+    """The DVC experiment this process runs in (``dvc exp run`` sets ``DVC_EXP_NAME``), or None."""
+    return os.environ.get("DVC_EXP_NAME") or None
+
+
+def decide_once(client, name: str, candidate, judge, reason: str) -> dict[str, Any]:
+    """A gate's decision on ``candidate``: the one stored on it, or a new one, stored and acted on.
+
+    ``judge() -> (checks, extra)`` (:class:`rlhf.gate_rules.Check` list, and figures to record beside them)
+    runs only for a version without a decision: a decision is never taken twice, so a later run never undoes
+    a person's move. On a pass the ``champion`` alias moves to the candidate (recorded with ``reason``), except
+    inside a DVC experiment, where the candidate is only tagged a challenger.
+
+    Returns:
+        The record (``decision`` pass|fail, ``checks``, ``lines``, the extras, ``decided_at``,
+        ``pipeline_run``, ``experiment``) plus ``decided``: ``now`` or ``before``.
+    """
+    from rlhf.gate_rules import as_records, passed
+    from tasks.runs import pipeline_run_id
+
+    if DECISION_TAG in candidate.tags:
+        return {**json.loads(candidate.tags[CHECKS_TAG]), "decided": "before"}
+    checks, extra = judge()
+    record = {
+        "decision": "pass" if passed(checks) else "fail",
+        "checks": as_records(checks),
+        "lines": [check.line() for check in checks],
+        **extra,
+        "decided_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "pipeline_run": pipeline_run_id(),
+        "experiment": experiment_name(),
+    }
+    version_ = str(candidate.version)
+    _guard("store the decision", client.set_model_version_tag, name, version_, CHECKS_TAG, json.dumps(record))
+    _guard("store the decision", client.set_model_version_tag, name, version_, DECISION_TAG, record["decision"])
+    if record["decision"] == "pass" and record["experiment"]:
+        _guard("tag the challenger", client.set_model_version_tag, name, version_, CHALLENGER_TAG, record["experiment"])
+    elif record["decision"] == "pass":
+        move_alias(client, name, version_, "gate", reason, pipeline_run=record["pipeline_run"])
+    return {**record, "decided": "now"}
+
+
+def download(client, found, folder: str) -> None:
+    """Download version ``found``'s model folder into ``folder`` (an empty folder that exists)."""
+    import shutil
+    import tempfile
+
+    import mlflow
+
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(folder))) as tmp:
+        path = _guard(
+            f"download {found.name} version {found.version}",
+            mlflow.artifacts.download_artifacts,
+            artifact_uri=found.source,
+            dst_path=tmp,
+        )
+        for entry in os.listdir(path):
+            shutil.move(os.path.join(path, entry), os.path.join(folder, entry))
+
+
+# ---------------------------------------------------------------------------------------------- the command for people
+
+app = typer.Typer(help="The reward-model champion of this project's MLflow registry: status, promote, rollback.")
+MODELS = {"reward": "reward_model"}  # the command's model argument -> params.yaml registry key of its name
+STATUS_METRICS = ("rm/accuracy", "rm/accuracy_low", "rm/accuracy_high", "rm/ece", "rm/accuracy_chosen_shorter",
+                  "rm/accuracy_chosen_longer", "rm/pairs")  # fmt: skip
+
+
+def _project(project: str | None) -> str:
+    """The project folder: ``project``, else the nearest folder up from here holding params.yaml and dvc.yaml,
+    else the checkout this package is installed from. Raises RegistryError when none is found."""
+    candidates = [project] if project else [os.getcwd(), *[str(p) for p in Path(os.getcwd()).parents]]
+    candidates += [] if project else [str(Path(__file__).resolve().parent.parent)]
+    for folder in candidates:
+        if os.path.isfile(os.path.join(folder, "params.yaml")) and os.path.isfile(os.path.join(folder, "dvc.yaml")):
+            return folder
+    raise RegistryError(f"registry: no project (params.yaml and dvc.yaml) at {project or 'or above ' + os.getcwd()}")
+
+
+def _open(model: str, project: str | None):
+    """``(client, registered model name)`` of the project's registry, with the current folder set to the project."""
+    from tasks.params import stage_params
+    from tasks.runs import tracking_client
+
+    if model not in MODELS:
+        raise RegistryError(f"registry: unknown model {model!r}; known: {', '.join(MODELS)}")
+    os.chdir(_project(project))
+    client, _ = _guard("open the tracking store", tracking_client)
+    name = stage_params("registry")[MODELS[model]]
+    _guard(f"registered model {name}", client.get_registered_model, name)
+    return client, name
+
+
+def _command(action) -> None:
+    """Run a command; a registry error ends with its one line and exit 1."""
+    try:
+        action()
+    except RegistryError as err:
+        typer.echo(str(err), err=True)
+        raise typer.Exit(1) from None
+
+
+def _move(model: str, to: str, by: str, reason: str, project: str | None) -> None:
+    if not reason.strip():
+        raise RegistryError("registry: --reason must say why the alias moves (it is recorded)")
+    client, name = _open(model, project)
+    record = move_alias(client, name, to, by, reason)
+    typer.echo(f"{name}: {CHAMPION} moved from version {record['from']} to {record['to']} ({by}: {record['reason']})")
+    typer.echo("Run `dvc repro` (or the pipeline flow): the gate stage writes the new champion and ppo reruns on it.")
+
+
+@app.command()
+def promote(
+    model: str = typer.Argument("reward", help="reward"),
+    version_: str = typer.Option(..., "--version", help="the version to make champion"),
+    reason: str = typer.Option(..., help="why (recorded with the move)"),
+    project: str = typer.Option(None, help="the project folder (default: found from here)"),
+) -> None:
+    """Give the champion alias to a version by hand."""
+    _command(lambda: _move(model, version_, "promote", reason, project))
+
+
+@app.command()
+def rollback(
+    model: str = typer.Argument("reward", help="reward"),
+    reason: str = typer.Option(..., help="why (recorded with the move)"),
+    project: str = typer.Option(None, help="the project folder (default: found from here)"),
+) -> None:
+    """Give the champion alias back to the version that held it before the current holder."""
+
+    def action() -> None:
+        client, name = _open(model, project)
+        _move(model, previous_holder(client, name), "rollback", reason, project)
+
+    _command(action)
+
+
+@app.command()
+def status(
+    model: str = typer.Argument("reward", help="reward"),
+    project: str = typer.Option(None, help="the project folder (default: found from here)"),
+) -> None:
+    """The champion with its metrics and gate decision, then every recorded move of the alias."""
+
+    def action() -> None:
+        client, name = _open(model, project)
+        found = holder(client, name)
+        if found is None:
+            typer.echo(f"{name}: no version holds {CHAMPION}")
+        else:
+            metrics = {k[len("rlhf.metric.") :]: v for k, v in found.tags.items() if k.startswith("rlhf.metric.")}
+            shown = ", ".join(f"{k}={metrics[k]}" for k in STATUS_METRICS if k in metrics)
+            decision = found.tags.get(DECISION_TAG, "none")
+            typer.echo(f"{name}: {CHAMPION} = version {found.version} (gate: {decision}); {shown}")
+        for move in history(client, name):
+            typer.echo(
+                f"  {move['at']}  {move['from']} -> {move['to']}  by {move['by']}: {move['reason']}"
+                + (f" (pipeline {move['pipeline_run']})" if move.get("pipeline_run") else "")
+            )
+
+    _command(action)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,219 @@
+"""The reward-model gate stage and the registry command against a real MLflow store (sqlite, no server).
+
+The stage's pieces run in-process on a project folder with tiny models: register, decide once, re-score the
+champion on the current split, write the champion, promote and roll back by hand, the no-champion stop,
+and the experiment rule. The whole stage under DVC is in tests/test_pipeline.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+import yaml
+from typer.testing import CliRunner
+
+from rlhf.models import load_scalar_model
+from tasks import gate, registry
+from tasks.champion import MARKER, OUT_DIR, VERSION_FILE, require_champion
+from tasks.outputs import StagedOutputs
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NAME = "rlhf-reward-model"
+PAIR = {"prompt": [{"role": "user", "content": "Is it safe?"}], "chosen": [{"role": "assistant", "content": "Yes."}],
+        "rejected": [{"role": "assistant", "content": "No, never do that at all."}]}  # fmt: skip
+GOOD = {"rm/accuracy": 150 / 196, "rm/pairs": 196.0, "rm/ece": 0.05, "rm/accuracy_chosen_shorter": 0.7,
+        "rm/accuracy_chosen_longer": 0.6, "rm/pairs_chosen_shorter": 100.0, "rm/pairs_chosen_longer": 96.0}  # fmt: skip
+BAD = {**GOOD, "rm/accuracy": 100 / 196}  # lower bound 0.44: not better than chance
+
+
+@pytest.fixture
+def project(tmp_path, tiny_dir, empty_db, monkeypatch):
+    """A project folder: the repository's params (demo gate bounds, tiny sizes), a tiny reward model, rm_eval."""
+    with open(os.path.join(REPO, "params.yaml")) as handle:
+        params = yaml.safe_load(handle)
+    params["profile"], params["registry"]["profiles"] = "tiny", {}  # the demo's bounds, the tiny model
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    shutil.copy(os.path.join(REPO, "dvc.yaml"), tmp_path / "dvc.yaml")
+    shutil.copy(empty_db, tmp_path / "mlflow.db")
+    os.makedirs(tmp_path / "data" / "validated")
+    (tmp_path / "data" / "validated" / "rm_eval.jsonl").write_text(json.dumps(PAIR) + "\n")
+    (tmp_path / "data" / "validated" / "rm_train.jsonl").write_text(json.dumps(PAIR) + "\n")
+    shutil.copytree(tiny_dir, tmp_path / "models" / "reward")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("DVC_EXP_NAME", raising=False)
+    monkeypatch.setenv("RLHF_PIPELINE_RUN_ID", "gate-test")
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    return tmp_path
+
+
+def new_candidate(metrics: dict[str, float], seed: int) -> None:
+    """A reward model with other weights (so another content hash) in models/reward, and its metrics."""
+    torch.manual_seed(seed)
+    model = load_scalar_model("models/reward")
+    torch.nn.init.normal_(model.score.weight)
+    model.save_pretrained("models/reward")
+    os.makedirs("metrics", exist_ok=True)
+    with open("metrics/reward.json", "w") as handle:
+        json.dump(metrics, handle)
+
+
+def run_gate(params_override=None) -> dict:
+    """The gate stage's work, as its main() does it, in a run of its own."""
+    from tasks.params import stage_params
+    from tasks.runs import tracking_client
+
+    client, experiment = tracking_client()
+    run_id = client.create_run(experiment).info.run_id
+    params = {**stage_params("registry"), **(params_override or {})}
+    with StagedOutputs() as outputs:
+        report = gate.run(params, stage_params("reward"), stage_params("device"), outputs, run_id)
+    return report
+
+
+def client():
+    from tasks.runs import tracking_client
+
+    return tracking_client()[0]
+
+
+def test_a_passing_candidate_becomes_champion_once_and_a_rerun_leaves_its_files_untouched(project):
+    new_candidate(GOOD, 1)
+    report = run_gate()
+    assert (report["decision"], report["decided"], report["champion"]["version"]) == ("pass", "now", "1")
+    assert require_champion()["sha256"] == registry.folder_sha256("models/reward")
+    files = sorted(os.listdir(OUT_DIR))
+    assert VERSION_FILE in files and "model.safetensors" in files
+    stamp = os.stat(os.path.join(OUT_DIR, "model.safetensors")).st_mtime_ns
+    again = run_gate()
+    assert (again["decision"], again["decided"]) == ("pass", "before")  # never re-decided
+    assert os.stat(os.path.join(OUT_DIR, "model.safetensors")).st_mtime_ns == stamp
+    moves = registry.history(client(), NAME)
+    assert [(m["from"], m["to"], m["by"]) for m in moves] == [(None, "1", "gate")]
+    tags = client().get_model_version(NAME, "1").tags
+    assert tags[registry.DECISION_TAG] == "pass" and tags["rlhf.metric.rm/pairs"] == "196"
+    assert tags[registry.SHA_TAG] == registry.folder_sha256("models/reward") and tags["rlhf.pipeline_run_id"]
+
+
+def test_a_failing_candidate_keeps_the_champion_rescored_on_the_current_split(project, capsys):
+    new_candidate(GOOD, 1)
+    run_gate()
+    stamp = os.stat(os.path.join(OUT_DIR, "model.safetensors")).st_mtime_ns
+    new_candidate(BAD, 2)
+    report = run_gate()
+    assert (report["decision"], report["champion"]["version"], report["champion_compared"]) == ("fail", "1", "1")
+    # the champion was scored again on this rm_eval (one pair: accuracy 0 or 1), not read from its tags
+    assert report["champion_accuracy"] in (0.0, 1.0)
+    failed = [line for line in gate.report_lines(report) if "GATE FAILED" in line]
+    assert failed[0].startswith("[gate] GATE FAILED: rm_eval accuracy lower 95% bound (Wilson), 0.441, bound 0.500")
+    assert os.stat(os.path.join(OUT_DIR, "model.safetensors")).st_mtime_ns == stamp  # untouched
+    assert str(registry.holder(client(), NAME).version) == "1"
+
+
+def test_promote_and_rollback_by_hand_are_recorded_and_survive_the_next_gate_run(project):
+    new_candidate(GOOD, 1)
+    run_gate()
+    new_candidate(BAD, 2)
+    run_gate()
+    runner = CliRunner()
+    result = runner.invoke(registry.app, ["promote", "reward", "--version", "2", "--reason", "reviewed by hand"])
+    assert result.exit_code == 0, result.output
+    assert "moved from version 1 to 2" in result.output
+    report = run_gate()  # does not re-decide version 2 (failed) and does not undo the move
+    assert (report["decided"], report["decision"], require_champion()["version"]) == ("before", "fail", "2")
+    assert registry.folder_sha256(OUT_DIR) != ""  # written from the registry
+    result = runner.invoke(registry.app, ["rollback", "reward", "--reason", "version 2 misbehaves"])
+    assert result.exit_code == 0, result.output
+    run_gate()
+    assert require_champion()["version"] == "1"
+    status = runner.invoke(registry.app, ["status", "reward"])
+    assert status.exit_code == 0 and "champion = version 1 (gate: pass)" in status.output
+    assert [line.split("  ")[2] for line in status.output.splitlines()[1:]] == ["None -> 1", "1 -> 2", "2 -> 1"]
+    assert "by rollback: version 2 misbehaves" in status.output
+
+
+def test_registry_command_errors_are_one_line(project, tmp_path_factory, monkeypatch):
+    runner = CliRunner()
+    result = runner.invoke(registry.app, ["status", "reward"])  # nothing registered yet
+    assert result.exit_code == 1 and result.output.strip().startswith("registry: registered model rlhf-reward-model")
+    new_candidate(GOOD, 1)
+    run_gate()
+    result = runner.invoke(registry.app, ["promote", "reward", "--version", "7", "--reason", "x"])
+    assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1 and "version 7" in result.output
+    result = runner.invoke(registry.app, ["rollback", "reward", "--reason", "x"])
+    assert result.exit_code == 1 and "no previous holder" in result.output
+    result = runner.invoke(registry.app, ["promote", "reward", "--version", "1", "--reason", " "])
+    assert result.exit_code == 1 and "--reason must say why" in result.output
+    # from another folder, naming the project
+    monkeypatch.chdir(tmp_path_factory.mktemp("elsewhere"))
+    result = runner.invoke(registry.app, ["status", "reward", "--project", str(project)])
+    assert result.exit_code == 0 and "champion = version 1" in result.output
+    # a tracking server that is down: one line, in seconds
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    result = runner.invoke(registry.app, ["status", "reward", "--project", str(project)])
+    assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1
+    assert result.output.startswith("registry: ")
+
+
+def test_no_champion_writes_a_marker_and_ppo_stops_with_the_promote_command(project):
+    import tasks.ppo
+    from tasks.params import stage_params
+
+    new_candidate(BAD, 2)
+    report = run_gate()
+    assert report["decision"] == "fail" and report["champion"] is None
+    assert os.listdir(OUT_DIR) == [MARKER]
+    with pytest.raises(ValueError, match=r"rlhf-registry promote reward --version 1 --reason"):
+        tasks.ppo.run(stage_params("ppo"), stage_params("generation"), print)
+
+
+def test_inside_a_dvc_experiment_a_passing_candidate_is_only_a_challenger(project, monkeypatch):
+    new_candidate(GOOD, 1)
+    run_gate()
+    new_candidate({**GOOD, "rm/accuracy": 160 / 196}, 3)
+    monkeypatch.setenv("DVC_EXP_NAME", "try-more-steps")
+    bounds = {"min_accuracy_low": 0.5, "champion_tolerance": 1.0, "max_ece": 0.15, "min_length_accuracy": 0.35}
+    report = run_gate({"reward_gate": bounds})  # the champion re-scored on one pair may be at 1.0
+    assert report["decision"] == "pass" and report["experiment"] == "try-more-steps"
+    assert str(registry.holder(client(), NAME).version) == "1" and require_champion()["version"] == "1"
+    assert client().get_model_version(NAME, "2").tags[registry.CHALLENGER_TAG] == "try-more-steps"
+
+
+def test_evaluate_registers_the_policy_once_and_promotes_it_only_through_its_gate(project, tiny_dir):
+    from tasks.evaluate import gate_policy
+    from tasks.runs import tracking_client
+
+    shutil.copytree(tiny_dir, "models/policy")
+    (project / "data" / "validated" / "eval_prompts.jsonl").write_text(json.dumps({"prompt": PAIR["prompt"]}) + "\n")
+    os.makedirs("metrics", exist_ok=True)
+    with open("metrics/ppo.json", "w") as handle:
+        json.dump({"stopped_by": None, "ppo/last/collapse": 0.0}, handle)
+    tied = {
+        "eval/win_rate": None,
+        "eval/win_rate_n": 0.0,
+        "eval/ties": 24.0,
+        "eval/policy/kl": 0.0,
+        "eval/policy/eos_rate": 0.5,
+    }  # fmt: skip (the demo's: the shipped policy was the SFT model)
+    client_, experiment = tracking_client()
+    report = gate_policy(tied, client_.create_run(experiment).info.run_id)
+    assert (report["candidate"]["version"], report["decision"]) == ("1", "fail")
+    assert report["lines"][0].startswith("GATE FAILED: win rate over SFT by the proxy, lower 95% bound (Wilson), n/a")
+    assert registry.holder(client(), "rlhf-policy") is None
+    # the same policy again: found by its content, not registered twice, not re-decided
+    won = {**tied, "eval/win_rate": 0.9, "eval/win_rate_n": 24.0, "eval/ties": 0.0}
+    again = gate_policy(won, client_.create_run(experiment).info.run_id)
+    assert (again["candidate"]["version"], again["decided"], again["decision"]) == ("1", "before", "fail")
+    # a new policy that wins: version 2 takes the champion alias
+    model = load_scalar_model("models/reward")  # any other weights: another content hash
+    shutil.rmtree("models/policy")
+    model.save_pretrained("models/policy")
+    passed = gate_policy(won, client_.create_run(experiment).info.run_id)
+    assert (passed["candidate"]["version"], passed["decision"]) == ("2", "pass")
+    assert str(registry.holder(client(), "rlhf-policy").version) == "2"

@@ -1,0 +1,112 @@
+"""The reward-model gate's pure decision (rlhf.gate_rules) on hand-made metrics."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from rlhf.gate_rules import GateCriteria, PolicyCriteria, passed, policy_gate, reward_gate
+
+CRITERIA = GateCriteria(min_accuracy_low=0.5, champion_tolerance=0.02, max_ece=0.15, min_length_accuracy=0.35)
+
+
+def metrics(correct=120, pairs=196, ece=0.05, shorter=0.62, longer=0.6) -> dict[str, float]:
+    return {
+        "rm/accuracy": correct / pairs if pairs else math.nan,
+        "rm/pairs": float(pairs),
+        "rm/ece": ece,
+        "rm/accuracy_chosen_shorter": shorter,
+        "rm/accuracy_chosen_longer": longer,
+        "rm/pairs_chosen_shorter": 100.0,
+        "rm/pairs_chosen_longer": 90.0,
+    }
+
+
+def test_wilson_lower_bound_by_hand_and_a_passing_candidate():
+    # 120 of 196: p = 0.612245, z = 1.959964, z^2/n = 0.019599;
+    # centre = (p + z^2/2n) / (1 + z^2/n) = 0.622045 / 1.019599 = 0.610088
+    # half = z / 1.019599 * sqrt(p(1-p)/n + z^2/4n^2) = 1.922290 * sqrt(0.00121122 + 0.00002500) = 0.067588
+    # low = 0.542500
+    checks = reward_gate(metrics(), None, CRITERIA)
+    assert checks[0].value == pytest.approx(0.542500, abs=2e-6)
+    assert [c.passed for c in checks] == [True, True, True] and passed(checks)
+    assert checks[0].line().startswith("gate passed: rm_eval accuracy lower 95% bound (Wilson), 0.542")
+
+
+@pytest.mark.parametrize(
+    ("candidate", "champion", "criterion", "value", "bound"),
+    [
+        # 105 of 196 = 0.536, its lower bound 0.466: not better than chance
+        (metrics(correct=105), None, "rm_eval accuracy lower 95% bound (Wilson)", 0.4659, 0.5),
+        # 0.612 against a champion at 0.640 on the same split: below 0.640 - 0.02
+        (metrics(), {"rm/accuracy": 0.64}, "rm_eval accuracy against the champion", 0.6122, 0.62),
+        (metrics(ece=0.2), None, "rm_eval calibration error (ECE)", 0.2, 0.15),
+        # the first demo's reward model: 0.77 on chosen-shorter pairs, 0.33 on chosen-longer ones
+        (metrics(shorter=0.77, longer=0.33), None, "length bias", 0.33, 0.35),
+    ],
+)
+def test_each_criterion_fails_alone_with_one_line(candidate, champion, criterion, value, bound):
+    checks = reward_gate(candidate, champion, CRITERIA)
+    failed = [c for c in checks if not c.passed]
+    assert len(failed) == 1 and not passed(checks)
+    assert failed[0].criterion.startswith(criterion)
+    assert failed[0].value == pytest.approx(value, abs=1e-4) and failed[0].bound == pytest.approx(bound)
+    line = failed[0].line()
+    assert line.startswith(f"GATE FAILED: {criterion}") and "\n" not in line
+    assert f"bound {bound:.3f}" in line
+
+
+def test_a_candidate_within_the_tolerance_of_the_champion_passes():
+    checks = reward_gate(metrics(), {"rm/accuracy": 0.63}, CRITERIA)  # 0.612 >= 0.63 - 0.02
+    assert len(checks) == 4 and passed(checks)
+
+
+def test_undefined_figures_fail_rather_than_pass():
+    no_pairs = reward_gate(metrics(pairs=0), None, CRITERIA)
+    assert not no_pairs[0].passed and no_pairs[0].line().startswith("GATE FAILED") and "n/a" in no_pairs[0].line()
+    one_kind = reward_gate(metrics(longer=math.nan), None, CRITERIA)
+    assert not one_kind[-1].passed
+    assert not reward_gate(metrics(ece=math.nan), None, CRITERIA)[1].passed
+    assert not passed([])
+
+
+def test_bounds_outside_zero_one_are_refused():
+    with pytest.raises(ValueError, match="registry.reward_gate.max_ece must be in"):
+        GateCriteria(max_ece=1.5)
+
+
+EVAL = {"eval/win_rate": 0.75, "eval/win_rate_n": 20.0, "eval/ties": 4.0, "eval/policy/kl": 3.0,
+        "eval/policy/eos_rate": 0.9}  # fmt: skip
+POLICY = PolicyCriteria(min_win_rate_low=0.5, max_kl=10.0, min_eos_rate=0.5)
+
+
+def test_policy_gate_wilson_bound_by_hand_and_a_passing_policy():
+    # 15 of 20: p = 0.75, z^2/n = 0.192073; centre = (0.75 + 0.096037) / 1.192073 = 0.709720
+    # half = 1.959964 / 1.192073 * sqrt(0.75 * 0.25 / 20 + 3.841459 / 1600) = 1.644165 * 0.108517 = 0.178420
+    # low = 0.531300
+    checks = policy_gate(EVAL, {"stopped_by": None, "ppo/last/collapse": 0.0}, POLICY)
+    assert checks[0].value == pytest.approx(0.531300, abs=2e-6) and passed(checks)
+
+
+@pytest.mark.parametrize(
+    ("evaluation", "ppo", "criterion"),
+    [
+        ({**EVAL, "eval/win_rate": 0.6}, {}, "win rate over SFT by the proxy"),  # 12 of 20: low 0.387
+        ({**EVAL, "eval/win_rate": None, "eval/win_rate_n": 0.0, "eval/ties": 24.0}, {}, "win rate"),  # all ties
+        ({**EVAL, "eval/policy/kl": 12.5}, {}, "KL to the SFT model"),
+        (EVAL, {"stopped_by": "kl 25.1 above collapse_kl_max 20"}, "no collapse in PPO"),
+        (EVAL, {"ppo/last/collapse": 1.0}, "no collapse in PPO"),
+        ({**EVAL, "eval/policy/eos_rate": 0.3}, {}, "EOS rate"),
+    ],
+)
+def test_policy_gate_fails_on_each_criterion_alone(evaluation, ppo, criterion):
+    checks = policy_gate(evaluation, ppo, POLICY)
+    failed = [c for c in checks if not c.passed]
+    assert len(failed) == 1 and failed[0].criterion.startswith(criterion) and not passed(checks)
+    assert failed[0].line().startswith(f"GATE FAILED: {criterion}")
+
+
+def test_policy_gate_refuses_a_verdict_it_cannot_give():
+    with pytest.raises(ValueError, match="verdict must be proxy"):
+        PolicyCriteria(verdict="judge")
