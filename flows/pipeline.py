@@ -233,8 +233,12 @@ def run_stage(stage: str, pipeline_run_id: str) -> None:
 
 
 @flow(name="rlhf-pipeline", log_prints=False)
-def rlhf_pipeline(stages: list[str] | None = None) -> dict[str, dict]:
+def rlhf_pipeline(stages: list[str] | None = None, pools: bool = False) -> dict[str, dict]:
     """Run the stages of ``dvc.yaml`` in order (all by default) and return their metrics files.
+
+    ``pools``: run each stage as a ``run-stage`` flow run on its work pool (params.yaml
+    ``orchestration.work_pools``; :mod:`flows.deployments`), its data moving through the DVC remote; the
+    scheduled deployment of ``infra/prefect.yaml`` sets it. False (``make pipeline``): every stage runs here.
 
     Asked for a subset, it also runs every stage upstream of it that is stale (a changed param, dep or
     command; an ``always_changed`` stage such as ``source``), in order, naming each and why, as
@@ -248,23 +252,32 @@ def rlhf_pipeline(stages: list[str] | None = None) -> dict[str, dict]:
         ValueError: an unknown stage name, or credentials in params.yaml.
         RuntimeError: a stage failed, or a stage is still stale after the run.
     """
+    from flows.deployments import clean_revision, run_on_pool, stage_pool
     from tasks.params import read_params
     from tasks.runs import StageRun
 
-    read_params()  # refuses credentials in params.yaml before any stage runs
+    params = read_params()  # refuses credentials in params.yaml before any stage runs
     order, graph = stage_order(), stage_graph()
     unknown = sorted(set(stages or []) - set(order))
     if unknown:
         raise ValueError(f"unknown stages {unknown}; dvc.yaml has {order}")
     run_id = f"prefect-{flow_run.get_id() or 'local'}"
     wanted = set(order if stages is None else stages)
+    revision = clean_revision() if pools else ""  # a worker runs the committed tree
+
+    def run(stage: str) -> None:
+        if pools:
+            run_on_pool(stage, stage_pool(stage, params), run_id, revision)
+        else:
+            run_stage(stage, run_id)
+
     status = "FAILED"
     try:  # the flow knows how the whole run ended (a failure between stages, a cancelled flow): it ends the parent
         run_in_order(
             order,
             graph,
             wanted,
-            run=lambda stage: run_stage(stage, run_id),
+            run=run,
             why_stale=lambda stage: stale_reasons(dvc_status([stage])).get(stage),
         )
         checked = sorted(wanted.union(*(nx.ancestors(graph, stage) for stage in wanted)))
@@ -273,6 +286,7 @@ def rlhf_pipeline(stages: list[str] | None = None) -> dict[str, dict]:
             raise RuntimeError(
                 "stale after the run: " + "; ".join(f"{stage}: {why}" for stage, why in stale.items()) + " (dvc status)"
             )
+        approve_policy()
         status = "FINISHED"
     except KeyboardInterrupt:
         status = "KILLED"
@@ -286,6 +300,19 @@ def rlhf_pipeline(stages: list[str] | None = None) -> dict[str, dict]:
                 with open(path, encoding="utf-8") as handle:
                     metrics.setdefault(stage, {}).update(json.load(handle))
     return metrics
+
+
+def approve_policy(report_path: str = "reports/policy_gate.json") -> str | None:
+    """With ``registry.policy_approval.required``, wait for a person's approval of a policy that passed its gate
+    and waits for one (:mod:`flows.approval`); returns the outcome, or None when nothing waits."""
+    from flows.approval import await_approval, awaiting
+    from tasks.outputs import load_json
+    from tasks.params import stage_params
+
+    approval = stage_params("registry")["policy_approval"]
+    if not approval["required"] or not os.path.exists(report_path) or not awaiting(load_json(report_path)):
+        return None
+    return await_approval(load_json(report_path), int(approval["timeout_s"]))
 
 
 def _figure(values: dict, key: str) -> str | None:

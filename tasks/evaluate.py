@@ -90,7 +90,8 @@ def gate_policy(metrics: dict[str, float], run_id: str) -> dict[str, Any]:
         tags = version_tags(POLICY, {**metrics, **ppo}, {"evaluate": params}, [PROMPTS])
         candidate = register(client, name, POLICY, run_id, tags)
     reason = f"passed the policy gate (win rate {metrics.get('eval/win_rate')} by the {criteria.verdict})"
-    decision = decide_once(client, name, candidate, lambda: (policy_gate(metrics, ppo, criteria), {}), reason)
+    move = not params["policy_approval"]["required"]  # else a person approves in the flow (flows/approval.py)
+    decision = decide_once(client, name, candidate, lambda: (policy_gate(metrics, ppo, criteria), {}), reason, move)
     return {"candidate": {"name": name, "version": str(candidate.version)}, **decision}
 
 

@@ -24,6 +24,7 @@ import typer
 CHAMPION = "champion"
 SHA_TAG, DATA_TAG, COMMIT_TAG = "rlhf.model_sha256", "rlhf.data_sha256", "rlhf.git_commit"
 DECISION_TAG, CHECKS_TAG, CHALLENGER_TAG = "rlhf.gate.decision", "rlhf.gate.checks", "rlhf.challenger"
+APPROVAL_TAG = "rlhf.approval"  # awaiting | approved | rejected | timed out
 MOVE_PREFIX = "rlhf.alias_move."
 ARTIFACT_PATH = "model"
 MAX_REASON = 1000  # characters kept of a reason (a tag value holds at most 5,000 in MLflow's stores)
@@ -186,13 +187,14 @@ def experiment_name() -> str | None:
     return os.environ.get("DVC_EXP_NAME") or None
 
 
-def decide_once(client, name: str, candidate, judge, reason: str) -> dict[str, Any]:
+def decide_once(client, name: str, candidate, judge, reason: str, move: bool = True) -> dict[str, Any]:
     """A gate's decision on ``candidate``: the one stored on it, or a new one, stored and acted on.
 
     ``judge() -> (checks, extra)`` (:class:`rlhf.gate_rules.Check` list, and figures to record beside them)
     runs only for a version without a decision: a decision is never taken twice, so a later run never undoes
     a person's move. On a pass the ``champion`` alias moves to the candidate (recorded with ``reason``), except
-    inside a DVC experiment, where the candidate is only tagged a challenger.
+    inside a DVC experiment, where the candidate is only tagged a challenger, and with ``move`` False, where it
+    is tagged as awaiting a person's approval (``rlhf.approval: awaiting``; :mod:`flows.approval`).
 
     Returns:
         The record (``decision`` pass|fail, ``checks``, ``lines``, the extras, ``decided_at``,
@@ -218,6 +220,9 @@ def decide_once(client, name: str, candidate, judge, reason: str) -> dict[str, A
     _guard("store the decision", client.set_model_version_tag, name, version_, DECISION_TAG, record["decision"])
     if record["decision"] == "pass" and record["experiment"]:
         _guard("tag the challenger", client.set_model_version_tag, name, version_, CHALLENGER_TAG, record["experiment"])
+    elif record["decision"] == "pass" and not move:
+        _guard("tag the approval", client.set_model_version_tag, name, version_, APPROVAL_TAG, "awaiting")
+        record["awaiting_approval"] = True
     elif record["decision"] == "pass":
         move_alias(client, name, version_, "gate", reason, pipeline_run=record["pipeline_run"])
     return {**record, "decided": "now"}
@@ -243,10 +248,13 @@ def download(client, found, folder: str) -> None:
 
 # ---------------------------------------------------------------------------------------------- the command for people
 
-app = typer.Typer(help="The reward-model champion of this project's MLflow registry: status, promote, rollback.")
-MODELS = {"reward": "reward_model"}  # the command's model argument -> params.yaml registry key of its name
+app = typer.Typer(
+    help="The champions (reward model, policy) of this project's MLflow registry: status, promote, rollback."
+)
+MODELS = {"reward": "reward_model", "policy": "policy_model"}  # the command's model -> params.yaml registry key
 STATUS_METRICS = ("rm/accuracy", "rm/accuracy_low", "rm/accuracy_high", "rm/ece", "rm/accuracy_chosen_shorter",
-                  "rm/accuracy_chosen_longer", "rm/pairs")  # fmt: skip
+                  "rm/accuracy_chosen_longer", "rm/pairs", "eval/win_rate", "eval/win_rate_n", "eval/policy/kl",
+                  "eval/policy/eos_rate")  # fmt: skip
 
 
 def _project(project: str | None) -> str:
@@ -294,7 +302,7 @@ def _move(model: str, to: str, by: str, reason: str, project: str | None) -> Non
 
 @app.command()
 def promote(
-    model: str = typer.Argument("reward", help="reward"),
+    model: str = typer.Argument("reward", help="reward or policy"),
     version_: str = typer.Option(..., "--version", help="the version to make champion"),
     reason: str = typer.Option(..., help="why (recorded with the move)"),
     project: str = typer.Option(None, help="the project folder (default: found from here)"),
@@ -305,7 +313,7 @@ def promote(
 
 @app.command()
 def rollback(
-    model: str = typer.Argument("reward", help="reward"),
+    model: str = typer.Argument("reward", help="reward or policy"),
     reason: str = typer.Option(..., help="why (recorded with the move)"),
     project: str = typer.Option(None, help="the project folder (default: found from here)"),
 ) -> None:
@@ -320,7 +328,7 @@ def rollback(
 
 @app.command()
 def status(
-    model: str = typer.Argument("reward", help="reward"),
+    model: str = typer.Argument("reward", help="reward or policy"),
     project: str = typer.Option(None, help="the project folder (default: found from here)"),
 ) -> None:
     """The champion with its metrics and gate decision, then every recorded move of the alias."""

@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import sys
+
 import pytest
 import torch
+import yaml
 
 from rlhf.models import load_base_model
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAIR = {"prompt": [{"role": "user", "content": "Is it safe?"}], "chosen": [{"role": "assistant", "content": "Yes."}],
+        "rejected": [{"role": "assistant", "content": "No, never do that at all."}]}  # fmt: skip
 
 
 class Killed(Exception):
@@ -21,6 +31,21 @@ TINY = {
     "max_position_embeddings": 256,
     "tie_word_embeddings": True,
 }
+
+
+@pytest.fixture(autouse=True)
+def no_tracking_uri_leak():
+    """Undo what ``mlflow.set_tracking_uri`` leaves behind in this process: it also exports
+    ``MLFLOW_TRACKING_URI``, which every later subprocess (a stage under DVC) would inherit."""
+    before = os.environ.get("MLFLOW_TRACKING_URI")
+    yield
+    tracking = sys.modules.get("mlflow.tracking._tracking_service.utils")
+    if tracking is not None:
+        tracking._tracking_uri = None  # MLflow keeps the URI in this module global
+    if before is None:
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+    else:
+        os.environ["MLFLOW_TRACKING_URI"] = before
 
 
 @pytest.fixture(scope="session")
@@ -50,3 +75,26 @@ def empty_db(tmp_path_factory) -> str:
     path = str(tmp_path_factory.mktemp("db") / "mlflow.db")
     mlflow.MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments()
     return path
+
+
+@pytest.fixture
+def registry_project(tmp_path, tiny_dir, empty_db, monkeypatch):
+    """A project folder, the current folder during the test: the repository's params (the demo's gate bounds,
+    the tiny sizes), dvc.yaml, a copy of ``empty_db`` as its MLflow store, a tiny reward model, and rm_train
+    and rm_eval of one pair each."""
+    with open(os.path.join(REPO, "params.yaml")) as handle:
+        params = yaml.safe_load(handle)
+    params["profile"], params["registry"]["profiles"] = "tiny", {}  # the demo's bounds, the tiny model
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    shutil.copy(os.path.join(REPO, "dvc.yaml"), tmp_path / "dvc.yaml")
+    shutil.copy(empty_db, tmp_path / "mlflow.db")
+    os.makedirs(tmp_path / "data" / "validated")
+    (tmp_path / "data" / "validated" / "rm_eval.jsonl").write_text(json.dumps(PAIR) + "\n")
+    (tmp_path / "data" / "validated" / "rm_train.jsonl").write_text(json.dumps(PAIR) + "\n")
+    shutil.copytree(tiny_dir, tmp_path / "models" / "reward")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("DVC_EXP_NAME", raising=False)
+    monkeypatch.setenv("RLHF_PIPELINE_RUN_ID", "gate-test")
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    return tmp_path

@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 import torch
-import yaml
+from conftest import PAIR
 from typer.testing import CliRunner
 
 from rlhf.models import load_scalar_model
@@ -21,34 +21,10 @@ from tasks import gate, registry
 from tasks.champion import MARKER, OUT_DIR, VERSION_FILE, require_champion
 from tasks.outputs import StagedOutputs
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAME = "rlhf-reward-model"
-PAIR = {"prompt": [{"role": "user", "content": "Is it safe?"}], "chosen": [{"role": "assistant", "content": "Yes."}],
-        "rejected": [{"role": "assistant", "content": "No, never do that at all."}]}  # fmt: skip
 GOOD = {"rm/accuracy": 150 / 196, "rm/pairs": 196.0, "rm/ece": 0.05, "rm/accuracy_chosen_shorter": 0.7,
         "rm/accuracy_chosen_longer": 0.6, "rm/pairs_chosen_shorter": 100.0, "rm/pairs_chosen_longer": 96.0}  # fmt: skip
 BAD = {**GOOD, "rm/accuracy": 100 / 196}  # lower bound 0.44: not better than chance
-
-
-@pytest.fixture
-def project(tmp_path, tiny_dir, empty_db, monkeypatch):
-    """A project folder: the repository's params (demo gate bounds, tiny sizes), a tiny reward model, rm_eval."""
-    with open(os.path.join(REPO, "params.yaml")) as handle:
-        params = yaml.safe_load(handle)
-    params["profile"], params["registry"]["profiles"] = "tiny", {}  # the demo's bounds, the tiny model
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
-    shutil.copy(os.path.join(REPO, "dvc.yaml"), tmp_path / "dvc.yaml")
-    shutil.copy(empty_db, tmp_path / "mlflow.db")
-    os.makedirs(tmp_path / "data" / "validated")
-    (tmp_path / "data" / "validated" / "rm_eval.jsonl").write_text(json.dumps(PAIR) + "\n")
-    (tmp_path / "data" / "validated" / "rm_train.jsonl").write_text(json.dumps(PAIR) + "\n")
-    shutil.copytree(tiny_dir, tmp_path / "models" / "reward")
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.delenv("DVC_EXP_NAME", raising=False)
-    monkeypatch.setenv("RLHF_PIPELINE_RUN_ID", "gate-test")
-    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
-    return tmp_path
 
 
 def new_candidate(metrics: dict[str, float], seed: int) -> None:
@@ -81,7 +57,7 @@ def client():
     return tracking_client()[0]
 
 
-def test_a_passing_candidate_becomes_champion_once_and_a_rerun_leaves_its_files_untouched(project):
+def test_a_passing_candidate_becomes_champion_once_and_a_rerun_leaves_its_files_untouched(registry_project):
     new_candidate(GOOD, 1)
     report = run_gate()
     assert (report["decision"], report["decided"], report["champion"]["version"]) == ("pass", "now", "1")
@@ -99,7 +75,7 @@ def test_a_passing_candidate_becomes_champion_once_and_a_rerun_leaves_its_files_
     assert tags[registry.SHA_TAG] == registry.folder_sha256("models/reward") and tags["rlhf.pipeline_run_id"]
 
 
-def test_a_failing_candidate_keeps_the_champion_rescored_on_the_current_split(project, capsys):
+def test_a_failing_candidate_keeps_the_champion_rescored_on_the_current_split(registry_project, capsys):
     new_candidate(GOOD, 1)
     run_gate()
     stamp = os.stat(os.path.join(OUT_DIR, "model.safetensors")).st_mtime_ns
@@ -114,7 +90,7 @@ def test_a_failing_candidate_keeps_the_champion_rescored_on_the_current_split(pr
     assert str(registry.holder(client(), NAME).version) == "1"
 
 
-def test_promote_and_rollback_by_hand_are_recorded_and_survive_the_next_gate_run(project):
+def test_promote_and_rollback_by_hand_are_recorded_and_survive_the_next_gate_run(registry_project):
     new_candidate(GOOD, 1)
     run_gate()
     new_candidate(BAD, 2)
@@ -136,7 +112,7 @@ def test_promote_and_rollback_by_hand_are_recorded_and_survive_the_next_gate_run
     assert "by rollback: version 2 misbehaves" in status.output
 
 
-def test_registry_command_errors_are_one_line(project, tmp_path_factory, monkeypatch):
+def test_registry_command_errors_are_one_line(registry_project, tmp_path_factory, monkeypatch):
     runner = CliRunner()
     result = runner.invoke(registry.app, ["status", "reward"])  # nothing registered yet
     assert result.exit_code == 1 and result.output.strip().startswith("registry: registered model rlhf-reward-model")
@@ -150,18 +126,18 @@ def test_registry_command_errors_are_one_line(project, tmp_path_factory, monkeyp
     assert result.exit_code == 1 and "--reason must say why" in result.output
     # from another folder, naming the project
     monkeypatch.chdir(tmp_path_factory.mktemp("elsewhere"))
-    result = runner.invoke(registry.app, ["status", "reward", "--project", str(project)])
+    result = runner.invoke(registry.app, ["status", "reward", "--project", str(registry_project)])
     assert result.exit_code == 0 and "champion = version 1" in result.output
     # a tracking server that is down: one line, in seconds
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
-    result = runner.invoke(registry.app, ["status", "reward", "--project", str(project)])
+    result = runner.invoke(registry.app, ["status", "reward", "--project", str(registry_project)])
     assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1
     assert result.output.startswith("registry: ")
 
 
-def test_no_champion_writes_a_marker_and_ppo_stops_with_the_promote_command(project):
+def test_no_champion_writes_a_marker_and_ppo_stops_with_the_promote_command(registry_project):
     import tasks.ppo
     from tasks.params import stage_params
 
@@ -173,7 +149,7 @@ def test_no_champion_writes_a_marker_and_ppo_stops_with_the_promote_command(proj
         tasks.ppo.run(stage_params("ppo"), stage_params("generation"), print)
 
 
-def test_inside_a_dvc_experiment_a_passing_candidate_is_only_a_challenger(project, monkeypatch):
+def test_inside_a_dvc_experiment_a_passing_candidate_is_only_a_challenger(registry_project, monkeypatch):
     new_candidate(GOOD, 1)
     run_gate()
     new_candidate({**GOOD, "rm/accuracy": 160 / 196}, 3)
@@ -185,12 +161,14 @@ def test_inside_a_dvc_experiment_a_passing_candidate_is_only_a_challenger(projec
     assert client().get_model_version(NAME, "2").tags[registry.CHALLENGER_TAG] == "try-more-steps"
 
 
-def test_evaluate_registers_the_policy_once_and_promotes_it_only_through_its_gate(project, tiny_dir):
+def test_evaluate_registers_the_policy_once_and_promotes_it_only_through_its_gate(registry_project, tiny_dir):
     from tasks.evaluate import gate_policy
     from tasks.runs import tracking_client
 
     shutil.copytree(tiny_dir, "models/policy")
-    (project / "data" / "validated" / "eval_prompts.jsonl").write_text(json.dumps({"prompt": PAIR["prompt"]}) + "\n")
+    (registry_project / "data" / "validated" / "eval_prompts.jsonl").write_text(
+        json.dumps({"prompt": PAIR["prompt"]}) + "\n"
+    )
     os.makedirs("metrics", exist_ok=True)
     with open("metrics/ppo.json", "w") as handle:
         json.dump({"stopped_by": None, "ppo/last/collapse": 0.0}, handle)

@@ -84,7 +84,7 @@ def test_every_config_field_can_be_set_from_params_and_stands_in_the_file():
 def test_every_top_level_key_is_read_by_a_stage():
     params, stages = load("params.yaml"), load("dvc.yaml")["stages"]
     listed = {key for stage in stages.values() for key in stage.get("params", [])}
-    read_by_common = {"mlflow"}  # tasks/common.py StageRun reads the tracking settings
+    read_by_common = {"mlflow", "orchestration"}  # StageRun's tracking settings; the flow's work pools
     assert set(params) - listed - read_by_common == set()
     assert listed <= set(params)
     for stage, spec in stages.items():  # a stage that lists a section reads it (the task module names it)

@@ -89,6 +89,17 @@ def assert_outputs(project: str) -> None:
     assert json.loads(status) == {"source": ["always changed"], "gate": ["always changed"]}
 
 
+def add_rows(project: str, name: str, start: int, count: int = 30) -> None:
+    """Write ``count`` preference rows of the shared data from row ``start`` on (past the tiny profile's 120)."""
+    import gzip
+
+    source = os.path.join(SHARED, "data", "hh-rlhf", "harmless-base", "pairs.jsonl.gz")
+    with gzip.open(source, "rt") as handle:
+        lines = handle.readlines()[start : start + count]
+    with open(os.path.join(project, name), "w") as handle:
+        handle.writelines(lines)
+
+
 def champion(project: str) -> str:
     with open(os.path.join(project, "models/reward_champion/registry_version.json")) as handle:
         return json.load(handle)["version"]
@@ -100,11 +111,11 @@ def test_dvc_repro_runs_everything_then_only_what_a_ppo_param_touches(tmp_path):
     assert_outputs(project)
     set_param(project, "  policy_lr: 1.0e-5", "  policy_lr: 3.0e-5")  # changes the policy, so evaluate reruns too
     assert ran_stages(run(project, "dvc", "repro")) == ["gate", "ppo", "evaluate"]  # gate: always (the registry)
-    # a new reward model passes the (open) tiny gate: the champion moves, so ppo and evaluate rerun on it
-    reward_seed = "each pair still once per epoch\n  gradient_checkpointing: false  {}\n  seed: {}"
-    comment = "# recompute activations in the backward pass: less memory, more time"
-    set_param(project, reward_seed.format(comment, 0), reward_seed.format(comment, 1))
-    assert ran_stages(run(project, "dvc", "repro")) == ["reward", "gate", "ppo", "evaluate"]
+    # new preference rows (a second source): prepare and everything after it rerun; the new reward model passes
+    # the (open) tiny gate, so the champion moves and ppo and evaluate run on it
+    add_rows(project, "more-1.jsonl", 1000)
+    set_param(project, "  more_sources: []", "  more_sources: [{source: more-1.jsonl}]")
+    assert ran_stages(run(project, "dvc", "repro")) == STAGES[:1] + STAGES[2:]  # all but base_model
     assert champion(project) == "2"
     # a rollback by hand reaches DVC through the gate, and the next repro keeps it (the gate never re-decides)
     output = run(project, "tasks.registry", "rollback", "reward", "--reason", "test")
@@ -113,6 +124,20 @@ def test_dvc_repro_runs_everything_then_only_what_a_ppo_param_touches(tmp_path):
     assert champion(project) == "1"
     assert ran_stages(run(project, "dvc", "repro")) == ["gate"]
     assert champion(project) == "1"
+    # more rows again, under a floor no model can pass: version 3 fails its gate; the champion and its folder
+    # stay exactly as they were, and ppo (new prompts) reruns against the old champion
+    before = subprocess.run(["git", "hash-object", "models/reward_champion/model.safetensors"], cwd=project,
+                            capture_output=True, text=True, check=True).stdout  # fmt: skip
+    add_rows(project, "more-2.jsonl", 1030)
+    set_param(project, "[{source: more-1.jsonl}]", "[{source: more-1.jsonl}, {source: more-2.jsonl}]")
+    set_param(project, "reward_gate: {min_accuracy_low: 0.0,", "reward_gate: {min_accuracy_low: 1.0,")
+    output = run(project, "dvc", "repro")
+    assert "[gate] GATE FAILED: rm_eval accuracy lower 95% bound (Wilson)" in output
+    assert "reward" in ran_stages(output) and champion(project) == "1"
+    assert subprocess.run(["git", "hash-object", "models/reward_champion/model.safetensors"], cwd=project,
+                          capture_output=True, text=True, check=True).stdout == before  # fmt: skip
+    with open(os.path.join(project, "metrics/ppo.json")) as handle:
+        assert json.load(handle)["ppo/reward_model_version"] == 1.0
     # a stage that fails under dvc repro leaves its previous outputs in place
     with open(os.path.join(project, "data/validated/rm_train.jsonl")) as handle:
         before = handle.read()
@@ -151,7 +176,7 @@ def test_ppo_stage_killed_with_sigkill_resumes_to_the_same_result(tmp_path):
 
     project = make_project(tmp_path)
     set_param(project, "    tiny: {iterations: 3,", "    tiny: {iterations: 12, checkpoint_every: 1,")
-    run(project, "dvc", "repro", "reward")
+    run(project, "dvc", "repro", "gate")  # ppo reads the champion the gate writes
     env = {
         **os.environ,
         "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],

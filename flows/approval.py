@@ -1,0 +1,75 @@
+"""A person's typed approval before a policy takes the champion alias (params.yaml ``registry.policy_approval``).
+
+With ``required: true`` the evaluate stage does not move the policy's alias when the policy passes its
+gate; it tags the version ``rlhf.approval: awaiting``. The pipeline flow then pauses (Prefect's pause with
+input) until a person resumes the flow run with a :class:`PolicyApproval` (in the Prefect UI, or
+``prefect.flow_runs.resume_flow_run(id, run_input={...})``). An approval moves the alias, recorded with
+the reviewer and the reason; a rejection or no answer within ``timeout_s`` leaves the champion as it was.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect.input import RunInput
+
+
+class PolicyApproval(RunInput):
+    """What a person types to resume the paused flow."""
+
+    approve: bool
+    reviewer: str
+    reason: str
+
+
+def awaiting(report: dict[str, Any]) -> bool:
+    """Whether the policy of ``report`` passed its gate and still waits for a person (its ``rlhf.approval`` tag),
+    so a later run with evaluate up to date does not ask again about a version already answered."""
+    from tasks.registry import APPROVAL_TAG, version
+    from tasks.runs import tracking_client
+
+    if not report.get("awaiting_approval"):
+        return False
+    client, _ = tracking_client()
+    found = version(client, report["candidate"]["name"], report["candidate"]["version"])
+    return found.tags.get(APPROVAL_TAG) == "awaiting"
+
+
+def await_approval(report: dict[str, Any], timeout_s: int, poll_s: int = 10, say=print) -> str:
+    """Pause the running flow until a person approves or rejects the policy of ``report``; act on the answer.
+
+    Args:
+        report: the evaluate stage's ``reports/policy_gate.json`` (candidate name and version).
+        timeout_s: seconds to wait; poll_s: how often the flow looks for an answer.
+        say: where the waiting line goes.
+
+    Returns:
+        ``approved``, ``rejected`` or ``timed out`` (also stored as the version's ``rlhf.approval`` tag).
+
+    Raises:
+        RegistryError: the registry cannot be reached (one line).
+    """
+    from prefect.exceptions import FlowPauseTimeout
+    from prefect.flow_runs import pause_flow_run
+
+    from tasks.registry import APPROVAL_TAG, move_alias
+    from tasks.runs import tracking_client
+
+    name, version = report["candidate"]["name"], report["candidate"]["version"]
+    say(
+        f"[flow] policy {name} version {version} passed its gate: waiting up to {timeout_s} s for a person's "
+        "approval (resume this flow run with approve, reviewer, reason)"
+    )
+    try:
+        answer = pause_flow_run(wait_for_input=PolicyApproval, timeout=timeout_s, poll_interval=poll_s)
+    except FlowPauseTimeout:
+        answer = None
+    client, _ = tracking_client()
+    outcome = "timed out" if answer is None else "approved" if answer.approve else "rejected"
+    if answer is not None and answer.approve:
+        move_alias(client, name, version, f"approved by {answer.reviewer}", answer.reason)
+    client.set_model_version_tag(name, version, APPROVAL_TAG, outcome)
+    say(
+        f"[flow] policy {name} version {version}: {outcome}" + ("" if outcome == "approved" else ", champion unchanged")
+    )
+    return outcome

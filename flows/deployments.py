@@ -1,0 +1,173 @@
+"""The pipeline on Prefect work pools: each stage runs as a ``run-stage`` flow run on its pool's worker.
+
+``infra/prefect.yaml`` deploys the pipeline flow (on a cron schedule, ``pools=True``) and one
+``run-stage-<pool>`` deployment per work pool. Work pools run flow runs, not tasks, so with ``pools=True``
+the pipeline flow sends every stage, in DVC's order, to the pool that params.yaml's
+``orchestration.work_pools`` names for it (sft, reward, ppo and evaluate on ``gpu``, the rest on ``cpu``) and
+waits for it.
+
+Data moves through DVC, never by hand: the worker's checkout (a clone of the project) goes to the flow's
+git revision, takes the flow's ``dvc.lock``, ``dvc pull``s the outputs of the stages upstream from the DVC
+remote, runs ``dvc repro --single-item <stage>`` (the same task as a local run), ``dvc push``es the stage's
+outputs and hands back its ``dvc.lock`` entry as the flow run's persisted result. The pipeline flow writes
+that entry into its own ``dvc.lock`` and pulls the outputs, so its checkout records exactly what ran where.
+The ``cache: false`` files (metrics and small reports, which git carries, not the DVC remote) travel with
+the request and the result.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Any
+
+import yaml
+from prefect import flow, get_run_logger
+
+LOCK = "dvc.lock"
+DEFAULT_POOL = "cpu"
+
+
+def stage_pool(stage: str, params: dict[str, Any]) -> str:
+    """The work pool of ``stage``: ``orchestration.work_pools.<stage>``, else ``.default``, else ``cpu``."""
+    pools = (params.get("orchestration") or {}).get("work_pools") or {}
+    return str(pools.get(stage, pools.get("default", DEFAULT_POOL)))
+
+
+def _run(*command: str) -> str:
+    """Run a command in the current folder; its stdout. Raises RuntimeError with the output's tail on failure."""
+    result = subprocess.run(list(command), capture_output=True, text=True)
+    if result.returncode != 0:
+        tail = (result.stdout + result.stderr).strip().splitlines()[-5:]
+        raise RuntimeError(f"`{' '.join(command[:4])}` failed (exit {result.returncode}): " + " | ".join(tail))
+    return result.stdout
+
+
+def _dvc(*args: str) -> str:
+    return _run(sys.executable, "-m", "dvc", *args)
+
+
+def read_lock() -> dict[str, Any]:
+    """``dvc.lock`` of the current folder (an empty lock when there is none)."""
+    if not os.path.exists(LOCK):
+        return {"schema": "2.0", "stages": {}}
+    with open(LOCK, encoding="utf-8") as handle:
+        return yaml.safe_load(handle) or {"schema": "2.0", "stages": {}}
+
+
+def write_lock(lock: dict[str, Any]) -> None:
+    """Replace ``dvc.lock`` atomically."""
+    tmp = f"{LOCK}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as handle:
+        yaml.safe_dump(lock, handle, sort_keys=False)
+    os.replace(tmp, LOCK)
+
+
+def uncached_outs(stages: list[str] | None = None) -> list[str]:
+    """The ``cache: false`` outputs (metrics and reports files) of ``stages`` (all by default) in dvc.yaml.
+
+    DVC does not push them (git carries them), so they travel with a stage's request and its result.
+    """
+    with open("dvc.yaml", encoding="utf-8") as handle:
+        spec = yaml.safe_load(handle)["stages"]
+    paths = []
+    for name in stages if stages is not None else list(spec):
+        for key in ("outs", "metrics", "plots"):
+            for entry in spec[name].get(key) or []:
+                if isinstance(entry, dict):
+                    ((path, options),) = entry.items()
+                    if (options or {}).get("cache") is False:
+                        paths.append(path)
+    return paths
+
+
+def read_files(paths: list[str]) -> dict[str, str]:
+    """``{path: text}`` of those that exist."""
+    files = {}
+    for path in paths:
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as handle:
+                files[path] = handle.read()
+    return files
+
+
+def write_files(files: dict[str, str]) -> None:
+    """Write each ``{path: text}`` atomically (a folder is made where needed)."""
+    from rlhf.checkpoint import atomic_write_text
+
+    for path, text in files.items():
+        atomic_write_text(path, text)
+
+
+def clean_revision() -> str:
+    """The commit checked out here. Raises RuntimeError when tracked files differ from it: a worker starts
+    from the commit, so uncommitted params or code would not be what it runs."""
+    dirty = _run("git", "status", "--porcelain", "--untracked-files=no").strip().splitlines()
+    changed = [line[3:] for line in dirty if line[3:] != LOCK]  # dvc.lock travels with the request
+    if changed:
+        raise RuntimeError(f"commit first: a stage on a work pool runs the committed tree, and {changed[0]} differs")
+    return _run("git", "rev-parse", "HEAD").strip()
+
+
+@flow(name="run-stage", persist_result=True, log_prints=True)
+def run_stage_flow(
+    stage: str, pipeline_run_id: str, revision: str, lock: dict[str, Any], files: dict[str, str]
+) -> dict[str, Any]:
+    """One stage on this worker's checkout: revision, lock and the ``cache: false`` files from the pipeline
+    flow, the cached inputs from the DVC remote.
+
+    Returns:
+        ``{"entry": its dvc.lock entry, "files": its cache: false outputs}`` (the flow run's persisted result).
+
+    Raises:
+        RuntimeError: git, ``dvc pull``/``push`` or the stage failed (the output's tail in the message).
+    """
+    from flows.pipeline import run_stage, stage_graph
+
+    logger = get_run_logger()
+    if _run("git", "rev-parse", "HEAD").strip() != revision:
+        _run("git", "fetch", "--quiet", "origin")
+        _run("git", "checkout", "--quiet", "--detach", revision)
+    write_lock(lock)
+    write_files(files)
+    upstream = sorted(stage_graph().predecessors(stage))
+    if upstream:
+        _dvc("pull", "--quiet", *upstream)  # what this stage reads, as the lock records it
+    run_stage.fn(stage, pipeline_run_id)
+    _dvc("push", "--quiet", stage)
+    logger.info("stage %s done on %s, outputs pushed", stage, os.uname().nodename)
+    return {"entry": read_lock()["stages"].get(stage), "files": read_files(uncached_outs([stage]))}
+
+
+def run_on_pool(stage: str, pool: str, pipeline_run_id: str, revision: str, timeout_s: float | None = None) -> None:
+    """Run ``stage`` as a ``run-stage-<pool>`` flow run and wait; then record its lock entry and pull its outputs.
+
+    Raises:
+        RuntimeError: the flow run did not complete (its state and message), or returned no lock entry.
+    """
+    from prefect.deployments import run_deployment
+
+    lock = read_lock()
+    run = run_deployment(
+        f"run-stage/run-stage-{pool}",
+        parameters={
+            "stage": stage,
+            "pipeline_run_id": pipeline_run_id,
+            "revision": revision,
+            "lock": lock,
+            "files": read_files(uncached_outs()),
+        },
+        timeout=timeout_s,
+        poll_interval=2,
+    )
+    if not run.state.is_completed():
+        raise RuntimeError(f"stage {stage} on work pool {pool}: {run.state.type.value} ({run.state.message})")
+    result = run.state.result()
+    if not result.get("entry"):
+        raise RuntimeError(f"stage {stage} on work pool {pool} handed back no dvc.lock entry")
+    write_files(result["files"])
+    lock = read_lock()
+    lock.setdefault("stages", {})[stage] = result["entry"]
+    write_lock(lock)
+    _dvc("pull", "--quiet", stage)

@@ -1,0 +1,82 @@
+"""A person's approval before a policy takes the champion alias: Prefect's pause with input, for real (integration:
+Prefect's test server and an MLflow sqlite store)."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+
+import pytest
+from prefect import flow
+from prefect.flow_runs import resume_flow_run
+from test_gate import client
+
+from flows.approval import await_approval, awaiting
+from tasks import registry
+
+pytestmark = pytest.mark.integration
+NAME = "rlhf-policy"
+
+
+@flow(name="approval-test")
+def wait_for_approval(report: dict, timeout_s: int) -> str:
+    return await_approval(report, timeout_s, poll_s=1)
+
+
+def awaiting_version(tiny_dir, folder: str) -> dict:
+    """A policy version that passed its gate with approval required: its report."""
+    from tasks.registry import decide_once, register
+    from tasks.runs import tracking_client
+
+    shutil.copytree(tiny_dir, folder)
+    client_, experiment = tracking_client()
+    run_id = client_.create_run(experiment).info.run_id
+    found = register(client_, NAME, folder, run_id, {registry.SHA_TAG: registry.folder_sha256(folder)})
+    decision = decide_once(client_, NAME, found, lambda: ([], {}), "approval test", move=False)
+    assert decision["decision"] == "fail"  # no checks: never a pass by itself
+    client_.set_model_version_tag(NAME, found.version, registry.APPROVAL_TAG, "awaiting")
+    return {"candidate": {"name": NAME, "version": str(found.version)}, "awaiting_approval": True}
+
+
+def test_no_answer_leaves_the_champion_and_an_approval_moves_it_with_the_reviewer(registry_project, tiny_dir):
+    from prefect.testing.utilities import prefect_test_harness
+
+    assert not awaiting({"candidate": {"name": NAME, "version": "1"}})  # no flag: nothing to wait for
+    with prefect_test_harness():
+        report = awaiting_version(tiny_dir, "models/policy-1")
+        assert awaiting(report)
+        assert wait_for_approval(report, 2) == "timed out"
+        assert registry.holder(client(), NAME) is None and not awaiting(report)
+        assert client().get_model_version(NAME, "1").tags[registry.APPROVAL_TAG] == "timed out"
+
+        report = awaiting_version(tiny_dir, "models/policy-2")
+        outcome: list[str] = []
+        runner = threading.Thread(target=lambda: outcome.append(wait_for_approval(report, 60)))
+        runner.start()
+        answer = {"approve": True, "reviewer": "ana", "reason": "read 20 samples side by side"}
+        resumed = resume_paused_run(answer)
+        runner.join(timeout=60)
+        assert resumed and outcome == ["approved"]
+    assert str(registry.holder(client(), NAME).version) == "2"
+    (move,) = registry.history(client(), NAME)
+    assert (move["by"], move["reason"], move["to"]) == ("approved by ana", "read 20 samples side by side", "2")
+
+
+def resume_paused_run(answer: dict) -> bool:
+    """Find the paused flow run and resume it with ``answer`` (as a person does in the UI)."""
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+
+    async def paused():
+        async with get_client() as api:
+            return [r.id for r in await api.read_flow_runs() if r.state and r.state.is_paused()]
+
+    for _ in range(60):
+        found = asyncio.run(paused())
+        if found:
+            resume_flow_run(found[0], run_input=answer)
+            return True
+        time.sleep(1)
+    return False

@@ -1,0 +1,122 @@
+"""The scheduled deployment on work pools: a real Prefect server on 127.0.0.1, a cpu and a gpu process worker
+in two checkouts, DVC carrying the data between them through a local remote (integration)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import yaml
+from test_pipeline import STAGES, assert_outputs, make_project
+
+pytestmark = pytest.mark.integration
+
+BIN = os.path.dirname(sys.executable)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def command(cwd: str, env: dict, *args: str, timeout: int = 300) -> str:
+    result = subprocess.run(list(args), cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, f"{args}: {result.stdout[-2000:]} {result.stderr[-2000:]}"
+    return result.stdout
+
+
+def start(cwd: str, env: dict, log: str, *args: str) -> subprocess.Popen:
+    with open(log, "w") as handle:
+        return subprocess.Popen(list(args), cwd=cwd, env=env, stdout=handle, stderr=subprocess.STDOUT)
+
+
+def stop(process: subprocess.Popen) -> None:
+    """A Prefect worker stops on the second SIGINT; the server on the first."""
+    for _ in range(2):
+        if process.poll() is None:
+            process.send_signal(signal.SIGINT)
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                continue
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+
+
+def test_scheduled_deployment_runs_every_stage_on_its_pool(tmp_path):
+    project = make_project(tmp_path)
+    port = free_port()
+    env = {
+        **os.environ,
+        "PATH": BIN + os.pathsep + os.environ["PATH"],
+        "PREFECT_HOME": str(tmp_path / "prefect-home"),  # one home: the workers' results are read by the flow
+        "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "MLFLOW_TRACKING_URI": f"sqlite:///{project}/mlflow.db",  # one tracking store and registry for both hosts
+        "RLHF_PIPELINE_RUN_ID": "",
+    }
+    command(project, env, sys.executable, "-m", "dvc", "remote", "add", "-d", "store", str(tmp_path / "dvc-remote"))
+    command(project, env, "git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "DVC remote")
+    gpu_root = tmp_path / "gpu-host"
+    gpu_root.mkdir()
+    command(str(gpu_root), env, "git", "clone", "-q", project, "main")
+    os.symlink(os.path.realpath(os.path.join(project, "..", "shared")), gpu_root / "shared")
+    processes = []
+    try:
+        processes.append(start(project, env, str(tmp_path / "server.log"), f"{BIN}/prefect", "server", "start",
+                               "--host", "127.0.0.1", "--port", str(port)))  # fmt: skip
+        for _ in range(90):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/api/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(1)
+        for pool in ("cpu", "gpu"):
+            command(project, env, f"{BIN}/prefect", "work-pool", "create", pool, "--type", "process")
+        command(
+            project, env, f"{BIN}/prefect", "--no-prompt", "deploy", "--all", "--prefect-file", "infra/prefect.yaml"
+        )
+        for pool, checkout in (("cpu", project), ("gpu", str(gpu_root / "main"))):
+            worker_env = {**env, "RLHF_PROJECT": checkout}
+            processes.append(start(checkout, worker_env, str(tmp_path / f"worker-{pool}.log"), f"{BIN}/prefect",
+                                   "worker", "start", "--pool", pool, "--type", "process"))  # fmt: skip
+        trigger = (
+            "from prefect.deployments import run_deployment; "
+            "run = run_deployment('rlhf-pipeline/scheduled', timeout=1200, poll_interval=3); "
+            "print(run.state.type.value, run.state.message)"
+        )
+        out = command(project, env, sys.executable, "-c", trigger, timeout=1300)
+        assert out.strip().startswith("COMPLETED"), out + (tmp_path / "worker-cpu.log").read_text()[-3000:]
+        runs = json.loads(command(project, env, sys.executable, "-c", READ_RUNS))
+    finally:
+        for process in reversed(processes):
+            stop(process)
+    with open(os.path.join(project, "params.yaml")) as handle:
+        pools = yaml.safe_load(handle)["orchestration"]["work_pools"]
+    expected = {stage: pools.get(stage, pools["default"]) for stage in ["source", *STAGES]}
+    assert {r["stage"]: r["pool"] for r in runs if r["state"] == "COMPLETED"} == expected
+    assert expected["ppo"] == "gpu" and expected["gate"] == "cpu"
+    assert_outputs(project)  # every output came back to the flow's checkout, and dvc status is up to date
+    with open(os.path.join(project, "models/reward_champion/registry_version.json")) as handle:
+        assert json.load(handle)["version"] == "1"  # the gate (cpu) saw the reward model the gpu host registered
+
+
+READ_RUNS = """
+import asyncio, json
+from prefect.client.orchestration import get_client
+async def main():
+    async with get_client() as client:
+        runs = await client.read_flow_runs()
+        print(json.dumps([{"stage": r.parameters["stage"], "pool": r.work_pool_name, "state": r.state.type.value}
+                          for r in runs if "stage" in r.parameters]))
+asyncio.run(main())
+"""
