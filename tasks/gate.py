@@ -46,11 +46,13 @@ def decide(client, name: str, candidate, metrics: dict[str, float], params: dict
     from rlhf.gate_rules import GateCriteria, reward_gate
     from tasks.registry import decide_once, holder
 
+    criteria = GateCriteria(**params["reward_gate"])  # bad bounds stop the stage whether or not it decides
+
     def judge():
         champion = holder(client, name)
         compared = champion if champion is not None and str(champion.version) != str(candidate.version) else None
         champion_metrics = rescorer(compared) if compared is not None else None
-        checks = reward_gate(metrics, champion_metrics, GateCriteria(**params["reward_gate"]))
+        checks = reward_gate(metrics, champion_metrics, criteria)
         return checks, {
             "champion_compared": str(compared.version) if compared is not None else None,
             "champion_accuracy": champion_metrics["rm/accuracy"] if champion_metrics else None,
@@ -60,7 +62,7 @@ def decide(client, name: str, candidate, metrics: dict[str, float], params: dict
     return decide_once(client, name, candidate, judge, f"passed the reward gate ({accuracy})")
 
 
-def materialise(client, name: str, candidate, outputs) -> dict[str, Any] | None:
+def materialise(client, name: str, candidate, decision: str, outputs) -> dict[str, Any] | None:
     """Stage the champion into ``models/reward_champion/`` unless it is already there; returns what it holds.
 
     With no champion the folder holds only :data:`MARKER`, whose message gives the promote command.
@@ -74,8 +76,7 @@ def materialise(client, name: str, candidate, outputs) -> dict[str, Any] | None:
     if champion is None:
         message = (
             f"{OUT_DIR}: no reward model holds the champion alias of {name} (the last candidate, version "
-            f"{candidate.version}, failed its gate): to train against it anyway run "
-            f"{promote_command(candidate.version)}"
+            f"{candidate.version}, {decision}): to train against it anyway run {promote_command(candidate.version)}"
         )
         folder = outputs.folder(OUT_DIR)
         with open(os.path.join(folder, MARKER), "w", encoding="utf-8") as handle:
@@ -112,7 +113,8 @@ def run(params: dict[str, Any], reward: dict[str, Any], device: dict[str, Any] |
         tags = version_tags(REWARD, metrics, reward, ["data/validated/rm_train.jsonl", EVAL])
         candidate = register(client, name, REWARD, run_id, tags)
     decision = decide(client, name, candidate, metrics, params, lambda found: rescore(client, found, reward, device))
-    held = materialise(client, name, candidate, outputs)
+    outcome = "failed its gate" if decision["decision"] == "fail" else "passed inside a DVC experiment"
+    held = materialise(client, name, candidate, outcome, outputs)
     return {
         "candidate": {"name": name, "version": str(candidate.version)},
         **decision,

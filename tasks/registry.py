@@ -204,7 +204,15 @@ def decide_once(client, name: str, candidate, judge, reason: str, move: bool = T
     from tasks.runs import pipeline_run_id
 
     if DECISION_TAG in candidate.tags:
-        return {**json.loads(candidate.tags[CHECKS_TAG]), "decided": "before"}
+        stored = json.loads(candidate.tags[CHECKS_TAG])
+        if move and stored["decision"] == "pass" and stored.get("experiment") and not experiment_name():
+            # a challenger of a DVC experiment whose model now runs outside one (the experiment was applied
+            # and committed): its pass takes effect, once
+            experiment, stored["experiment"] = stored["experiment"], None
+            _guard("store the decision", client.set_model_version_tag, name, str(candidate.version), CHECKS_TAG,
+                   json.dumps(stored))  # fmt: skip
+            move_alias(client, name, str(candidate.version), "gate", f"{reason}; decided in experiment {experiment}")
+        return {**stored, "decided": "before"}
     checks, extra = judge()
     record = {
         "decision": "pass" if passed(checks) else "fail",

@@ -159,6 +159,13 @@ def test_inside_a_dvc_experiment_a_passing_candidate_is_only_a_challenger(regist
     assert report["decision"] == "pass" and report["experiment"] == "try-more-steps"
     assert str(registry.holder(client(), NAME).version) == "1" and require_champion()["version"] == "1"
     assert client().get_model_version(NAME, "2").tags[registry.CHALLENGER_TAG] == "try-more-steps"
+    # the experiment applied and committed: its model runs outside an experiment, and its pass takes effect once
+    monkeypatch.delenv("DVC_EXP_NAME")
+    report = run_gate({"reward_gate": bounds})
+    assert report["decided"] == "before" and require_champion()["version"] == "2"
+    assert registry.history(client(), NAME)[-1]["reason"].endswith("decided in experiment try-more-steps")
+    assert run_gate({"reward_gate": bounds})["champion"]["version"] == "2"
+    assert len(registry.history(client(), NAME)) == 2  # once: the next run moves nothing
 
 
 def test_evaluate_registers_the_policy_once_and_promotes_it_only_through_its_gate(registry_project, tiny_dir):
