@@ -332,12 +332,12 @@ def _figure(values: dict, key: str) -> str | None:
 
 def summary_warnings(metrics: dict[str, dict]) -> list[str]:
     """Loud lines for the summary: the reward model's accuracy interval includes chance (or is below it, or
-    undefined), and each ``GATE FAILED: criterion, value, bound`` line of the gate's decision.
+    undefined), and each ``GATE FAILED: criterion, value, bound`` line of the reward and the policy gate.
 
     Reads ``rm/accuracy``, ``rm/accuracy_low`` and ``rm/accuracy_high`` of the
     reward stage's metrics file (NaN is stored as null); the rule and wording
     are :func:`rlhf.stats.chance_warning`'s, as printed by the reward stage. The
-    gate's lines come from ``reports/reward_gate.json``.
+    gates' lines come from ``reports/reward_gate.json`` and ``reports/policy_gate.json``.
     """
     from rlhf.stats import chance_warning
 
@@ -349,7 +349,9 @@ def summary_warnings(metrics: dict[str, dict]) -> list[str]:
         )
         lines += [f"WARNING: {warning}: the reward model has not learned to rank"] if warning else []
     gate = metrics.get("gate", {})
-    lines += [line for line in gate.get("lines", []) if line.startswith("GATE FAILED")]
+    lines += [f"reward model {line}" for line in gate.get("lines", []) if line.startswith("GATE FAILED")]
+    policy = metrics.get("evaluate", {})  # reports/policy_gate.json is one of evaluate's metrics files
+    lines += [f"policy {line}" for line in policy.get("lines", []) if line.startswith("GATE FAILED")]
     if gate and not gate.get("champion"):
         lines.append("WARNING: no reward model holds the champion alias: ppo cannot run (rlhf-registry status)")
     return lines

@@ -102,7 +102,7 @@ def materialise(client, name: str, candidate, decision: str, outputs) -> dict[st
 def run(params: dict[str, Any], reward: dict[str, Any], device: dict[str, Any] | None, outputs, run_id: str) -> dict:
     """Find (or register) the candidate, decide once, write the champion; returns the report."""
     from tasks.outputs import load_json
-    from tasks.registry import find_by_sha, folder_sha256, register, version_tags
+    from tasks.registry import experiment_name, find_by_sha, folder_sha256, register, version_tags
     from tasks.runs import tracking_client
 
     client, _ = tracking_client()
@@ -119,6 +119,7 @@ def run(params: dict[str, Any], reward: dict[str, Any], device: dict[str, Any] |
         "candidate": {"name": name, "version": str(candidate.version)},
         **decision,
         "champion": held,
+        "run_in_experiment": experiment_name(),  # this run's (``experiment`` is the deciding run's)
         "gate/passed": 1.0 if decision["decision"] == "pass" else 0.0,
         "gate/candidate_version": float(candidate.version),
         "gate/champion_version": float(held["version"]) if held else None,

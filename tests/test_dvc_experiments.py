@@ -96,6 +96,8 @@ def test_an_experiment_compares_with_the_committed_baseline_in_dvc_exp_show_and_
     output = run(project, "dvc", "exp", "run", "-n", "kl-0.1", "-S", "ppo.kl_coef=0.1", "ppo")
     ran = [stage for stage in [*BASELINE, "evaluate"] if f"Running stage '{stage}'" in output]
     assert ran == ["gate", "ppo"]  # the gate reruns always: it keeps the champion (never moved by an experiment)
+    gate_report = load(os.path.join(project, "reports", "reward_gate.json"))
+    assert gate_report["run_in_experiment"] == "kl-0.1" and gate_report["champion"]["version"] == "1"
 
     shown = {entry["rev"]: entry for entry in dvc_json(project, "exp", "show")}
     base = shown[baseline]

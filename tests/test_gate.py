@@ -202,3 +202,20 @@ def test_evaluate_registers_the_policy_once_and_promotes_it_only_through_its_gat
     passed = gate_policy(won, client_.create_run(experiment).info.run_id)
     assert (passed["candidate"]["version"], passed["decision"]) == ("2", "pass")
     assert str(registry.holder(client(), "rlhf-policy").version) == "2"
+
+
+def test_the_flow_summary_repeats_every_gate_failed_line():
+    from flows.pipeline import summary_warnings
+
+    ece = "GATE FAILED: rm_eval calibration error (ECE), 0.200, bound 0.150"
+    win = "GATE FAILED: win rate over SFT by the proxy, lower 95% bound (Wilson), n/a, bound 0.500 (...)"
+    metrics = {
+        "gate": {
+            "lines": ["gate passed: rm_eval accuracy lower 95% bound (Wilson), 0.54, bound 0.5", ece],
+            "champion": {"version": "1"},
+        },  # fmt: skip
+        "evaluate": {"eval/win_rate": None, "lines": [win]},
+    }
+    assert summary_warnings(metrics) == [f"reward model {ece}", f"policy {win}"]
+    metrics["gate"]["champion"] = None
+    assert summary_warnings(metrics)[-1].startswith("WARNING: no reward model holds the champion alias")

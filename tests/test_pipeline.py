@@ -117,13 +117,16 @@ def test_dvc_repro_runs_everything_then_only_what_a_ppo_param_touches(tmp_path):
     set_param(project, "  more_sources: []", "  more_sources: [{source: more-1.jsonl}]")
     assert ran_stages(run(project, "dvc", "repro")) == STAGES[:1] + STAGES[2:]  # all but base_model
     assert champion(project) == "2"
-    # a rollback by hand reaches DVC through the gate, and the next repro keeps it (the gate never re-decides)
-    output = run(project, "tasks.registry", "rollback", "reward", "--reason", "test")
+    # a promotion by hand reaches DVC through the gate: ppo and what is downstream of it rerun, nothing else
+    output = run(project, "tasks.registry", "promote", "reward", "--version", "1", "--reason", "test")
     assert "moved from version 2 to 1" in output
     assert ran_stages(run(project, "dvc", "repro")) == ["gate", "ppo", "evaluate"]
     assert champion(project) == "1"
+    # so does a rollback, and the next repro keeps it (the gate never re-decides a version)
+    assert "moved from version 1 to 2" in run(project, "tasks.registry", "rollback", "reward", "--reason", "test")
+    assert ran_stages(run(project, "dvc", "repro")) == ["gate", "ppo", "evaluate"]
     assert ran_stages(run(project, "dvc", "repro")) == ["gate"]
-    assert champion(project) == "1"
+    assert champion(project) == "2"
     # more rows again, under a floor no model can pass: version 3 fails its gate; the champion and its folder
     # stay exactly as they were, and ppo (new prompts) reruns against the old champion
     before = subprocess.run(["git", "hash-object", "models/reward_champion/model.safetensors"], cwd=project,
@@ -133,11 +136,11 @@ def test_dvc_repro_runs_everything_then_only_what_a_ppo_param_touches(tmp_path):
     set_param(project, "reward_gate: {min_accuracy_low: 0.0,", "reward_gate: {min_accuracy_low: 1.0,")
     output = run(project, "dvc", "repro")
     assert "[gate] GATE FAILED: rm_eval accuracy lower 95% bound (Wilson)" in output
-    assert "reward" in ran_stages(output) and champion(project) == "1"
+    assert "reward" in ran_stages(output) and champion(project) == "2"
     assert subprocess.run(["git", "hash-object", "models/reward_champion/model.safetensors"], cwd=project,
                           capture_output=True, text=True, check=True).stdout == before  # fmt: skip
     with open(os.path.join(project, "metrics/ppo.json")) as handle:
-        assert json.load(handle)["ppo/reward_model_version"] == 1.0
+        assert json.load(handle)["ppo/reward_model_version"] == 2.0
     # a stage that fails under dvc repro leaves its previous outputs in place
     with open(os.path.join(project, "data/validated/rm_train.jsonl")) as handle:
         before = handle.read()
