@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import typer
+import yaml
 
 CHAMPION = "champion"
 SHA_TAG, DATA_TAG, COMMIT_TAG = "rlhf.model_sha256", "rlhf.data_sha256", "rlhf.git_commit"
@@ -140,10 +141,12 @@ def move_alias(
     """Point ``alias`` of ``name`` at version ``to`` and record the move on that version; returns the record.
 
     Raises:
-        RegistryError: the version does not exist, or the registry cannot be reached.
+        RegistryError: the version does not exist or already holds the alias, or the registry cannot be reached.
     """
     target = version(client, name, to)
     previous = holder(client, name, alias)
+    if previous is not None and str(previous.version) == str(target.version):
+        raise RegistryError(f"registry: {name} version {target.version} already holds {alias}; nothing moved")
     record = {
         "alias": alias,
         "from": str(previous.version) if previous is not None else None,
@@ -171,15 +174,23 @@ def history(client, name: str, alias: str = CHAMPION) -> list[dict[str, Any]]:
 
 
 def previous_holder(client, name: str, alias: str = CHAMPION) -> str:
-    """The version that held ``alias`` before the current holder took it (the last move's ``from``).
+    """The version a rollback returns ``alias`` to: the history replayed as a stack, where every move but a
+    rollback puts the version it replaced on top and every rollback takes the top off. So rollbacks step back
+    one holder at a time (after 1 -> 2 -> 3, rollback gives 2, then 1) instead of flipping between two.
 
     Raises:
-        RegistryError: no move of the alias is recorded, or its last move had no previous holder.
+        RegistryError: nothing left to roll back to.
     """
-    moves = history(client, name, alias)
-    if not moves or moves[-1]["from"] is None:
-        raise RegistryError(f"registry: {name} has no previous holder of {alias} to roll back to")
-    return str(moves[-1]["from"])
+    earlier: list[str] = []
+    for move in history(client, name, alias):
+        if move["by"] == "rollback":
+            if earlier:
+                earlier.pop()
+        elif move["from"] is not None:
+            earlier.append(str(move["from"]))
+    if not earlier:
+        raise RegistryError(f"registry: {name} has no earlier holder of {alias} to roll back to")
+    return earlier[-1]
 
 
 def experiment_name() -> str | None:
@@ -266,28 +277,42 @@ STATUS_METRICS = ("rm/accuracy", "rm/accuracy_low", "rm/accuracy_high", "rm/ece"
 
 
 def _project(project: str | None) -> str:
-    """The project folder: ``project``, else the nearest folder up from here holding params.yaml and dvc.yaml,
-    else the checkout this package is installed from. Raises RegistryError when none is found."""
+    """The project folder: ``project``, else the nearest folder up from here holding params.yaml and dvc.yaml.
+    Raises RegistryError when there is none (never another project's registry by default)."""
     candidates = [project] if project else [os.getcwd(), *[str(p) for p in Path(os.getcwd()).parents]]
-    candidates += [] if project else [str(Path(__file__).resolve().parent.parent)]
     for folder in candidates:
         if os.path.isfile(os.path.join(folder, "params.yaml")) and os.path.isfile(os.path.join(folder, "dvc.yaml")):
             return folder
-    raise RegistryError(f"registry: no project (params.yaml and dvc.yaml) at {project or 'or above ' + os.getcwd()}")
+    where = project or f"or above {os.getcwd()}"
+    raise RegistryError(f"registry: no project (params.yaml and dvc.yaml) at {where}; run it there or pass --project")
 
 
 def _open(model: str, project: str | None):
-    """``(client, registered model name)`` of the project's registry, with the current folder set to the project."""
+    """``(client, registered model name, a line naming the project and its store)``; the current folder becomes
+    the project's. Raises RegistryError (one line) on a bad model, project, params file or store."""
+    import mlflow
+
     from tasks.params import stage_params
-    from tasks.runs import tracking_client
+    from tasks.runs import tracking_uri
 
     if model not in MODELS:
         raise RegistryError(f"registry: unknown model {model!r}; known: {', '.join(MODELS)}")
-    os.chdir(_project(project))
-    client, _ = _guard("open the tracking store", tracking_client)
-    name = stage_params("registry")[MODELS[model]]
+    folder = _project(project)
+    os.chdir(folder)
+    try:
+        name = stage_params("registry")[MODELS[model]]
+        uri = tracking_uri()
+    except (ValueError, KeyError, OSError, yaml.YAMLError) as err:
+        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise RegistryError(f"registry: {folder}/params.yaml: {type(err).__name__}: {message}") from None
+    if uri.startswith("sqlite:///") and not os.path.exists(uri[len("sqlite:///") :]):
+        raise RegistryError(f"registry: no tracking store at {uri} yet (no stage has run in {folder})")
+    # a person is waiting: a server that is down fails in seconds, not after MLflow's minutes of retries
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    client = mlflow.MlflowClient(tracking_uri=uri)
     _guard(f"registered model {name}", client.get_registered_model, name)
-    return client, name
+    return client, name, f"project {folder}, tracking store {uri}"
 
 
 def _command(action) -> None:
@@ -302,10 +327,17 @@ def _command(action) -> None:
 def _move(model: str, to: str, by: str, reason: str, project: str | None) -> None:
     if not reason.strip():
         raise RegistryError("registry: --reason must say why the alias moves (it is recorded)")
-    client, name = _open(model, project)
+    client, name, where = _open(model, project)
+    decision = version(client, name, to).tags.get(DECISION_TAG)
+    if decision != "pass":  # by hand a person may override the gate: say what is being overridden
+        typer.echo(
+            f"note: version {to} {'failed its gate' if decision == 'fail' else 'was never gated'}; moved by hand"
+        )
     record = move_alias(client, name, to, by, reason)
+    typer.echo(where)
     typer.echo(f"{name}: {CHAMPION} moved from version {record['from']} to {record['to']} ({by}: {record['reason']})")
-    typer.echo("Run `dvc repro` (or the pipeline flow): the gate stage writes the new champion and ppo reruns on it.")
+    if model == "reward":
+        typer.echo("Run `dvc repro` (or the pipeline flow): the gate stage writes the new champion, ppo reruns on it.")
 
 
 @app.command()
@@ -328,7 +360,7 @@ def rollback(
     """Give the champion alias back to the version that held it before the current holder."""
 
     def action() -> None:
-        client, name = _open(model, project)
+        client, name, _ = _open(model, project)
         _move(model, previous_holder(client, name), "rollback", reason, project)
 
     _command(action)
@@ -342,10 +374,14 @@ def status(
     """The champion with its metrics and gate decision, then every recorded move of the alias."""
 
     def action() -> None:
-        client, name = _open(model, project)
+        client, name, where = _open(model, project)
+        typer.echo(where)
         found = holder(client, name)
         if found is None:
-            typer.echo(f"{name}: no version holds {CHAMPION}")
+            latest = _guard(f"search {name}", client.search_model_versions, f"name = '{name}'")
+            newest = max(latest, key=lambda v: int(v.version)) if latest else None
+            last = f"; newest version {newest.version}, gate: {newest.tags.get(DECISION_TAG, 'none')}" if newest else ""
+            typer.echo(f"{name}: no version holds {CHAMPION}{last}")
         else:
             metrics = {k[len("rlhf.metric.") :]: v for k, v in found.tags.items() if k.startswith("rlhf.metric.")}
             shown = ", ".join(f"{k}={metrics[k]}" for k in STATUS_METRICS if k in metrics)
@@ -353,7 +389,7 @@ def status(
             typer.echo(f"{name}: {CHAMPION} = version {found.version} (gate: {decision}); {shown}")
         for move in history(client, name):
             typer.echo(
-                f"  {move['at']}  {move['from']} -> {move['to']}  by {move['by']}: {move['reason']}"
+                f"  {move['at']}  {move['from'] or '(none)'} -> {move['to']}  by {move['by']}: {move['reason']}"
                 + (f" (pipeline {move['pipeline_run']})" if move.get("pipeline_run") else "")
             )
 

@@ -108,7 +108,8 @@ def test_promote_and_rollback_by_hand_are_recorded_and_survive_the_next_gate_run
     assert require_champion()["version"] == "1"
     status = runner.invoke(registry.app, ["status", "reward"])
     assert status.exit_code == 0 and "champion = version 1 (gate: pass)" in status.output
-    assert [line.split("  ")[2] for line in status.output.splitlines()[1:]] == ["None -> 1", "1 -> 2", "2 -> 1"]
+    assert status.output.startswith(f"project {registry_project}, tracking store sqlite:///")
+    assert [line.split("  ")[2] for line in status.output.splitlines()[2:]] == ["(none) -> 1", "1 -> 2", "2 -> 1"]
     assert "by rollback: version 2 misbehaves" in status.output
 
 
@@ -121,7 +122,7 @@ def test_registry_command_errors_are_one_line(registry_project, tmp_path_factory
     result = runner.invoke(registry.app, ["promote", "reward", "--version", "7", "--reason", "x"])
     assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1 and "version 7" in result.output
     result = runner.invoke(registry.app, ["rollback", "reward", "--reason", "x"])
-    assert result.exit_code == 1 and "no previous holder" in result.output
+    assert result.exit_code == 1 and "no earlier holder" in result.output
     result = runner.invoke(registry.app, ["promote", "reward", "--version", "1", "--reason", " "])
     assert result.exit_code == 1 and "--reason must say why" in result.output
     # from another folder, naming the project
@@ -219,3 +220,45 @@ def test_the_flow_summary_repeats_every_gate_failed_line():
     assert summary_warnings(metrics) == [f"reward model {ece}", f"policy {win}"]
     metrics["gate"]["champion"] = None
     assert summary_warnings(metrics)[-1].startswith("WARNING: no reward model holds the champion alias")
+
+
+def test_rollbacks_step_back_one_holder_at_a_time_and_a_move_to_the_holder_is_refused(registry_project):
+    runner = CliRunner()
+    for seed in (1, 2, 3):  # versions 1, 2, 3, each passing: champion 1 -> 2 -> 3
+        new_candidate({**GOOD, "rm/accuracy": (150 + 10 * seed) / 196}, seed)
+        run_gate({"reward_gate": {"min_accuracy_low": 0.5, "champion_tolerance": 1.0, "max_ece": 0.15,
+                                  "min_length_accuracy": 0.35}})  # fmt: skip
+    assert require_champion()["version"] == "3"
+    for expected in ("moved from version 3 to 2", "moved from version 2 to 1"):
+        result = runner.invoke(registry.app, ["rollback", "reward", "--reason", "step back"])
+        assert result.exit_code == 0 and expected in result.output, result.output
+    result = runner.invoke(registry.app, ["rollback", "reward", "--reason", "again"])
+    assert result.exit_code == 1 and "no earlier holder" in result.output
+    result = runner.invoke(registry.app, ["promote", "reward", "--version", "1", "--reason", "again"])
+    assert result.exit_code == 1 and "version 1 already holds champion; nothing moved" in result.output
+    # a promotion past the gate says what it overrides
+    new_candidate(BAD, 9)
+    run_gate()
+    result = runner.invoke(registry.app, ["promote", "reward", "--version", "4", "--reason", "reviewed"])
+    assert result.exit_code == 0 and "note: version 4 failed its gate; moved by hand" in result.output
+
+
+def test_the_command_never_guesses_a_project_and_reports_bad_params_in_one_line(registry_project, tmp_path_factory,
+                                                                                 monkeypatch):  # fmt: skip
+    runner = CliRunner()
+    monkeypatch.chdir(tmp_path_factory.mktemp("no-project"))
+    result = runner.invoke(registry.app, ["status", "reward"])
+    assert result.exit_code == 1 and result.output.startswith("registry: no project (params.yaml and dvc.yaml)")
+    (registry_project / "params.yaml").write_text("registry: [unclosed\n")
+    result = runner.invoke(registry.app, ["status", "reward", "--project", str(registry_project)])
+    assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1
+    assert result.output.startswith(f"registry: {registry_project}/params.yaml: ")
+    (registry_project / "params.yaml").write_text("mlflow: {tracking_uri: sqlite:///other.db}\nregistry: {}\n")
+    result = runner.invoke(registry.app, ["status", "reward", "--project", str(registry_project)])
+    assert result.exit_code == 1 and "KeyError" in result.output and len(result.output.strip().splitlines()) == 1
+    (registry_project / "params.yaml").write_text(
+        "mlflow: {tracking_uri: sqlite:///other.db}\nregistry: {reward_model: rlhf-reward-model}\n"
+    )
+    result = runner.invoke(registry.app, ["status", "reward", "--project", str(registry_project)])
+    assert result.exit_code == 1 and "no tracking store at sqlite:///" in result.output
+    assert not (registry_project / "other.db").exists()  # looking never creates a store

@@ -125,8 +125,9 @@ def passed(checks: list[Check]) -> bool:
 
 
 def as_records(checks: list[Check]) -> list[dict[str, Any]]:
-    """The checks as JSON-ready dicts (for the version's tags and ``reports/reward_gate.json``)."""
-    return [asdict(check) for check in checks]
+    """The checks as JSON-ready dicts (for the version's tags and the gates' reports); an undefined value
+    (NaN, which strict JSON cannot hold) becomes None."""
+    return [{**asdict(c), "value": None if math.isnan(c.value) else c.value} for c in checks]
 
 
 @dataclass(frozen=True)
