@@ -309,8 +309,10 @@ def approve_policy(report_path: str = "reports/policy_gate.json") -> str | None:
     from tasks.outputs import load_json
     from tasks.params import stage_params
 
+    if not os.path.exists(report_path):  # no policy gate ran (nor a project with a registry section)
+        return None
     approval = stage_params("registry")["policy_approval"]
-    if not approval["required"] or not os.path.exists(report_path) or not awaiting(load_json(report_path)):
+    if not approval["required"] or not awaiting(load_json(report_path)):
         return None
     return await_approval(load_json(report_path), int(approval["timeout_s"]))
 
