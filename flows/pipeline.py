@@ -312,9 +312,10 @@ def approve_policy(report_path: str = "reports/policy_gate.json") -> str | None:
     if not os.path.exists(report_path):  # no policy gate ran (nor a project with a registry section)
         return None
     approval = stage_params("registry")["policy_approval"]
-    if not approval["required"] or not awaiting(load_json(report_path)):
+    report = load_json(report_path)
+    if not approval["required"] or not awaiting(report):
         return None
-    return await_approval(load_json(report_path), int(approval["timeout_s"]))
+    return await_approval(report, int(approval["timeout_s"]))
 
 
 def _figure(values: dict, key: str) -> str | None:

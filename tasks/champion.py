@@ -19,6 +19,15 @@ def promote_command(version: str | int) -> str:
     return f'rlhf-registry promote reward --version {version} --reason "<why this model is good enough>"'
 
 
+def held_version(folder: str = OUT_DIR) -> dict[str, Any] | None:
+    """``{name, version, sha256}`` of the champion written in ``folder``, or None when it holds none."""
+    path = os.path.join(folder, VERSION_FILE)
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as handle:
+        return json.load(handle)
+
+
 def require_champion(folder: str = OUT_DIR) -> dict[str, Any]:
     """What ``folder`` holds (``{name, version, sha256}``), for the stages that read the champion.
 
@@ -30,8 +39,7 @@ def require_champion(folder: str = OUT_DIR) -> dict[str, Any]:
     if os.path.exists(marker):
         with open(marker, encoding="utf-8") as handle:
             raise ValueError(json.load(handle)["message"])
-    path = os.path.join(folder, VERSION_FILE)
-    if not os.path.exists(path):
+    held = held_version(folder)
+    if held is None:
         raise ValueError(f"{folder}: no reward-model champion written by the gate stage (run `dvc repro gate`)")
-    with open(path, encoding="utf-8") as handle:
-        return json.load(handle)
+    return held

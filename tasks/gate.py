@@ -16,7 +16,7 @@ import os
 import tempfile
 from typing import Any
 
-from tasks.champion import MARKER, OUT_DIR, VERSION_FILE, promote_command, require_champion
+from tasks.champion import MARKER, OUT_DIR, VERSION_FILE, held_version, promote_command
 
 REWARD, METRICS, EVAL = "models/reward", "metrics/reward.json", "data/validated/rm_eval.jsonl"
 REPORT = "reports/reward_gate.json"
@@ -83,11 +83,8 @@ def materialise(client, name: str, candidate, decision: str, outputs) -> dict[st
             json.dump({"message": message}, handle, indent=2)
         return None
     held = {"name": name, "version": str(champion.version), "sha256": champion.tags.get(SHA_TAG, "")}
-    try:
-        if require_champion() == held:
-            return held  # already written: leave it untouched, so nothing downstream reruns
-    except ValueError:
-        pass
+    if held_version() == held:
+        return held  # already written: leave it untouched, so nothing downstream reruns
     folder = outputs.folder(OUT_DIR)
     download(client, champion, folder)
     if held["sha256"] and folder_sha256(folder) != held["sha256"]:

@@ -100,6 +100,9 @@ def register(client, name: str, folder: str, run_id: str, tags: dict[str, str]):
     """Log ``folder`` as the artifacts of run ``run_id`` and register them as a new version of ``name``.
 
     The registered model is created on first use. Returns the ``ModelVersion``.
+
+    Raises:
+        RegistryError: the store or the artifact store cannot be reached or refuses (one line).
     """
     from mlflow.exceptions import MlflowException
 
@@ -113,7 +116,7 @@ def register(client, name: str, folder: str, run_id: str, tags: dict[str, str]):
 
 
 def find_by_sha(client, name: str, sha: str):
-    """The newest version of ``name`` whose content hash tag is ``sha``, or None."""
+    """The newest version of ``name`` whose content hash tag is ``sha``, or None. Raises RegistryError (one line)."""
     found = _guard(f"search {name}", client.search_model_versions, f"name = '{name}' and tags.`{SHA_TAG}` = '{sha}'")
     return max(found, key=lambda v: int(v.version)) if found else None
 
@@ -163,7 +166,7 @@ def move_alias(
 
 
 def history(client, name: str, alias: str = CHAMPION) -> list[dict[str, Any]]:
-    """Every recorded move of ``alias`` of ``name``, oldest first."""
+    """Every recorded move of ``alias`` of ``name``, oldest first. Raises RegistryError (one line)."""
     prefix = f"{MOVE_PREFIX}{alias}."
     moves = []
     for found in _guard(f"search {name}", client.search_model_versions, f"name = '{name}'"):
@@ -248,7 +251,11 @@ def decide_once(client, name: str, candidate, judge, reason: str, move: bool = T
 
 
 def download(client, found, folder: str) -> None:
-    """Download version ``found``'s model folder into ``folder`` (an empty folder that exists)."""
+    """Download version ``found``'s model folder into ``folder`` (an empty folder that exists).
+
+    Raises:
+        RegistryError: the artifacts cannot be read (one line).
+    """
     import shutil
     import tempfile
 

@@ -67,6 +67,7 @@ def test_a_passing_candidate_becomes_champion_once_and_a_rerun_leaves_its_files_
     stamp = os.stat(os.path.join(OUT_DIR, "model.safetensors")).st_mtime_ns
     again = run_gate()
     assert (again["decision"], again["decided"]) == ("pass", "before")  # never re-decided
+    assert json.dumps(again, allow_nan=False)
     assert os.stat(os.path.join(OUT_DIR, "model.safetensors")).st_mtime_ns == stamp
     moves = registry.history(client(), NAME)
     assert [(m["from"], m["to"], m["by"]) for m in moves] == [(None, "1", "gate")]
@@ -190,6 +191,7 @@ def test_evaluate_registers_the_policy_once_and_promotes_it_only_through_its_gat
     client_, experiment = tracking_client()
     report = gate_policy(tied, client_.create_run(experiment).info.run_id)
     assert (report["candidate"]["version"], report["decision"]) == ("1", "fail")
+    assert report["checks"][0]["value"] is None and json.dumps(report, allow_nan=False)  # strict JSON: no NaN
     assert report["lines"][0].startswith("GATE FAILED: win rate over SFT by the proxy, lower 95% bound (Wilson), n/a")
     assert registry.holder(client(), "rlhf-policy") is None
     # the same policy again: found by its content, not registered twice, not re-decided

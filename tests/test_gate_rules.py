@@ -44,6 +44,8 @@ def test_wilson_lower_bound_by_hand_and_a_passing_candidate():
         (metrics(ece=0.2), None, "rm_eval calibration error (ECE)", 0.2, 0.15),
         # the first demo's reward model: 0.77 on chosen-shorter pairs, 0.33 on chosen-longer ones
         (metrics(shorter=0.77, longer=0.33), None, "length bias", 0.33, 0.35),
+        # the same kind the other way round: a model that learned "longer is better"
+        (metrics(shorter=0.30, longer=0.80), None, "length bias", 0.30, 0.35),
     ],
 )
 def test_each_criterion_fails_alone_with_one_line(candidate, champion, criterion, value, bound):
