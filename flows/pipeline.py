@@ -43,16 +43,15 @@ SUMMARY = {
         "ppo/last/eos_rate",
         "ppo/last/value/explained_variance",
     ],
+    "judge": ["judge/accuracy", "judge/pairs"],
     "evaluate": [
-        "eval/sft/reward",
-        "eval/policy/reward",
-        "eval/win_rate",
-        "eval/ties",
+        "eval/judge/win_rate",
+        "eval/proxy/win_rate",
         "eval/policy/kl",
-        "eval/sft/eos_rate",
         "eval/policy/eos_rate",
-        "eval/sft/length",
         "eval/policy/length",
+        "eval/policy/refusal_rate",
+        "eval/policy/ptx_perplexity",
     ],
 }
 
@@ -351,6 +350,13 @@ def summary_warnings(metrics: dict[str, dict]) -> list[str]:
             "rm_eval accuracy", reward.get("rm/accuracy"), reward.get("rm/accuracy_low"), reward.get("rm/accuracy_high")
         )
         lines += [f"WARNING: {warning}: the reward model has not learned to rank"] if warning else []
+    judge = metrics.get("judge", {})
+    if "judge/accuracy_low" in judge:
+        warning = chance_warning(
+            "judge_eval accuracy", judge.get("judge/accuracy"), judge.get("judge/accuracy_low"),
+            judge.get("judge/accuracy_high"),
+        )  # fmt: skip
+        lines += [f"WARNING: {warning}: the judge's win rates mean nothing"] if warning else []
     gate = metrics.get("gate", {})
     lines += [f"reward model {line}" for line in gate.get("lines", []) if line.startswith("GATE FAILED")]
     policy = metrics.get("evaluate", {})  # reports/policy_gate.json is one of evaluate's metrics files

@@ -1,13 +1,19 @@
-"""Stage evaluate: the policy against the SFT model on eval_prompts, judged by the reward model.
+"""Stage evaluate: the policy against the SFT model on eval_prompts, by the proxy reward model and by the judge.
 
-Writes ``metrics/eval.json`` and ``reports/eval/`` (``samples.md``: prompts with both
-responses; ``scores.png``: the score distributions of both models) together, after everything
-that can fail (:class:`tasks.outputs.StagedOutputs`): a failed or stopped run leaves the previous
+Also the alignment tax (perplexity on held-out ptx text, distinct-n, refusals, lengths) and the
+over-optimisation curve: each policy PPO kept (``models/policy_kept``), scored by the proxy and the judge
+on a fixed set of prompts against its KL to the SFT model (Gao et al. 2023).
+
+Writes ``metrics/eval.json``, ``metrics/overoptimisation.json`` (a DVC plot), ``reports/eval/``
+(``samples.json``: every prompt with both responses and their scores, and the MLflow run id;
+``samples.md``; ``scores.png``; ``overoptimisation.png``) and ``reports/policy_gate.json`` together, after
+everything that can fail (:class:`tasks.outputs.StagedOutputs`): a failed or stopped run leaves the previous
 ones as they were.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -16,21 +22,24 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from rlhf.checkpoint import write_json
+from rlhf.checkpoint import load_kept_policy, write_json
 from rlhf.data import load_jsonl
-from rlhf.evaluation import EvalConfig, evaluate_policy
+from rlhf.evaluation import EvalConfig, Scorers, evaluate_policy, generate_and_score, sample_rows
 from rlhf.models import load_causal_lm, load_scalar_model, load_tokenizer
 from rlhf.rollout import GenerationSettings
+from rlhf.stats import chance_warning
 from rlhf.training import config_from_params
 from tasks.champion import require_champion
 from tasks.common import cli, setup_torch, stage_runtime
-from tasks.outputs import StagedOutputs, write_metrics
+from tasks.outputs import StagedOutputs, load_json, write_metrics
 from tasks.params import stage_params
 from tasks.runs import StageRun
 
-PROMPTS, SFT, POLICY = "data/validated/eval_prompts.jsonl", "models/sft", "models/policy"
-REWARD = "models/reward_champion"  # the reward model the policy was trained against (tasks/champion.py)
-REPORTS, METRICS = "reports/eval", "metrics/eval.json"
+PROMPTS, PTX_HELDOUT = "data/validated/eval_prompts.jsonl", "data/validated/ptx_heldout.jsonl"
+SFT, POLICY, KEPT = "models/sft", "models/policy", "models/policy_kept"
+REWARD = "models/reward_champion"  # the reward model the policy was trained against: the proxy (tasks/champion.py)
+JUDGE, JUDGE_METRICS = "models/judge", "metrics/judge.json"  # the independent judge (tasks/judge.py)
+REPORTS, METRICS, CURVE = "reports/eval", "metrics/eval.json", "metrics/overoptimisation.json"
 PPO_METRICS, POLICY_GATE = "metrics/ppo.json", "reports/policy_gate.json"
 
 
@@ -39,20 +48,54 @@ def _cell(text: str) -> str:
 
 
 def samples_markdown(samples: list[dict[str, Any]]) -> str:
-    """The sample table as Markdown: prompt, SFT response and score, policy response and score."""
-    lines = ["| prompt | SFT response | SFT reward | policy response | policy reward |", "|---|---|---|---|---|"]
+    """The sample table as Markdown: prompt, then each model's response with its proxy and judge scores."""
+    lines = [
+        "| prompt | SFT response | proxy | judge | policy response | proxy | judge |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for s in samples:
         lines.append(
-            f"| {_cell(s['prompt'])} | {_cell(s['sft_response'])} | {s['sft_reward']:.3f} "
-            f"| {_cell(s['policy_response'])} | {s['policy_reward']:.3f} |"
+            f"| {_cell(s['prompt'])} | {_cell(s['sft_response'])} | {s['sft_proxy']:.3f} | {s['sft_judge']:.3f} "
+            f"| {_cell(s['policy_response'])} | {s['policy_proxy']:.3f} | {s['policy_judge']:.3f} |"
         )
     return "\n".join(lines) + "\n"
 
 
+def judge_figures(judge: dict[str, Any]) -> dict[str, float]:
+    """The judge's own judge_eval accuracy, shown beside each of its verdicts: ``eval/judge/accuracy`` with
+    ``_low``/``_high`` (Wilson 95%), and ``eval/judge/meaningful`` (1.0 when the interval lies above 0.5)."""
+    accuracy = {f"eval/judge/{k}": judge.get(f"judge/{k}") for k in ("accuracy", "accuracy_low", "accuracy_high")}
+    accuracy = {k: math.nan if v is None else float(v) for k, v in accuracy.items()}
+    meaningful = not chance_warning("judge accuracy", *accuracy.values())
+    return {**accuracy, "eval/judge/meaningful": float(meaningful)}
+
+
+def curve(runs: dict[str, Any], sft: Any, scorers: Scorers, tokenizer, prompts: list, config, settings, runtime):
+    """The over-optimisation curve: one row per policy PPO kept (``models/policy_kept/iteration-NNNN``) and the SFT
+    model (iteration 0): mean proxy and judge score on the first ``curve_prompts`` prompts (one sample each)
+    and the KL to the SFT model (nats per response) with its square root (Gao et al. plot against it)."""
+
+    def row(iteration: int, run: dict[str, Any]) -> dict[str, float]:
+        kl = float(run["kl"][:, 0].mean())
+        proxy, judge = float(run["proxy"][:, 0].mean()), float(run["judge"][:, 0].mean())
+        return {"iteration": iteration, "kl": kl, "sqrt_kl": math.sqrt(max(kl, 0.0)), "proxy": proxy, "judge": judge}
+
+    fixed = prompts[: config.curve_prompts]
+    first = {key: runs["sft"][key][: len(fixed)] for key in ("kl", "proxy", "judge")}
+    rows = [row(0, first)]
+    kept = sorted(os.listdir(KEPT)) if os.path.isdir(KEPT) else []
+    for name in kept:
+        policy = runtime.place(load_kept_policy(SFT, os.path.join(KEPT, name)))
+        run = generate_and_score(policy, sft, scorers, tokenizer, fixed, config, settings, runtime)
+        rows.append(row(int(name.split("-")[-1]), run))
+        del policy
+    return rows
+
+
 def run(
     params: dict[str, Any], generation: dict[str, Any], device: dict[str, Any] | None = None
-) -> tuple[dict[str, float], list[dict[str, Any]], EvalConfig]:
-    """Evaluate with the ``generation`` section PPO used; returns ``(metrics, samples, config)``.
+) -> tuple[dict[str, float], list[dict[str, Any]], list[dict[str, float]], EvalConfig]:
+    """Evaluate with the ``generation`` section PPO used; returns ``(metrics, samples, curve rows, config)``.
 
     ``device``: the params.yaml ``device`` section (None: read from params.yaml). The SFT model (the
     reference of the KL) and the policy are placed alike, so identical weights give identical logprobs.
@@ -61,19 +104,71 @@ def run(
     settings = config_from_params(GenerationSettings, generation, "generation")
     champion = require_champion(REWARD)  # the reward model the policy was trained against
     setup_torch(config.seed)
-    prompts = [row["prompt"] for row in sorted(load_jsonl(PROMPTS), key=lambda row: row["id"])]
+    rows = sorted(load_jsonl(PROMPTS), key=lambda row: row["id"])[: config.max_prompts]
+    prompts = [row["prompt"] for row in rows]
     tokenizer = load_tokenizer(SFT)
     runtime = stage_runtime("evaluate", device)
     sft, policy = runtime.place(load_causal_lm(SFT)), runtime.place(load_causal_lm(POLICY))
-    reward_model = runtime.frozen(load_scalar_model(REWARD))
-    metrics, samples = evaluate_policy(sft, policy, reward_model, tokenizer, prompts, config, settings, runtime)
-    return {**metrics, "eval/reward_model_version": float(champion["version"])}, samples, config
+    scorers = Scorers(
+        runtime.frozen(load_scalar_model(REWARD)), runtime.frozen(load_scalar_model(JUDGE)), load_tokenizer(JUDGE)
+    )
+    heldout = load_jsonl(PTX_HELDOUT)
+    metrics, runs = evaluate_policy(sft, policy, scorers, tokenizer, prompts, heldout, config, settings, runtime)
+    del policy
+    rows_of_curve = curve(runs, sft, scorers, tokenizer, prompts, config, settings, runtime)
+    metrics |= judge_figures(load_json(JUDGE_METRICS)) | {"eval/reward_model_version": float(champion["version"])}
+    return metrics, sample_rows(rows, runs), rows_of_curve, config
+
+
+def summary_lines(metrics: dict[str, float]) -> list[str]:
+    """The printed verdicts: the judge's win rate beside its own accuracy (or why it means nothing), the proxy's."""
+
+    def rate(who: str) -> str:
+        m = {k: metrics.get(f"eval/{who}/{k}") for k in ("win_rate", "win_rate_low", "win_rate_high")}
+        if m["win_rate"] is None or not math.isfinite(m["win_rate"]):
+            return f"undefined (no decisive comparison, {metrics[f'eval/{who}/ties']:.0f} ties)"
+        return (
+            f"{m['win_rate']:.3f} [{m['win_rate_low']:.3f}, {m['win_rate_high']:.3f}] (95%, bootstrap over prompts) "
+            f"over {metrics[f'eval/{who}/decisive']:.0f} decisive comparisons, {metrics[f'eval/{who}/ties']:.0f} ties"
+        )
+
+    accuracy = (metrics["eval/judge/accuracy"], metrics["eval/judge/accuracy_low"], metrics["eval/judge/accuracy_high"])
+    lines = [f"[evaluate] win rate over SFT by the judge: {rate('judge')}"]
+    if metrics["eval/judge/meaningful"]:
+        lines.append(
+            f"[evaluate]   judge accuracy on judge_eval {accuracy[0]:.3f} [{accuracy[1]:.3f}, {accuracy[2]:.3f}]"
+        )
+    else:
+        warning = chance_warning("judge accuracy on judge_eval", *accuracy)
+        lines.append(f"[evaluate]   WARNING: MEANINGLESS: {warning}: the judge cannot tell better from worse")
+    lines.append(f"[evaluate] win rate over SFT by the proxy (the reward model PPO optimised): {rate('proxy')}")
+    return lines
+
+
+def figures(samples: list[dict[str, Any]], rows: list[dict[str, float]], folder: str) -> None:
+    """``scores.png`` (proxy and judge score distributions of both models) and ``overoptimisation.png``."""
+    figure, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for axis, who in zip(axes, ("proxy", "judge"), strict=True):
+        axis.hist([[s[f"sft_{who}"] for s in samples], [s[f"policy_{who}"] for s in samples]], label=["SFT", "policy"])
+        axis.set(xlabel=f"{who} score", ylabel="responses", title=f"scores by the {who}")
+        axis.legend()
+    figure.savefig(os.path.join(folder, "scores.png"), dpi=90)
+    plt.close(figure)
+    figure, axis = plt.subplots(figsize=(6, 4))
+    for who in ("proxy", "judge"):
+        axis.plot([r["sqrt_kl"] for r in rows], [r[who] for r in rows], marker="o", label=who)
+    for r in rows:
+        axis.annotate(str(r["iteration"]), (r["sqrt_kl"], r["proxy"]), fontsize=7)
+    axis.set(xlabel="sqrt(KL to SFT) (sqrt nats)", ylabel="mean score", title="over-optimisation: proxy vs judge")
+    axis.legend()
+    figure.savefig(os.path.join(folder, "overoptimisation.png"), dpi=90)
+    plt.close(figure)
 
 
 def gate_policy(metrics: dict[str, float], run_id: str) -> dict[str, Any]:
     """Register ``models/policy`` (once per content) and decide the policy gate on it, once.
 
-    The verdict is ``registry.policy_gate.verdict``'s (the proxy reward model); a pass moves the policy's
+    The verdict is ``registry.policy_gate.verdict``'s (the judge by default); a pass moves the policy's
     ``champion`` alias (:func:`tasks.registry.decide_once`). Returns the report for ``reports/policy_gate.json``.
     """
     from rlhf.gate_rules import PolicyCriteria, policy_gate
@@ -89,7 +184,8 @@ def gate_policy(metrics: dict[str, float], run_id: str) -> dict[str, Any]:
     if candidate is None:
         tags = version_tags(POLICY, {**metrics, **ppo}, {"evaluate": params}, [PROMPTS])
         candidate = register(client, name, POLICY, run_id, tags)
-    reason = f"passed the policy gate (win rate {metrics.get('eval/win_rate')} by the {criteria.verdict})"
+    win = metrics.get(f"eval/{criteria.verdict}/win_rate")
+    reason = f"passed the policy gate (win rate {win} by the {criteria.verdict})"
     move = not params["policy_approval"]["required"]  # else a person approves in the flow (flows/approval.py)
     decision = decide_once(client, name, candidate, lambda: (policy_gate(metrics, ppo, criteria), {}), reason, move)
     return {"candidate": {"name": name, "version": str(candidate.version)}, **decision}
@@ -104,26 +200,21 @@ def main() -> None:
         StageRun("evaluate", {**params, "generation": generation, "device": device}) as stage,
         StagedOutputs() as outputs,
     ):
-        metrics, samples, config = run(params, generation, device)
+        metrics, samples, rows, config = run(params, generation, device)
         stage.log(metrics, 0)
-        mlflow.log_table({key: [s[key] for s in samples] for key in samples[0]}, artifact_file="samples.json")
         reports = outputs.folder(REPORTS)
+        write_json(os.path.join(reports, "samples.json"), {"run_id": stage.run.info.run_id, "samples": samples})
         with open(os.path.join(reports, "samples.md"), "w", encoding="utf-8") as handle:
             handle.write(samples_markdown(samples[: config.samples_in_table]))
-        figure, axis = plt.subplots(figsize=(6, 4))
-        axis.hist(
-            [[s["sft_reward"] for s in samples], [s["policy_reward"] for s in samples]],
-            label=["SFT", "policy"],
-            bins=15,
-        )
-        axis.set(xlabel="reward-model score", ylabel="responses", title=f"win rate {metrics['eval/win_rate']:.2f}")
-        axis.legend()
-        figure.savefig(os.path.join(reports, "scores.png"), dpi=90)
+        figures(samples, rows, reports)
         mlflow.log_artifacts(reports, "eval")
-        write_metrics(outputs.file(METRICS), metrics, stage)
+        by_iteration = {r["iteration"]: {k: v for k, v in r.items() if k != "iteration"} for r in rows}
+        write_metrics(outputs.file(METRICS), metrics, stage, curves={outputs.file(CURVE): by_iteration})
         report = gate_policy(metrics, stage.run.info.run_id)  # last: a registry that is down keeps the old outputs
         write_json(outputs.file(POLICY_GATE), report)
-    print("[evaluate] " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items()))
+    for line in summary_lines(metrics):
+        print(line, flush=True)
+    print("[evaluate] " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items() if "/win_rate" not in k), flush=True)
     candidate = report["candidate"]
     print(f"[evaluate] policy {candidate['name']} version {candidate['version']}: {report['decision']}", flush=True)
     for line in report["lines"]:

@@ -3,7 +3,8 @@
 Reads ``data/validated/{ppo_prompts,ptx_text}.jsonl``, ``models/sft`` (policy
 init and reference) and ``models/reward_champion`` (the reward model that holds the registry's
 ``champion`` alias, written by the gate stage; value-model init).
-Writes ``models/policy/`` (the best policy by validation reward), ``metrics/ppo.json``,
+Writes ``models/policy/`` (the best policy by validation reward), ``models/policy_kept/`` (every
+``ppo.keep_every``-th policy, for evaluate's over-optimisation curve), ``metrics/ppo.json``,
 ``metrics/ppo_curves.json`` and ``reports/ppo/`` (one curve per signal, reward histograms) together,
 after everything that can fail (:class:`tasks.outputs.StagedOutputs`): a failed or stopped run leaves
 the previous ones as they were.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 from typing import Any
 
 from rlhf.chat import encode_prompt
@@ -38,6 +40,7 @@ PROMPTS, PTX, SFT, REWARD = (
     "models/reward_champion",
 )
 OUT_DIR, REPORTS, METRICS, CURVES = "models/policy", "reports/ppo", "metrics/ppo.json", "metrics/ppo_curves.json"
+KEPT_SUFFIX = "_kept"  # models/policy_kept: every ppo.keep_every-th policy as what it adds to SFT (rlhf.checkpoint)
 
 
 def run(
@@ -92,6 +95,9 @@ def run(
         folder = staged.folder(out_dir)
         merged_copy(models.policy).save_pretrained(folder, safe_serialization=True)  # LoRA: adapters folded in
         tokenizer.save_pretrained(folder)
+        kept = staged.folder(out_dir + KEPT_SUFFIX)  # the policies of the over-optimisation curve (evaluate's)
+        if result.kept:
+            shutil.copytree(result.kept, kept, dirs_exist_ok=True)
         staged.on_commit(checkpointer.clear)  # a failure before the commit resumes from the checkpoints
     return result
 

@@ -279,7 +279,8 @@ app = typer.Typer(
 )
 MODELS = {"reward": "reward_model", "policy": "policy_model"}  # the command's model -> params.yaml registry key
 STATUS_METRICS = ("rm/accuracy", "rm/accuracy_low", "rm/accuracy_high", "rm/ece", "rm/accuracy_chosen_shorter",
-                  "rm/accuracy_chosen_longer", "rm/pairs", "eval/win_rate", "eval/win_rate_n", "eval/policy/kl",
+                  "rm/accuracy_chosen_longer", "rm/pairs", "eval/judge/win_rate", "eval/judge/win_rate_low",
+                  "eval/judge/accuracy_low", "eval/proxy/win_rate", "eval/policy/kl",
                   "eval/policy/eos_rate")  # fmt: skip
 
 

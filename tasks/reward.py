@@ -8,6 +8,7 @@ fail (:class:`tasks.outputs.StagedOutputs`): a failed or stopped run leaves the 
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import matplotlib
@@ -32,11 +33,20 @@ OUT_DIR, FIGURE, METRICS = "models/reward", "reports/reward_margins.png", "metri
 
 
 def run(
-    params: dict[str, Any], log, outputs: StagedOutputs, device: dict[str, Any] | None = None
+    params: dict[str, Any],
+    log,
+    outputs: StagedOutputs,
+    device: dict[str, Any] | None = None,
+    splits: tuple[str, str] = (TRAIN, EVAL),
+    init: str = SFT,
+    out: str = OUT_DIR,
+    stage: str = "reward",
 ) -> tuple[dict[str, float], Any]:
-    """Train, centre and evaluate; stage the model as ``models/reward/`` in ``outputs`` (written when they commit).
+    """Train, centre and evaluate; stage the model as ``out`` in ``outputs`` (written when they commit).
 
-    ``device``: the params.yaml ``device`` section (None: read from params.yaml).
+    ``device``: the params.yaml ``device`` section (None: read from params.yaml). ``splits``: the
+    ``(train, eval)`` pair files; ``init``: the model folder the scalar model starts from; ``stage``: the name
+    of its resume checkpoints and device settings (the judge stage trains its own model with these).
 
     Returns:
         ``(metrics, margin histogram figure)``.
@@ -44,13 +54,13 @@ def run(
     Raises:
         FloatingPointError: training diverged, or the trained model's scores are not finite.
     """
-    config = config_from_params(RewardConfig, params, "reward")
+    config = config_from_params(RewardConfig, params, stage)
     setup_torch(config.seed)  # before the model is built: the seed owns any new head's initialisation
-    tokenizer, model = load_tokenizer(SFT), load_scalar_model(SFT)
-    runtime = stage_runtime("reward", device)
+    tokenizer, model = load_tokenizer(init), load_scalar_model(init)
+    runtime = stage_runtime(stage, device)
     model = runtime.place(model)
-    train = load_jsonl(TRAIN)
-    checkpointer = run_checkpointer("reward", params, [TRAIN, SFT])
+    train = load_jsonl(splits[0])
+    checkpointer = run_checkpointer(stage, params, [splits[0], init])
     metrics = train_reward_model(model, tokenizer, train, config, log, runtime, checkpointer)
     demonstrations = [
         chosen.input_ids
@@ -58,16 +68,16 @@ def run(
     ]
     metrics["rm/offset"] = center_rewards(model, tokenizer, demonstrations, config.eval_batch_size, runtime)
     eval_metrics, margins = evaluate_reward_model(
-        model, tokenizer, load_jsonl(EVAL), config.max_length, config.eval_batch_size, runtime
+        model, tokenizer, load_jsonl(splits[1]), config.max_length, config.eval_batch_size, runtime
     )
     metrics.update(eval_metrics)
     bad = int((~torch.isfinite(margins)).sum())
     if bad or not math.isfinite(metrics["rm/offset"]):
         raise FloatingPointError(
-            f"reward: the trained reward model gives non-finite scores (centring offset {metrics['rm/offset']}, "
-            f"{bad} of {margins.numel()} rm_eval margins non-finite); nothing was written"
+            f"{stage}: the trained reward model gives non-finite scores (centring offset {metrics['rm/offset']}, "
+            f"{bad} of {margins.numel()} {splits[1]} margins non-finite); nothing was written"
         )
-    folder = outputs.folder(OUT_DIR)
+    folder = outputs.folder(out)
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
     outputs.on_commit(checkpointer.clear)  # a failure before the commit resumes from the checkpoints
@@ -77,7 +87,7 @@ def run(
     axis.set(
         xlabel="score(chosen) - score(rejected)",
         ylabel="pairs",
-        title=f"rm_eval: accuracy {metrics['rm/accuracy']:.3f}",
+        title=f"{os.path.basename(splits[1]).split('.')[0]}: accuracy {metrics['rm/accuracy']:.3f}",
     )
     return metrics, figure
 

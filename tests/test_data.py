@@ -7,9 +7,11 @@ import hashlib
 import http.server
 import json
 import lzma
+import os
 import threading
 
 import pytest
+import yaml
 
 import tasks.prepare
 from rlhf.data import Source, assign_split, conversation_root, prepare_rows, prompt_key, ptx_token_ids, read_jsonl
@@ -18,7 +20,8 @@ from tasks.outputs import StagedOutputs
 
 SHARED = "../shared/data/hh-rlhf/harmless-base/pairs.jsonl.gz"
 
-FRACTIONS = {"sft": 0.2, "rm_train": 0.45, "rm_eval": 0.1, "ppo_prompts": 0.12, "ptx_text": 0.05, "eval_prompts": 0.08}
+FRACTIONS = {"sft": 0.1, "rm_train": 0.45, "rm_eval": 0.1, "ppo_prompts": 0.06, "ptx_text": 0.05, "eval_prompts": 0.06,
+             "judge_train": 0.12, "judge_eval": 0.06}  # params.yaml's  # fmt: skip
 
 
 def one(row):
@@ -194,6 +197,22 @@ def test_real_data_parses():
                 assert prompts.setdefault(key, split) == split
 
 
+def test_judge_splits_share_no_conversation_with_any_other_split():
+    """The judge's own conversations (params.yaml's fractions): none reaches the RM, PPO, SFT, ptx or eval splits."""
+    with open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "params.yaml"), encoding="utf-8") as handle:
+        fractions = yaml.safe_load(handle)["data"]["fractions"]
+    prepared = prepare_rows([Source(SHARED, read_jsonl(SHARED))], fractions)
+    roots = {
+        split: {conversation_root(row.get("prompt") or row["messages"]) for row in rows}
+        for split, rows in prepared.splits.items()
+    }
+    judge = roots["judge_train"] | roots["judge_eval"]
+    assert len(roots["judge_train"]) > 200 and len(roots["judge_eval"]) > 100
+    assert not roots["judge_train"] & roots["judge_eval"]
+    for split in set(roots) - {"judge_train", "judge_eval"}:
+        assert roots[split] and not judge & roots[split], split
+
+
 def test_real_data_no_conversation_in_two_splits():
     """No prompt (or ptx conversation) of one split is a message-list prefix of, or equal to, one of another."""
     prepared = prepare_rows([Source(SHARED, read_jsonl(SHARED))], FRACTIONS)
@@ -213,13 +232,15 @@ def test_real_data_no_conversation_in_two_splits():
     ids = [row["id"] for rows in prepared.splits.values() for row in rows]
     assert len(ids) == len(set(ids)) == 2000 - 3  # every parsed row once (no prompt repeats within a prompt split)
     assert {split: len(rows) for split, rows in prepared.splits.items()} == {
-        "sft": 398,
-        "rm_train": 855,
-        "rm_eval": 214,
-        "ppo_prompts": 245,
-        "ptx_text": 105,
-        "ptx_heldout": 12,
-        "eval_prompts": 168,
+        "sft": 200,
+        "rm_train": 871,
+        "rm_eval": 182,
+        "ppo_prompts": 129,
+        "ptx_text": 80,
+        "ptx_heldout": 24,
+        "eval_prompts": 97,
+        "judge_train": 281,
+        "judge_eval": 133,
     }
 
 

@@ -22,7 +22,7 @@ from torch.overrides import TorchFunctionMode
 from rlhf.chat import encode_chat, encode_prompt
 from rlhf.checkpoint import Checkpointer
 from rlhf.device import Runtime
-from rlhf.evaluation import EvalConfig, evaluate_policy
+from rlhf.evaluation import EvalConfig, Scorers, evaluate_policy
 from rlhf.finite import to_host
 from rlhf.models import load_causal_lm, load_scalar_model
 from rlhf.ppo import train_ppo
@@ -276,10 +276,11 @@ def test_evaluation_and_reward_scoring_stay_on_device(tiny_dir, tokenizer, preci
         metrics, _ = evaluate_policy(
             models.reference,
             models.policy,
-            models.reward_model,
+            Scorers(models.reward_model, models.reward_model, tokenizer),
             tokenizer,
             PROMPTS[:2],
-            EvalConfig(batch_size=2),
+            [],
+            EvalConfig(batch_size=2, bootstrap_resamples=10),
             SETTINGS,
             runtime,
         )

@@ -182,20 +182,25 @@ def test_evaluate_registers_the_policy_once_and_promotes_it_only_through_its_gat
     with open("metrics/ppo.json", "w") as handle:
         json.dump({"stopped_by": None, "ppo/last/collapse": 0.0}, handle)
     tied = {
-        "eval/win_rate": None,
-        "eval/win_rate_n": 0.0,
-        "eval/ties": 24.0,
+        "eval/judge/win_rate": None,
+        "eval/judge/win_rate_low": None,
+        "eval/judge/decisive": 0.0,
+        "eval/judge/ties": 24.0,
+        "eval/judge/accuracy": 0.62,
+        "eval/judge/accuracy_low": 0.55,
         "eval/policy/kl": 0.0,
         "eval/policy/eos_rate": 0.5,
     }  # fmt: skip (the demo's: the shipped policy was the SFT model)
     client_, experiment = tracking_client()
     report = gate_policy(tied, client_.create_run(experiment).info.run_id)
     assert (report["candidate"]["version"], report["decision"]) == ("1", "fail")
-    assert report["checks"][0]["value"] is None and json.dumps(report, allow_nan=False)  # strict JSON: no NaN
-    assert report["lines"][0].startswith("GATE FAILED: win rate over SFT by the proxy, lower 95% bound (Wilson), n/a")
+    assert report["checks"][1]["value"] is None and json.dumps(report, allow_nan=False)  # strict JSON: no NaN
+    failed = [line for line in report["lines"] if line.startswith("GATE FAILED")]
+    assert len(failed) == 1 and failed[0].startswith("GATE FAILED: win rate over SFT by the judge, lower 95% bound")
     assert registry.holder(client(), "rlhf-policy") is None
     # the same policy again: found by its content, not registered twice, not re-decided
-    won = {**tied, "eval/win_rate": 0.9, "eval/win_rate_n": 24.0, "eval/ties": 0.0}
+    won = {**tied, "eval/judge/win_rate": 0.9, "eval/judge/win_rate_low": 0.7, "eval/judge/decisive": 24.0,
+           "eval/judge/ties": 0.0}  # fmt: skip
     again = gate_policy(won, client_.create_run(experiment).info.run_id)
     assert (again["candidate"]["version"], again["decided"], again["decision"]) == ("1", "before", "fail")
     # a new policy that wins: version 2 takes the champion alias
@@ -211,13 +216,13 @@ def test_the_flow_summary_repeats_every_gate_failed_line():
     from flows.pipeline import summary_warnings
 
     ece = "GATE FAILED: rm_eval calibration error (ECE), 0.200, bound 0.150"
-    win = "GATE FAILED: win rate over SFT by the proxy, lower 95% bound (Wilson), n/a, bound 0.500 (...)"
+    win = "GATE FAILED: win rate over SFT by the judge, lower 95% bound (bootstrap over prompts), n/a, bound 0.500"
     metrics = {
         "gate": {
             "lines": ["gate passed: rm_eval accuracy lower 95% bound (Wilson), 0.54, bound 0.5", ece],
             "champion": {"version": "1"},
         },  # fmt: skip
-        "evaluate": {"eval/win_rate": None, "lines": [win]},
+        "evaluate": {"eval/judge/win_rate": None, "lines": [win]},
     }
     assert summary_warnings(metrics) == [f"reward model {ece}", f"policy {win}"]
     metrics["gate"]["champion"] = None

@@ -78,30 +78,46 @@ def test_bounds_outside_zero_one_are_refused():
         GateCriteria(max_ece=1.5)
 
 
-EVAL = {"eval/win_rate": 0.75, "eval/win_rate_n": 20.0, "eval/ties": 4.0, "eval/policy/kl": 3.0,
-        "eval/policy/eos_rate": 0.9}  # fmt: skip
+EVAL = {"eval/judge/win_rate": 0.75, "eval/judge/win_rate_low": 0.56, "eval/judge/decisive": 20.0,
+        "eval/judge/ties": 4.0, "eval/judge/accuracy": 0.62, "eval/judge/accuracy_low": 0.53,
+        "eval/proxy/win_rate": 0.9, "eval/proxy/win_rate_low": 0.4, "eval/proxy/decisive": 24.0,
+        "eval/proxy/ties": 0.0, "eval/policy/kl": 3.0, "eval/policy/eos_rate": 0.9}  # fmt: skip
 POLICY = PolicyCriteria(min_win_rate_low=0.5, max_kl=10.0, min_eos_rate=0.5)
 
 
-def test_policy_gate_wilson_bound_by_hand_and_a_passing_policy():
-    # 15 of 20: p = 0.75, z^2/n = 0.192073; centre = (0.75 + 0.096037) / 1.192073 = 0.709720
-    # half = 1.959964 / 1.192073 * sqrt(0.75 * 0.25 / 20 + 3.841459 / 1600) = 1.644165 * 0.108517 = 0.178420
-    # low = 0.531300
+def test_policy_gate_passes_on_the_judge_and_reads_its_bound():
     checks = policy_gate(EVAL, {"stopped_by": None, "ppo/last/collapse": 0.0}, POLICY)
-    assert checks[0].value == pytest.approx(0.531300, abs=2e-6) and passed(checks)
+    assert [c.criterion.split(":")[0].split(",")[0] for c in checks] == [
+        "the judge is better than chance",
+        "win rate over SFT by the judge",
+        "KL to the SFT model (nats/response)",
+        "no collapse in PPO",
+        "EOS rate of the policy's responses",
+    ]
+    assert checks[0].value == 0.53 and checks[1].value == 0.56 and passed(checks)
+
+
+def test_policy_gate_by_the_proxy_reads_the_proxy_and_skips_the_judge():
+    checks = policy_gate(EVAL, {}, PolicyCriteria(verdict="proxy"))
+    assert checks[0].criterion.startswith("win rate over SFT by the proxy") and checks[0].value == 0.4
+    assert not checks[0].passed and len(checks) == 4
+    assert "24 decisive comparisons, 0 ties" in checks[0].detail
 
 
 @pytest.mark.parametrize(
     ("evaluation", "ppo", "criterion"),
     [
-        ({**EVAL, "eval/win_rate": 0.6}, {}, "win rate over SFT by the proxy"),  # 12 of 20: low 0.387
-        ({**EVAL, "eval/win_rate": None, "eval/win_rate_n": 0.0, "eval/ties": 24.0}, {}, "win rate"),  # all ties
+        ({**EVAL, "eval/judge/accuracy_low": 0.45}, {}, "the judge is better than chance"),  # a judge at chance
+        ({**EVAL, "eval/judge/accuracy_low": None}, {}, "the judge is better than chance"),  # no judge figure
+        ({**EVAL, "eval/judge/win_rate_low": 0.387}, {}, "win rate over SFT by the judge"),
+        ({**EVAL, "eval/judge/win_rate": None, "eval/judge/win_rate_low": None, "eval/judge/decisive": 0.0}, {},
+         "win rate"),  # all ties
         ({**EVAL, "eval/policy/kl": 12.5}, {}, "KL to the SFT model"),
         (EVAL, {"stopped_by": "kl 25.1 above collapse_kl_max 20"}, "no collapse in PPO"),
         (EVAL, {"ppo/last/collapse": 1.0}, "no collapse in PPO"),
         ({**EVAL, "eval/policy/eos_rate": 0.3}, {}, "EOS rate"),
     ],
-)
+)  # fmt: skip
 def test_policy_gate_fails_on_each_criterion_alone(evaluation, ppo, criterion):
     checks = policy_gate(evaluation, ppo, POLICY)
     failed = [c for c in checks if not c.passed]
@@ -110,5 +126,5 @@ def test_policy_gate_fails_on_each_criterion_alone(evaluation, ppo, criterion):
 
 
 def test_policy_gate_refuses_a_verdict_it_cannot_give():
-    with pytest.raises(ValueError, match="verdict must be proxy"):
-        PolicyCriteria(verdict="judge")
+    with pytest.raises(ValueError, match="verdict must be judge or proxy"):
+        PolicyCriteria(verdict="human")

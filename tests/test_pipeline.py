@@ -16,7 +16,7 @@ pytestmark = pytest.mark.integration
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED = os.path.join(os.path.dirname(REPO), "shared")
-STAGES = ["prepare", "base_model", "validate", "sft", "reward", "gate", "ppo", "evaluate"]
+STAGES = ["prepare", "base_model", "validate", "sft", "reward", "gate", "judge", "ppo", "evaluate", "report"]
 
 
 def make_project(root) -> str:
@@ -74,19 +74,30 @@ def assert_outputs(project: str) -> None:
         "models/reward_champion/model.safetensors",
         "models/reward_champion/registry_version.json",
         "reports/eval/samples.md",
+        "reports/eval/samples.json",
         "reports/ppo/ppo_kl.png",
+        "models/judge/model.safetensors",
+        "models/policy_kept/iteration-0002/kept.json",  # tiny: keep_every 2 of 3 iterations, and the last
+        "models/policy_kept/iteration-0003/kept.json",
+        "reports/index.html",
     ):
         assert os.path.exists(os.path.join(project, path)), path
     with open(os.path.join(project, "metrics/eval.json")) as handle:
         metrics = json.load(handle)
-    assert metrics["eval/prompts"] == 4 and metrics["eval/win_rate_n"] + metrics["eval/ties"] == 4
-    assert metrics["eval/win_rate_n"] == 0 or 0.0 <= metrics["eval/win_rate"] <= 1.0
-    assert 0.0 <= metrics["eval/policy/eos_rate"] <= 1.0
+    assert metrics["eval/prompts"] == 4 and metrics["eval/samples_per_prompt"] == 2
+    for who in ("judge", "proxy"):
+        assert metrics[f"eval/{who}/decisive"] + metrics[f"eval/{who}/ties"] == 8
+        assert metrics[f"eval/{who}/decisive"] == 0 or 0.0 <= metrics[f"eval/{who}/win_rate"] <= 1.0
+    assert 0.0 <= metrics["eval/policy/eos_rate"] <= 1.0 and metrics["eval/judge/meaningful"] in (0.0, 1.0)
+    with open(os.path.join(project, "metrics/overoptimisation.json")) as handle:
+        curve = json.load(handle)
+    assert [row["iteration"] for row in curve] == [0, 2, 3] and curve[0]["kl"] == 0.0
     status = subprocess.run(
         [sys.executable, "-m", "dvc", "status", "--json"], cwd=project, capture_output=True, text=True, check=True
     ).stdout
-    # all up to date but the always_changed stages (source re-reads the data source, gate the registry)
-    assert json.loads(status) == {"source": ["always changed"], "gate": ["always changed"]}
+    # all up to date but the always_changed stages (source re-reads the data source, gate the registry, report
+    # writes the page of each pipeline run)
+    assert json.loads(status) == {name: ["always changed"] for name in ("source", "gate", "report")}
 
 
 def add_rows(project: str, name: str, start: int, count: int = 30) -> None:
@@ -110,7 +121,7 @@ def test_dvc_repro_runs_everything_then_only_what_a_ppo_param_touches(tmp_path):
     assert ran_stages(run(project, "dvc", "repro")) == STAGES
     assert_outputs(project)
     set_param(project, "  policy_lr: 1.0e-5", "  policy_lr: 3.0e-5")  # changes the policy, so evaluate reruns too
-    assert ran_stages(run(project, "dvc", "repro")) == ["gate", "ppo", "evaluate"]  # gate: always (the registry)
+    assert ran_stages(run(project, "dvc", "repro")) == ["gate", "ppo", "evaluate", "report"]  # gate, report: always
     # new preference rows (a second source): prepare and everything after it rerun; the new reward model passes
     # the (open) tiny gate, so the champion moves and ppo and evaluate run on it
     add_rows(project, "more-1.jsonl", 1000)
@@ -120,12 +131,12 @@ def test_dvc_repro_runs_everything_then_only_what_a_ppo_param_touches(tmp_path):
     # a promotion by hand reaches DVC through the gate: ppo and what is downstream of it rerun, nothing else
     output = run(project, "tasks.registry", "promote", "reward", "--version", "1", "--reason", "test")
     assert "moved from version 2 to 1" in output
-    assert ran_stages(run(project, "dvc", "repro")) == ["gate", "ppo", "evaluate"]
+    assert ran_stages(run(project, "dvc", "repro")) == ["gate", "ppo", "evaluate", "report"]
     assert champion(project) == "1"
     # so does a rollback, and the next repro keeps it (the gate never re-decides a version)
     assert "moved from version 1 to 2" in run(project, "tasks.registry", "rollback", "reward", "--reason", "test")
-    assert ran_stages(run(project, "dvc", "repro")) == ["gate", "ppo", "evaluate"]
-    assert ran_stages(run(project, "dvc", "repro")) == ["gate"]
+    assert ran_stages(run(project, "dvc", "repro")) == ["gate", "ppo", "evaluate", "report"]
+    assert ran_stages(run(project, "dvc", "repro")) == ["gate", "report"]
     assert champion(project) == "2"
     # more rows again, under a floor no model can pass: version 3 fails its gate; the champion and its folder
     # stay exactly as they were, and ppo (new prompts) reruns against the old champion

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rlhf.evaluation import win_rate
-from rlhf.stats import Z95, PairedRate, TiesWarning, chance_warning, paired_rate, wilson_interval
+from rlhf.stats import Z95, PairedRate, TiesWarning, chance_warning, clustered_rate, paired_rate, wilson_interval
 
 
 def test_wilson_120_of_196_by_hand():
@@ -81,16 +81,46 @@ def test_nan_scores_and_shape_mismatch_are_errors():
 
 def test_win_rate_follows_the_tie_rule_by_hand():
     # policy vs SFT per prompt: win, tie, loss, win, win -> 3 wins of n = 4, 1 tie (before: (3 + 0.5) / 5 = 0.7)
-    policy = torch.tensor([1.0, 0.5, -1.0, 2.0, 0.3])
-    sft = torch.tensor([0.0, 0.5, 0.0, 1.0, 0.2])
-    with pytest.warns(TiesWarning, match="1 of 5 evaluation prompts tied"):
-        result = win_rate(policy, sft)
+    policy = torch.tensor([[1.0], [0.5], [-1.0], [2.0], [0.3]])
+    sft = torch.tensor([[0.0], [0.5], [0.0], [1.0], [0.2]])
+    with pytest.warns(TiesWarning, match="1 of 5 comparisons over 5 evaluation prompts tied"):
+        result = win_rate(policy, sft, 1000, 0)
     assert isinstance(result, PairedRate)
     assert (result.rate, result.wins, result.n, result.ties) == (0.75, 3, 4, 1)
-    assert (result.low, result.high) == pytest.approx((0.3006, 0.9544), abs=5e-5)
+    assert result.low <= 0.3006 and result.high >= 0.9544  # never narrower than Wilson's (0.3006, 0.9544)
     with pytest.warns(TiesWarning):
-        constant = win_rate(torch.ones(4), torch.ones(4))
-    assert math.isnan(constant.rate) and (constant.n, constant.ties) == (0, 4)
+        constant = win_rate(torch.ones(4, 2), torch.ones(4, 2), 1000, 0)
+    assert math.isnan(constant.rate) and (constant.n, constant.ties) == (0, 8)
+
+
+def test_clustered_rate_30_of_50_by_hand():
+    # 30 wins of 50 prompts, one comparison each: rate 0.6. The percentile bootstrap resamples the binomial
+    # proportion: its 2.5% and 97.5% points are those of Binomial(50, 0.6) / 50, i.e. 23/50 = 0.46 and
+    # 37/50 = 0.74 (P(X <= 22) = 0.0160, P(X <= 23) = 0.0314; P(X <= 36) = 0.9720, P(X <= 37) = 0.9867),
+    # wider than Wilson's [0.4618, 0.7239], so they are the interval: 0.6 +- 0.14.
+    first, second = torch.tensor([[1.0]] * 30 + [[-1.0]] * 20), torch.zeros(50, 1)
+    result = clustered_rate(first, second, resamples=10000, seed=0)
+    assert (result.rate, result.wins, result.n, result.ties) == (0.6, 30, 50, 0)
+    assert (result.low, result.high) == pytest.approx((0.46, 0.74), abs=1e-9)
+    assert clustered_rate(first, second, resamples=10000, seed=0) == result  # seeded: reproducible
+
+
+def test_clustered_rate_counts_a_prompt_once_however_many_samples_it_has():
+    # the same 50 prompts with 4 identical samples each: 120 wins of 200 comparisons, but still 50 prompts'
+    # worth of evidence: the interval of 30 of 50, not Wilson's [0.531, 0.665] for 200 independent comparisons
+    first, second = torch.tensor([[1.0] * 4] * 30 + [[-1.0] * 4] * 20), torch.zeros(50, 4)
+    result = clustered_rate(first, second, resamples=10000, seed=0)
+    assert (result.rate, result.wins, result.n) == (0.6, 120, 200)
+    assert (result.low, result.high) == pytest.approx((0.46, 0.74), abs=1e-9)
+    assert wilson_interval(120, 200) == pytest.approx((0.5308, 0.6654), abs=5e-5)
+
+
+def test_clustered_rate_is_never_narrower_than_wilson():
+    # 5 wins of 5: every resample is 1.0, but 5 comparisons cannot prove a 100% rate: Wilson's [0.5655, 1]
+    result = clustered_rate(torch.ones(5, 1), torch.zeros(5, 1))
+    assert result.rate == 1.0 and result.low == pytest.approx(0.5655, abs=5e-5) and result.high == 1.0
+    with pytest.raises(ValueError, match=r"\(P, K\)"):
+        clustered_rate(torch.ones(5), torch.zeros(5))
 
 
 def test_chance_warning():

@@ -128,3 +128,64 @@ class Checkpointer:
 def write_json(path: str, payload: dict[str, Any]) -> None:
     """Write ``payload`` as indented JSON, atomically."""
     atomic_write_text(path, json.dumps(payload, indent=2, sort_keys=True) + "\n")
+
+
+KEPT_WEIGHTS, KEPT_META = "trained.safetensors", "kept.json"
+
+
+def save_kept_policy(policy: PreTrainedModel, folder: str, meta: dict[str, Any]) -> None:
+    """Keep a policy of a PPO run as what it adds to the SFT model: the weights that train, nothing else.
+
+    A plain policy stores its trainable parameters (``requires_grad``; with ``ppo.trainable_layers: 8`` of
+    SmolLM2-135M, 28 M of 135 M) as ``trained.safetensors``; a LoRA policy its adapters (``save_pretrained``).
+    ``meta`` (JSON: the iteration, ``lora_rank``, ``lora_alpha``) goes to ``kept.json``. Written into a
+    temporary folder and renamed, so a folder that exists is complete.
+    """
+    from safetensors.torch import save_file
+
+    parent = os.path.dirname(os.path.abspath(folder))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=parent, prefix=".kept-")
+    if is_lora(policy):
+        policy.save_pretrained(tmp, safe_serialization=True)
+    else:
+        trained = {name: p.detach().cpu().contiguous() for name, p in policy.named_parameters() if p.requires_grad}
+        save_file(trained, os.path.join(tmp, KEPT_WEIGHTS))
+    atomic_write_text(os.path.join(tmp, KEPT_META), json.dumps(meta, sort_keys=True) + "\n")
+    if os.path.exists(folder):
+        shutil.rmtree(folder)
+    os.replace(tmp, folder)
+
+
+def load_kept_policy(sft: str, folder: str) -> PreTrainedModel:
+    """The policy kept by :func:`save_kept_policy` in ``folder``: the SFT model of folder ``sft`` with those weights.
+
+    Returns a plain causal LM (a LoRA policy's adapters folded in), float32.
+
+    Raises:
+        FileNotFoundError: ``folder`` is not a kept policy.
+        ValueError: its weights do not fit the SFT model (names or shapes).
+    """
+    from safetensors.torch import load_file
+
+    from rlhf.lora import add_lora, merged_copy
+    from rlhf.models import load_causal_lm
+
+    meta_path = os.path.join(folder, KEPT_META)
+    if not os.path.exists(meta_path):
+        raise FileNotFoundError(f"{folder}: not a kept policy (no {KEPT_META})")
+    with open(meta_path, encoding="utf-8") as handle:
+        meta = json.load(handle)
+    model = load_causal_lm(sft)
+    if meta.get("lora_rank"):
+        model = add_lora(model, meta["lora_rank"], meta["lora_alpha"])
+        load_adapter_weights(model, folder)
+        return merged_copy(model)
+    weights = load_file(os.path.join(folder, KEPT_WEIGHTS))
+    try:
+        result = model.load_state_dict(weights, strict=False)
+    except RuntimeError as error:  # a size mismatch: another model
+        raise ValueError(f"{folder}: weights do not fit {sft} ({str(error).splitlines()[-1].strip()})") from None
+    if result.unexpected_keys:
+        raise ValueError(f"{folder}: weights {result.unexpected_keys[:3]} are not in {sft}")
+    return model

@@ -31,7 +31,9 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
-SPLITS = ("sft", "rm_train", "rm_eval", "ppo_prompts", "ptx_text", "ptx_heldout", "eval_prompts")
+SPLITS = (
+    "sft", "rm_train", "rm_eval", "ppo_prompts", "ptx_text", "ptx_heldout", "eval_prompts", "judge_train", "judge_eval"
+)  # fmt: skip
 """Files of data/processed and data/validated. ``data.fractions`` names every split but ``ptx_heldout``,
 which is a share (``data.ptx_heldout_fraction``) of the ptx rows."""
 
@@ -296,7 +298,7 @@ def prepare_rows(
 ) -> PreparedData:
     """Parse raw rows, quarantine the unparseable ones and split the rest by conversation root.
 
-    Output rows: ``sft``, ``rm_train``, ``rm_eval`` hold whole pairs
+    Output rows: ``sft``, ``rm_train``, ``rm_eval``, ``judge_train``, ``judge_eval`` hold whole pairs
     ``{"id", "source", "prompt", "chosen", "rejected"}``; ``ppo_prompts`` and
     ``eval_prompts`` hold ``{"id", "source", "prompt"}`` (one row per distinct
     prompt). The ptx share (``fractions["ptx_text"]``) of the preference data

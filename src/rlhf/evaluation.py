@@ -1,7 +1,14 @@
-"""Stage 4: compare the policy with the SFT model on held-out prompts, judged by the reward model."""
+"""Stage 4: compare the policy with the SFT model on held-out prompts, by the proxy and by an independent judge.
+
+The proxy is the reward model PPO optimised: its win rate rises exactly when the policy learns to fool it
+(reward hacking; Gao et al. 2023, "Scaling Laws for Reward Model Overoptimization"). The judge is a second
+reward model trained on its own split (``tasks/judge.py``) that nothing in training reads; it scores the
+response *text* with its own tokenizer, so it may be another backbone.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -9,65 +16,128 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf import losses
-from rlhf.chat import encode_prompt
+from rlhf.chat import encode_chat, encode_prompt, pad
+from rlhf.data import ptx_token_ids
 from rlhf.device import Runtime
-from rlhf.models import response_logprobs
-from rlhf.rollout import GenerationSettings, sample_and_score
-from rlhf.stats import PairedRate, paired_rate
+from rlhf.models import response_logprobs, sequence_scores
+from rlhf.rollout import GenerationSettings, sample_and_score, treat_unfinished
+from rlhf.stats import PairedRate, clustered_rate
+from rlhf.text_stats import distinct_n, refusal_rate
+
+MODELS = ("sft", "policy")
 
 
 @dataclass
 class EvalConfig:
     """Evaluation settings (params.yaml section ``evaluate``)."""
 
-    max_prompts: int = 32
+    max_prompts: int | None = 32  # the first N eval prompts (by id); None: all
+    samples_per_prompt: int = 1  # responses per prompt and model; the interval resamples whole prompts
     batch_size: int = 8
     max_prompt_length: int = 192
     greedy: bool = False  # greedy decoding instead of sampling at generation.temperature
     samples_in_table: int = 8  # rows of the Markdown sample table in reports/eval/samples.md
+    curve_prompts: int = 16  # the first N eval prompts: the fixed set of the over-optimisation curve
+    bootstrap_resamples: int = 2000
+    judge_max_length: int = 256  # tokens of prompt + response the judge reads (its training max_length)
+    ptx_max_length: int = 128  # tokens of a held-out ptx row (the alignment tax's perplexity)
     seed: int = 1234
 
+    def __post_init__(self) -> None:
+        """Raises ValueError on a count below 1 (names the key)."""
+        for name in ("samples_per_prompt", "batch_size", "curve_prompts", "bootstrap_resamples"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"evaluate.{name} must be >= 1, got {getattr(self, name)}")
 
-def win_rate(policy_scores: torch.Tensor, baseline_scores: torch.Tensor) -> PairedRate:
-    """Share of decisive prompts where the policy's score beats the baseline's, with its Wilson 95% interval.
 
-    The product's tie rule (:func:`rlhf.stats.paired_rate`): a prompt where
-    both scores are exactly equal is not decisive; it is left out of the rate
-    and of ``n``, counted in ``ties``, and a :class:`rlhf.stats.TiesWarning` is
-    issued. When every prompt ties the rate and interval are NaN.
+@dataclass
+class Scorers:
+    """Who scores a response: the proxy (token ids, PPO's tokenizer) and the judge (text, its own tokenizer)."""
+
+    proxy: PreTrainedModel
+    judge: PreTrainedModel
+    judge_tokenizer: PreTrainedTokenizerBase
+
+
+def win_rate(policy_scores: torch.Tensor, baseline_scores: torch.Tensor, resamples: int, seed: int) -> PairedRate:
+    """Share of decisive comparisons where the policy's score beats the baseline's, with a 95% interval.
+
+    Ties apart (the product's rule); the interval is a bootstrap over prompts, never narrower than Wilson's
+    (:func:`rlhf.stats.clustered_rate`).
 
     Args:
-        policy_scores, baseline_scores: ``(N,)`` float reward-model scores, paired by prompt.
-
-    Returns:
-        :class:`rlhf.stats.PairedRate`: ``rate`` (wins / n), ``low``, ``high``
-        (Wilson 95%), ``wins``, ``n`` (decisive prompts), ``ties``.
+        policy_scores, baseline_scores: ``(P, K)`` float scores, K samples of each of P prompts.
+        resamples, seed: of the bootstrap.
 
     Raises:
         ValueError: shapes differ or a score is NaN.
     """
-    return paired_rate(policy_scores, baseline_scores, what="evaluation prompts")
+    return clustered_rate(policy_scores.cpu(), baseline_scores.cpu(), resamples, seed, what="evaluation prompts")
 
 
 @torch.no_grad()
-def _generate_and_score(
-    model,
-    reference,
-    reward_model,
-    tokenizer,
-    prompts: list[list[int]],
+def judge_scores(
+    scorers: Scorers,
+    prompts: list[list[dict]],
+    texts: list[str],
+    unfinished: torch.Tensor,
+    settings: GenerationSettings,
+    config: EvalConfig,
+    runtime: Runtime,
+) -> torch.Tensor:
+    """The judge's score of each response text, after the same unfinished-response rule as the proxy's.
+
+    Each response is encoded as the judge was trained (:func:`rlhf.chat.encode_chat` with the judge's
+    tokenizer and chat template, read at its EOS), so a truncated response would read as finished: the
+    generation section's rule (:func:`rlhf.rollout.treat_unfinished`) is applied to it as to the proxy's score.
+
+    Args:
+        prompts: ``N`` message lists; texts: ``N`` responses; unfinished: ``(N,)`` bool.
+
+    Returns:
+        ``(N,)`` float32 on the CPU.
+    """
+    tokenizer = scorers.judge_tokenizer
+    encoded = [
+        encode_chat(tokenizer, p, [{"role": "assistant", "content": t}], config.judge_max_length).input_ids
+        for p, t in zip(prompts, texts, strict=True)
+    ]
+    scores = []
+    for start in range(0, len(encoded), config.batch_size):
+        ids, mask = pad(tokenizer, encoded[start : start + config.batch_size], "right", runtime.device)
+        with runtime.autocast():
+            scores.append(sequence_scores(scorers.judge, ids, mask).float().cpu())
+    return treat_unfinished(torch.cat(scores), unfinished.cpu(), settings)
+
+
+@torch.no_grad()
+def generate_and_score(
+    model: PreTrainedModel,
+    reference: PreTrainedModel,
+    scorers: Scorers,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[list[dict]],
     config: EvalConfig,
     settings: GenerationSettings,
     runtime: Runtime,
+    samples: int = 1,
 ) -> dict[str, Any]:
-    """Sample (or decode greedily) and score every prompt as PPO does; KL to ``reference`` per response."""
+    """Sample ``samples`` responses per prompt (or decode greedily) and score them as PPO does, and by the judge.
+
+    Returns:
+        ``proxy``, ``judge``, ``kl`` (nats per response to ``reference``, k1), ``length`` (tokens): ``(P, samples)``
+        float32 on the CPU; ``ended`` ``(P, samples)`` bool; ``texts``: ``P * samples`` strings, prompt-major.
+    """
     torch.manual_seed(config.seed)
-    scores, ended, kls, lengths, texts = [], [], [], [], []
+    repeated = [p for p in prompts for _ in range(samples)]
+    encoded = [encode_prompt(tokenizer, p, config.max_prompt_length) for p in repeated]
     temperature = 1.0 if config.greedy else settings.temperature
-    for start in range(0, len(prompts), config.batch_size):
-        batch = prompts[start : start + config.batch_size]
+    out: dict[str, list] = {"proxy": [], "unfinished": [], "ended": [], "kl": [], "length": [], "texts": []}
+    for start in range(0, len(encoded), config.batch_size):
         with runtime.autocast():
-            scored = sample_and_score(model, reward_model, tokenizer, batch, settings, greedy=config.greedy)
+            scored = sample_and_score(
+                model, scorers.proxy, tokenizer, encoded[start : start + config.batch_size], settings, config.greedy
+            )
             rollout = scored.rollout
             ids, attn, begin, mask = (
                 rollout.input_ids,
@@ -77,50 +147,77 @@ def _generate_and_score(
             )
             logprobs, _ = response_logprobs(model, ids, attn, begin, temperature)
             ref_logprobs, _ = response_logprobs(reference, ids, attn, begin, temperature)
-        kls.append(torch.where(mask, losses.kl_k1(logprobs - ref_logprobs), 0.0).sum(-1))
-        scores.append(scored.scores)
-        ended.append(rollout.ended)
-        lengths.append(mask.sum(-1).float())
-        texts += [tokenizer.decode(ids[i, begin:][mask[i]], skip_special_tokens=True) for i in range(ids.shape[0])]
-    return {
-        "scores": torch.cat(scores),
-        "ended": torch.cat(ended),
-        "kl": torch.cat(kls),
-        "lengths": torch.cat(lengths),
-        "texts": texts,
-    }
+        out["kl"].append(torch.where(mask, losses.kl_k1(logprobs - ref_logprobs), 0.0).sum(-1).float().cpu())
+        out["proxy"].append(scored.scores.float().cpu())
+        out["unfinished"].append(scored.unfinished.cpu())
+        out["ended"].append(rollout.ended.cpu())
+        out["length"].append(mask.sum(-1).float().cpu())
+        out["texts"] += [tokenizer.decode(ids[i, begin:][mask[i]], skip_special_tokens=True) for i in range(len(ids))]
+    result = {key: torch.cat(value) for key, value in out.items() if key != "texts"}
+    result["judge"] = judge_scores(scorers, repeated, out["texts"], result.pop("unfinished"), settings, config, runtime)
+    shape = (len(prompts), samples)
+    return {**{key: value.reshape(shape) for key, value in result.items()}, "texts": out["texts"]}
+
+
+@torch.no_grad()
+def ptx_perplexity(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    rows: list[dict[str, Any]],
+    config: EvalConfig,
+    runtime: Runtime,
+) -> float:
+    """Perplexity of ``model`` on held-out ptx text: ``exp`` of the mean NLL over every token (not per row).
+
+    The alignment tax (InstructGPT section 3.5): how much of its language modelling the policy lost. Rows are
+    tokenised as PPO-ptx tokenises them (:func:`rlhf.data.ptx_token_ids`, ``ptx_max_length``).
+
+    Returns:
+        Perplexity (>= 1); NaN when ``rows`` is empty.
+    """
+    sequences = [ptx_token_ids(tokenizer, row, config.ptx_max_length) for row in rows]
+    total, count = 0.0, 0
+    for start in range(0, len(sequences), config.batch_size):
+        ids, mask = pad(tokenizer, sequences[start : start + config.batch_size], "right", runtime.device)
+        with runtime.autocast():
+            logits = model(input_ids=ids, attention_mask=mask).logits.float()
+        logprobs, targets = losses.next_token_logprobs(logits, ids, mask.bool())
+        total -= float(logprobs[targets].sum())
+        count += int(targets.sum())
+    return math.exp(total / count) if count else float("nan")
 
 
 def evaluate_policy(
     sft: PreTrainedModel,
     policy: PreTrainedModel,
-    reward_model: PreTrainedModel,
+    scorers: Scorers,
     tokenizer: PreTrainedTokenizerBase,
     prompts: list[list[dict]],
+    ptx_heldout: list[dict[str, Any]],
     config: EvalConfig,
     settings: GenerationSettings,
     runtime: Runtime,
-) -> tuple[dict[str, float], list[dict[str, Any]]]:
-    """Generate with the SFT model and the policy on the same prompts and compare them.
+) -> tuple[dict[str, float], dict[str, dict[str, Any]]]:
+    """Generate with the SFT model and the policy on the same prompts and compare them, by the proxy and the judge.
 
-    Responses are sampled and scored with PPO's :class:`rlhf.rollout.GenerationSettings`
-    (same length limit, same treatment of a response without EOS). The SFT
-    model is also the reference model of PPO, so the policy's KL to the
-    reference is measured against ``sft`` (sequence-level k1, nats per response,
-    tutorial Eq. 9's estimate on the policy's own samples).
+    Responses are sampled and scored with PPO's :class:`rlhf.rollout.GenerationSettings` (same length limit,
+    same treatment of a response without EOS). The SFT model is PPO's reference, so the policy's KL to it is
+    the sequence-level k1 on the policy's own samples (tutorial Eq. 9's estimate, nats per response).
 
     Args:
-        sft, policy, reward_model: dropout off.
-        tokenizer: shared tokenizer.
-        prompts: message lists (each ends with a user turn).
+        sft, policy: causal LMs; scorers: proxy and judge; all with dropout off.
+        tokenizer: the policy's tokenizer.
+        prompts: message lists (each ends with a user turn); the first ``config.max_prompts``.
+        ptx_heldout: held-out ptx rows (``{"messages"}`` or ``{"text"}``) for the perplexity.
         config: :class:`EvalConfig`; settings: the shared generation settings.
         runtime: device and precision; the models already on its device.
 
     Returns:
-        ``(metrics, samples)``: metrics ``eval/{sft,policy}/{reward,length,eos_rate}``,
-        ``eval/win_rate`` with ``eval/win_rate_low``/``_high`` (Wilson 95%), ``eval/win_rate_n``,
-        ``eval/ties``, ``eval/policy/kl``, ``eval/prompts``; samples: every prompt with both
-        responses and their scores.
+        ``(metrics, runs)``: for S in (proxy, judge) ``eval/S/win_rate`` with ``_low``/``_high`` (95%, bootstrap
+        over prompts), ``eval/S/decisive``, ``eval/S/ties``, ``eval/S/{sft,policy}_score`` (means); for M in (sft,
+        policy) ``eval/M/{length,eos_rate,distinct_1,distinct_2,refusal_rate,ptx_perplexity}``;
+        ``eval/policy/kl``, ``eval/prompts``, ``eval/samples_per_prompt``. ``runs``: each model's
+        :func:`generate_and_score` result.
 
     Raises:
         ValueError: no prompts.
@@ -128,35 +225,53 @@ def evaluate_policy(
     if not prompts:
         raise ValueError("no evaluation prompts")
     prompts = prompts[: config.max_prompts]
-    encoded = [encode_prompt(tokenizer, p, config.max_prompt_length) for p in prompts]
-    for model in (sft, policy, reward_model):
+    for model in (sft, policy, scorers.proxy, scorers.judge):
         model.eval()
-    base = _generate_and_score(sft, sft, reward_model, tokenizer, encoded, config, settings, runtime)
-    tuned = _generate_and_score(policy, sft, reward_model, tokenizer, encoded, config, settings, runtime)
-    wins = win_rate(tuned["scores"], base["scores"])
-    metrics = {
-        **{f"eval/{name}/reward": float(run["scores"].mean()) for name, run in (("sft", base), ("policy", tuned))},
-        **{
-            f"eval/{name}/eos_rate": float(run["ended"].float().mean())
-            for name, run in (("sft", base), ("policy", tuned))
-        },
-        **{f"eval/{name}/length": float(run["lengths"].mean()) for name, run in (("sft", base), ("policy", tuned))},
-        "eval/win_rate": wins.rate,
-        "eval/win_rate_low": wins.low,
-        "eval/win_rate_high": wins.high,
-        "eval/win_rate_n": float(wins.n),
-        "eval/ties": float(wins.ties),
-        "eval/policy/kl": float(tuned["kl"].mean()),
-        "eval/prompts": float(len(prompts)),
+    k = config.samples_per_prompt
+    runs = {
+        "sft": generate_and_score(sft, sft, scorers, tokenizer, prompts, config, settings, runtime, k),
+        "policy": generate_and_score(policy, sft, scorers, tokenizer, prompts, config, settings, runtime, k),
     }
-    samples = [
-        {
-            "prompt": prompts[i][-1]["content"],
-            "sft_response": base["texts"][i],
-            "sft_reward": float(base["scores"][i]),
-            "policy_response": tuned["texts"][i],
-            "policy_reward": float(tuned["scores"][i]),
+    metrics = {"eval/prompts": float(len(prompts)), "eval/samples_per_prompt": float(k)}
+    for scorer in ("proxy", "judge"):
+        wins = win_rate(runs["policy"][scorer], runs["sft"][scorer], config.bootstrap_resamples, config.seed)
+        metrics |= {
+            f"eval/{scorer}/win_rate": wins.rate,
+            f"eval/{scorer}/win_rate_low": wins.low,
+            f"eval/{scorer}/win_rate_high": wins.high,
+            f"eval/{scorer}/decisive": float(wins.n),
+            f"eval/{scorer}/ties": float(wins.ties),
+            **{f"eval/{scorer}/{name}_score": float(runs[name][scorer].mean()) for name in MODELS},
         }
-        for i in range(len(prompts))
-    ]
-    return metrics, samples
+    for name, model in (("sft", sft), ("policy", policy)):
+        texts = runs[name]["texts"]
+        metrics |= {
+            f"eval/{name}/length": float(runs[name]["length"].mean()),
+            f"eval/{name}/eos_rate": float(runs[name]["ended"].float().mean()),
+            f"eval/{name}/distinct_1": distinct_n(texts, 1),
+            f"eval/{name}/distinct_2": distinct_n(texts, 2),
+            f"eval/{name}/refusal_rate": refusal_rate(texts),
+            f"eval/{name}/ptx_perplexity": ptx_perplexity(model, tokenizer, ptx_heldout, config, runtime),
+        }
+    metrics["eval/policy/kl"] = float(runs["policy"]["kl"].mean())
+    return metrics, runs
+
+
+def sample_rows(prompts: list[dict[str, Any]], runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per prompt and sample: the prompt, both responses and their proxy and judge scores.
+
+    Args:
+        prompts: the evaluated prompt rows (``{"id", "prompt"}``), in the order :func:`evaluate_policy` used.
+        runs: its ``runs``.
+    """
+    rows = []
+    k = runs["sft"]["proxy"].shape[1]
+    for i, row in enumerate(prompts):
+        for j in range(k):
+            cell = {"id": row["id"], "sample": j, "messages": row["prompt"], "prompt": row["prompt"][-1]["content"]}
+            for name in MODELS:
+                cell[f"{name}_response"] = runs[name]["texts"][i * k + j]
+                cell[f"{name}_proxy"] = float(runs[name]["proxy"][i, j])
+                cell[f"{name}_judge"] = float(runs[name]["judge"][i, j])
+            rows.append(cell)
+    return rows

@@ -134,25 +134,25 @@ def as_records(checks: list[Check]) -> list[dict[str, Any]]:
 class PolicyCriteria:
     """The bounds of the policy gate (params.yaml ``registry.policy_gate``).
 
-    ``verdict``: whose win rate decides, ``proxy`` (the reward model the policy was trained against; the
-    only one until an independent judge exists). ``min_win_rate_low``: the lower end of the Wilson 95%
-    interval of the win rate over the SFT model (ties left out) must be at least this. ``max_kl``: the
-    policy's KL to the SFT model on the eval prompts, nats per response, at most this. ``min_eos_rate``: the
-    share of the policy's eval responses that end with EOS, at least this.
+    ``verdict``: whose win rate decides, ``judge`` (the independent reward model of ``tasks/judge.py``, which
+    training never reads) or ``proxy`` (the reward model the policy was trained against: circular, it rises when
+    the policy fools it). ``min_win_rate_low``: the lower end of the 95% interval of that win rate over the SFT
+    model (ties left out; bootstrap over prompts, :func:`rlhf.stats.clustered_rate`) must be at least this.
+    With the judge, the judge itself must be better than chance: the lower end of its judge_eval accuracy
+    interval above 0.5, or its verdict means nothing. ``max_kl``: the policy's KL to the SFT model on the
+    eval prompts, nats per response, at most this. ``min_eos_rate``: the share of the policy's eval responses
+    that end with EOS, at least this.
     """
 
-    verdict: str = "proxy"
+    verdict: str = "judge"
     min_win_rate_low: float = 0.5
     max_kl: float = 10.0
     min_eos_rate: float = 0.5
 
     def __post_init__(self) -> None:
         """Raises ValueError on an unknown verdict or a bound out of range (names the key)."""
-        if self.verdict != "proxy":
-            raise ValueError(
-                f"registry.policy_gate.verdict must be proxy (the reward model; an independent judge is not "
-                f"built yet), got {self.verdict!r}"
-            )
+        if self.verdict not in ("judge", "proxy"):
+            raise ValueError(f"registry.policy_gate.verdict must be judge or proxy, got {self.verdict!r}")
         for name in ("min_win_rate_low", "min_eos_rate"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"registry.policy_gate.{name} must be in [0, 1], got {getattr(self, name)}")
@@ -160,32 +160,49 @@ class PolicyCriteria:
             raise ValueError(f"registry.policy_gate.max_kl must be >= 0, got {self.max_kl}")
 
 
+def _number(metrics: dict[str, Any], key: str) -> float:
+    value = metrics.get(key)
+    return float("nan") if value is None else float(value)
+
+
 def policy_gate(evaluation: dict[str, Any], ppo: dict[str, Any], criteria: PolicyCriteria) -> list[Check]:
     """The checks of a trained policy, in a fixed order; it passes when all pass.
 
     Args:
-        evaluation: the evaluate stage's metrics (``eval/win_rate`` over ``eval/win_rate_n`` decisive
-            prompts, ``eval/policy/kl``, ``eval/policy/eos_rate``).
+        evaluation: the evaluate stage's metrics (``eval/<verdict>/win_rate`` with ``_low``,
+            ``eval/<verdict>/decisive``, ``eval/<verdict>/ties``; ``eval/judge/accuracy_low``;
+            ``eval/policy/kl``, ``eval/policy/eos_rate``); None or NaN where undefined.
         ppo: the ppo stage's metrics (``stopped_by``: the collapse that stopped the run, or None;
             ``ppo/last/collapse``).
         criteria: the bounds.
 
     Returns:
-        ``[Check]``: win rate lower bound (Wilson 95%, at least its floor; all ties fail), KL (at most its
-        bound), no collapse, EOS rate (at least its bound).
+        ``[Check]``: with the judge, its own accuracy lower bound (above 0.5); the win rate's lower 95% bound
+        (at least its floor; all ties fail), KL (at most its bound), no collapse, EOS rate (at least its bound).
     """
-    n = int(evaluation.get("eval/win_rate_n") or 0)
-    rate = evaluation.get("eval/win_rate")
-    low = wilson_interval(round(rate * n), n)[0] if n and rate is not None else float("nan")
+    who = criteria.verdict
+    checks = []
+    if who == "judge":
+        low = _number(evaluation, "eval/judge/accuracy_low")
+        checks.append(
+            Check(
+                "the judge is better than chance: judge_eval accuracy, lower 95% bound (Wilson)",
+                low,
+                0.5,
+                low > 0.5,
+                f"accuracy {_fmt(evaluation.get('eval/judge/accuracy'))}; a judge at chance gives meaningless verdicts",
+            )
+        )
     collapsed = bool(ppo.get("stopped_by")) or bool(ppo.get("ppo/last/collapse"))
-    kl = evaluation.get("eval/policy/kl")
-    kl = float("nan") if kl is None else float(kl)
-    return [
+    kl = _number(evaluation, "eval/policy/kl")
+    decisive, ties = evaluation.get(f"eval/{who}/decisive") or 0, evaluation.get(f"eval/{who}/ties") or 0
+    return checks + [
         _at_least(
-            f"win rate over SFT by the {criteria.verdict}, lower 95% bound (Wilson)",
-            low,
+            f"win rate over SFT by the {who}, lower 95% bound (bootstrap over prompts)",
+            _number(evaluation, f"eval/{who}/win_rate_low"),
             criteria.min_win_rate_low,
-            f"win rate {_fmt(rate)} over {n} decisive prompts, {evaluation.get('eval/ties', 0):.0f} ties",
+            f"win rate {_fmt(evaluation.get(f'eval/{who}/win_rate'))} over {decisive:.0f} decisive comparisons, "
+            f"{ties:.0f} ties",
         ),
         Check("KL to the SFT model (nats/response)", kl, criteria.max_kl, kl <= criteria.max_kl),
         Check("no collapse in PPO", 1.0 if collapsed else 0.0, 0.0, not collapsed, str(ppo.get("stopped_by") or "")),

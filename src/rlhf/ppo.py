@@ -19,7 +19,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf import losses
-from rlhf.checkpoint import Checkpointer
+from rlhf.checkpoint import Checkpointer, save_kept_policy
 from rlhf.device import Runtime
 from rlhf.finite import NonFiniteError, ScalerStep, check_finite_weights
 from rlhf.guard import act_on_collapse, detect_collapse, window_signals
@@ -38,6 +38,9 @@ class PPOResult:
     reward_samples: dict[int, list[float]]
     stopped_by: str | None
     best_iteration: int
+    kept: str | None = (
+        None  # folder of the kept policies (``iteration-NNNN``, :func:`rlhf.checkpoint.save_kept_policy`)
+    )
 
 
 @dataclass
@@ -158,7 +161,7 @@ def train_ppo(
         freeze_lower_layers(model, config.trainable_layers)
     opt = make_optimisers(models.policy, models.value_model, config, scaler_step)
     moments = RunningMoments()
-    best_dir = os.path.join(checkpointer.root, "best")
+    best_dir, kept_dir = os.path.join(checkpointer.root, "best"), os.path.join(checkpointer.root, "kept")
     validate = bool(config.validate_every and validation)
     state: dict[str, Any] = {
         "iteration": 0,
@@ -213,6 +216,10 @@ def train_ppo(
             )
         ):
             stats.update(_keep_best(models, tokenizer, validation, settings, runtime, state, best_dir, step))
+        if stats.get("ppo/updated_policy") and _kept_now(state["policy_iterations"], config):
+            n = state["policy_iterations"]
+            meta = {"iteration": n, "lora_rank": config.lora_rank, "lora_alpha": config.lora_alpha}
+            save_kept_policy(models.policy, os.path.join(kept_dir, f"iteration-{n:04d}"), meta)
         log(stats, step)
         state["history"][step] = stats
         bar.update(int(stats.get("ppo/updated_policy", 0.0)))
@@ -234,7 +241,15 @@ def train_ppo(
         reward_samples=state["reward_samples"],
         stopped_by=state["stopped_by"],
         best_iteration=shipped["iteration"],
+        kept=kept_dir if os.path.isdir(kept_dir) else None,
     )
+
+
+def _kept_now(policy_iterations: int, config: PPOConfig) -> bool:
+    """Whether the policy after ``policy_iterations`` updates is kept (every ``keep_every``, and the last)."""
+    if not config.keep_every:
+        return False
+    return policy_iterations % config.keep_every == 0 or policy_iterations == config.iterations
 
 
 def _iteration(models, tokenizer, prompts, ptx_texts, config, settings, runtime, opt, moments, state, best_dir, say):

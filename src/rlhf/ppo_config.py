@@ -87,6 +87,7 @@ class PPOConfig:
     max_rollbacks: int = 2  # after this many rollbacks a further collapse stops the run
     validate_every: int = 4
     validation_prompts: int = 8
+    keep_every: int = 0  # policy iterations between kept policies (and the last): evaluate's over-optimisation curve
     checkpoint_every: int = 1
     trainable_layers: int | None = None  # train only the top N blocks of policy and value model (CPU budget); None: all
     # LoRA policy (rlhf.lora): adapters of this rank on every linear layer of the policy's blocks, whose reference is

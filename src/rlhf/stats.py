@@ -150,3 +150,60 @@ def chance_warning(name: str, rate: float | None, low: float | None, high: float
     if high < chance:
         return f"{name} {rate:.2f} [{low:.2f}, {high:.2f}] is below chance ({chance})"
     return ""
+
+
+def clustered_rate(first: Any, second: Any, resamples: int = 2000, seed: int = 0, what: str = "prompts") -> PairedRate:
+    """The win rate of ``first`` over ``second`` when several comparisons share a prompt, with a 95% interval.
+
+    Comparisons of one prompt are correlated (the same question is easy or hard for both models), so the
+    interval comes from a bootstrap over prompts (Efron & Tibshirani 1993, ch. 13, percentile method, resampling
+    whole rows of ``first``/``second``; ``scipy.stats.bootstrap``): each resample draws P prompts with
+    replacement and computes ``sum(wins) / sum(decisive)`` over their comparisons. Ties follow the product's rule
+    (:func:`paired_rate`: out of the rate and of ``n``, counted in ``ties``, a :class:`TiesWarning`). A
+    percentile bootstrap is too narrow with few decisive comparisons (5 wins of 5 resample to [1, 1]), so the
+    interval reported is the wider of it and the Wilson interval of the decisive comparisons counted as if
+    independent (:func:`wilson_interval`): neither bound is ever more optimistic than Wilson's.
+
+    Args:
+        first, second: ``(P, K)`` float scores (torch tensors or NumPy arrays): K comparisons on each of P prompts.
+        resamples: bootstrap resamples.
+        seed: of the resampling (the interval is reproducible).
+        what: what a row is, for the tie warning.
+
+    Returns:
+        :class:`PairedRate` over all ``P * K`` comparisons (``wins``, ``n`` decisive, ``ties``); ``rate``,
+        ``low``, ``high`` NaN when no comparison is decisive.
+
+    Raises:
+        ValueError: the shapes differ or are not 2-D, or a score is NaN.
+    """
+    import numpy as np
+    from scipy.stats import bootstrap
+
+    a, b = np.asarray(first, dtype=np.float64), np.asarray(second, dtype=np.float64)
+    if a.shape != b.shape or a.ndim != 2:
+        raise ValueError(f"clustered_rate needs two (P, K) score arrays, got {a.shape} and {b.shape}")
+    flat = paired_rate(a.reshape(-1), b.reshape(-1), what=f"comparisons over {a.shape[0]} {what}")
+    if flat.n == 0:
+        return flat
+    wins, decisive = (a > b).sum(axis=1).astype(float), (a != b).sum(axis=1).astype(float)
+    if a.shape[0] < 2 or np.all(wins == wins[0]) and np.all(decisive == decisive[0]):
+        return flat  # nothing to resample: every prompt alike (the bootstrap is degenerate)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a resample without a decisive comparison is NaN, dropped
+        result = bootstrap(
+            (wins, decisive),
+            lambda w, d, axis=-1: np.sum(w, axis=axis) / np.sum(d, axis=axis),
+            paired=True,
+            vectorized=True,
+            n_resamples=resamples,
+            method="percentile",
+            rng=np.random.default_rng(seed),
+        )
+    low, high = float(result.confidence_interval.low), float(result.confidence_interval.high)
+    if not (math.isfinite(low) and math.isfinite(high)):  # NaN resamples: percentiles over the finite ones
+        values = result.bootstrap_distribution[np.isfinite(result.bootstrap_distribution)]
+        low, high = float(np.percentile(values, 2.5)), float(np.percentile(values, 97.5))
+    return PairedRate(
+        rate=flat.rate, low=min(low, flat.low), high=max(high, flat.high), wins=flat.wins, n=flat.n, ties=flat.ties
+    )

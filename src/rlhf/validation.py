@@ -33,7 +33,7 @@ from rlhf.formats import RowError
 
 ROLE_MARKER = re.compile(r"(?:^|\s)(?:Human|Assistant|User|System):")
 """A speaker tag inside a response or a ptx message, at a line start or mid-line ("... Human: what? Assistant: ...")."""
-PAIR_SPLITS = ("sft", "rm_train", "rm_eval")
+PAIR_SPLITS = ("sft", "rm_train", "rm_eval", "judge_train", "judge_eval")
 PROMPT_SPLITS = ("ppo_prompts", "eval_prompts")
 PTX_SPLITS = ("ptx_text", "ptx_heldout")
 KINDS = ("pairs", "prompts", "ptx")

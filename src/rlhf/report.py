@@ -1,0 +1,421 @@
+"""The report of one pipeline run: one self-contained HTML page built from the files the stages wrote.
+
+Pure: :func:`render_report` takes the inputs already loaded (:data:`INPUTS` names them; ``tasks/report.py``
+reads them and draws the figures) and the figures as PNG bytes, and returns the page: inline CSS, figures as
+``data:image/png;base64`` images, no script and no external address, so it opens offline from a file or as an
+MLflow artifact. Text from the files (model responses above all) is escaped by Jinja2's autoescape: it never
+becomes markup. A missing input makes its part of the page say so; a missing or non-finite value shows as n/a.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+from typing import Any
+
+import jinja2
+
+from rlhf.stats import chance_warning
+
+INPUTS = {  # name -> path relative to the project root
+    "prepare": "metrics/prepare.json", "validate": "metrics/validate.json", "validation": "reports/validation.json",
+    "sft": "metrics/sft.json", "reward": "metrics/reward.json", "margins": "reports/reward_margins.png",
+    "reward_gate": "reports/reward_gate.json", "judge": "metrics/judge.json",
+    "judge_margins": "reports/judge_margins.png", "ppo": "metrics/ppo.json",
+    "curves": "metrics/ppo_curves.json", "overoptimisation": "metrics/overoptimisation.json",
+    "eval": "metrics/eval.json", "samples": "reports/eval/samples.json", "policy_gate": "reports/policy_gate.json",
+}  # fmt: skip
+LISTS = ("curves", "overoptimisation")  # JSON lists of row objects
+IMAGES = ("margins", "judge_margins")  # PNG bytes; the other inputs are JSON objects
+PPO_FIGURES = (  # figure name, title, ((key in metrics/ppo_curves.json, legend label), ...)
+    ("ppo_reward", "reward-model score",
+     (("ppo/reward/mean", "rollouts (mean)"), ("ppo/validation/reward", "validation"))),
+    ("ppo_kl", "KL to the SFT model (nats / response)", (("ppo/kl", "rollouts"),)),
+    ("ppo_perplexity", "perplexity of responses", (("ppo/perplexity", "rollouts"),)),
+    ("ppo_length", "response length (tokens)", (("ppo/response_length", "rollouts"),)),
+    ("ppo_clipfrac", "clip fractions", (("ppo/policy/clipfrac", "policy"), ("ppo/value/clipfrac", "value"))),
+)  # fmt: skip
+OVEROPTIMISATION = "overoptimisation"  # the figure of proxy and judge mean scores against sqrt(KL)
+HEADLINE = (  # (input, metric): the figures the parent MLflow run carries
+    ("reward", "rm/accuracy"), ("reward", "rm/accuracy_low"), ("judge", "judge/accuracy"),
+    ("eval", "eval/judge/win_rate"), ("eval", "eval/judge/win_rate_low"), ("eval", "eval/judge/win_rate_high"),
+    ("eval", "eval/proxy/win_rate"), ("eval", "eval/proxy/win_rate_low"), ("eval", "eval/proxy/win_rate_high"),
+    ("eval", "eval/policy/kl"), ("eval", "eval/judge/meaningful"),
+)  # fmt: skip
+# the tables of one value per measure: (label, key ("{p}": the file's prefix), "count" | "interval" | "")
+SFT_ROWS = (("examples", "sft/examples", "count"), ("steps", "sft/steps", "count"),
+            ("loss, first step", "sft/loss_first", ""), ("loss, last step", "sft/loss_last", ""))  # fmt: skip
+ACCURACY_ROWS = (
+    ("accuracy on held-out pairs [95% Wilson]", "{p}/accuracy", "interval"), ("decisive pairs", "{p}/pairs", "count"),
+    ("ties", "{p}/ties", "count"), ("calibration error (ECE)", "{p}/ece", ""),
+    ("accuracy, chosen response shorter", "{p}/accuracy_chosen_shorter", ""),
+    ("pairs, chosen response shorter", "{p}/pairs_chosen_shorter", "count"),
+    ("accuracy, chosen response longer", "{p}/accuracy_chosen_longer", ""),
+    ("pairs, chosen response longer", "{p}/pairs_chosen_longer", "count"),
+    ("correlation of score with length", "{p}/length_corr", ""), ("mean margin (chosen - rejected)", "{p}/margin", ""),
+    ("share of pairs where an empty response beats the chosen one", "{p}/empty_beats_chosen", ""),
+)  # fmt: skip
+PPO_ROWS = (
+    ("iterations", "ppo/iterations", "count"), ("iterations that updated the policy", "ppo/policy_iterations", "count"),
+    ("shipped iteration", "ppo/shipped_iteration", "count"), ("rollbacks", "ppo/rollbacks", "count"),
+    ("validation reward (shipped)", "ppo/validation/reward", ""), ("validation KL (shipped)", "ppo/validation/kl", ""),
+    ("validation EOS rate (shipped)", "ppo/validation/eos_rate", ""), ("KL, last iteration", "ppo/last/kl", ""),
+)  # fmt: skip
+RESPONSE_ROWS = (("length (tokens)", "length"), ("EOS rate", "eos_rate"), ("distinct-1", "distinct_1"),
+                 ("distinct-2", "distinct_2"), ("refusal rate", "refusal_rate"),
+                 ("ptx perplexity", "ptx_perplexity"))  # fmt: skip
+JUDGE_AT_CHANCE = "the judge is at chance: its win rates below mean nothing"
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+NA = "n/a"
+
+
+def number(value: Any) -> float | None:
+    """``value`` as a finite float; None for None, NaN, infinities, booleans and anything not a number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def fmt(value: Any, digits: int = 3) -> str:
+    """A value for the page: a number with ``digits`` decimals, text as it is, n/a for None or non-finite."""
+    if isinstance(value, str):
+        return value
+    found = number(value)
+    return NA if found is None else f"{found:.{digits}f}"
+
+
+def fmt_count(value: Any) -> str:
+    """A count (rows, pairs, prompts) without decimals; n/a when absent."""
+    found = number(value)
+    return NA if found is None else f"{found:.0f}"
+
+
+def fmt_interval(values: dict[str, Any], key: str) -> str:
+    """``values[key]`` with its 95% interval from ``<key>_low``/``<key>_high``: ``0.589 [0.521, 0.653]``."""
+    rate, low, high = (values.get(k) for k in (key, f"{key}_low", f"{key}_high"))
+    if number(rate) is None:
+        return NA
+    return f"{fmt(rate)} [{fmt(low)}, {fmt(high)}]"
+
+
+def data_uri(png: bytes) -> str:
+    """PNG bytes as a ``data:image/png;base64,...`` address.
+
+    Raises:
+        ValueError: ``png`` is not a PNG file (wrong signature).
+    """
+    if not png.startswith(PNG_SIGNATURE):
+        raise ValueError("not a PNG image (its first bytes are not the PNG signature)")
+    return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
+
+
+def check_inputs(loaded: dict[str, Any]) -> None:
+    """Check that each loaded input has the shape its file should hold (None: the file is missing).
+
+    Raises:
+        ValueError: one line naming the file and what it should hold, e.g. ``metrics/ppo_curves.json: expected
+            a list of objects, found dict``.
+    """
+    for name, value in loaded.items():
+        path = INPUTS[name]
+        if value is None:
+            continue
+        if name in IMAGES:
+            ok, what = isinstance(value, bytes) and value.startswith(PNG_SIGNATURE), "a PNG image"
+        elif name in LISTS:
+            ok, what = isinstance(value, list) and all(isinstance(r, dict) for r in value), "a list of objects"
+        elif name == "samples":
+            rows = value.get("samples") if isinstance(value, dict) else None
+            ok = isinstance(rows, list) and all(isinstance(r, dict) for r in rows)
+            what = 'an object with a "samples" list of objects'
+        else:
+            ok, what = isinstance(value, dict), "a JSON object"
+        if not ok:
+            found = "other bytes" if isinstance(value, bytes) else type(value).__name__
+            raise ValueError(f"{path}: expected {what}, found {found}")
+
+
+def headline(loaded: dict[str, Any]) -> dict[str, float]:
+    """The headline figures of :data:`HEADLINE` present in ``loaded`` (a missing file, None or NaN is left out).
+
+    Returns:
+        e.g. ``{"rm/accuracy": 0.59, "rm/accuracy_low": 0.52, "eval/judge/win_rate": 0.61, ...}``.
+    """
+    found = {key: number((loaded.get(name) or {}).get(key)) for name, key in HEADLINE}
+    return {key: value for key, value in found.items() if value is not None}
+
+
+def _missing(loaded: dict[str, Any], *names: str) -> list[str]:
+    return [f"not produced by this run ({INPUTS[n]} missing)" for n in names if loaded.get(n) is None]
+
+
+def _section(sid: str, title: str, loaded: dict[str, Any], *names: str) -> dict[str, Any]:
+    missing = _missing(loaded, *names)
+    return dict(id=sid, title=title, missing=missing, warnings=[], notes=[], tables=[], figures=[], samples=[])
+
+
+def _table(caption: str, headers: list[str], rows: list[list[str]], classes: list[str] | None = None) -> dict:
+    cells = [{"cells": r, "cls": c} for r, c in zip(rows, classes or [""] * len(rows), strict=True)]
+    return {"caption": caption, "headers": headers, "rows": cells}
+
+
+def _values(caption: str, m: dict[str, Any], spec: tuple, prefix: str = "") -> dict:
+    """A two-column table of ``spec`` rows (label, key, kind) read from metrics ``m``."""
+    rows = []
+    for label, key, kind in spec:
+        key = key.format(p=prefix)
+        rows.append(
+            [label, {"count": fmt_count(m.get(key)), "interval": fmt_interval(m, key)}.get(kind, fmt(m.get(key)))]
+        )
+    return _table(caption, ["measure", "value"], rows)
+
+
+def _gate(section: dict[str, Any], report: dict[str, Any] | None, what: str) -> None:
+    """The decision (a warning unless it passed) and the checks of a gate report (reports/*_gate.json)."""
+    if report is None:
+        return
+    candidate, decision = report.get("candidate") or {}, str(report.get("decision", NA))
+    line = (f"{what}: {decision} (candidate {candidate.get('name', '?')} version {candidate.get('version', '?')}, "
+            f"decided {report.get('decided', NA)} at {report.get('decided_at', NA)})")  # fmt: skip
+    (section["notes"] if decision == "pass" else section["warnings"]).append(line)
+    checks = report.get("checks") or []
+    rows = [[str(c.get("criterion", "")), fmt(c.get("value")), fmt(c.get("bound")),
+             "passed" if c.get("passed") else "FAILED", str(c.get("detail", ""))] for c in checks]  # fmt: skip
+    classes = ["" if c.get("passed") else "fail" for c in checks]
+    headers = ["criterion", "value", "bound", "result", "detail"]
+    section["tables"].append(_table(f"{what} checks", headers, rows, classes))
+
+
+def data_section(loaded: dict[str, Any]) -> dict[str, Any]:
+    """Rows per split (prepare, then validate) and the count of rows each validation rule quarantined."""
+    section = _section("data", "Data and validation", loaded, "prepare", "validation", "validate")
+    prepare, validation, v = (loaded.get(n) or {} for n in ("prepare", "validation", "validate"))
+    if loaded.get("prepare") is not None:
+        section["notes"].append(f"prepare: {fmt_count(prepare.get('rows_in'))} rows read, "
+                                f"{fmt_count(prepare.get('quarantined'))} quarantined")  # fmt: skip
+    if loaded.get("validate") is not None:
+        section["notes"].append(f"validate: {fmt_count(v.get('validate/rows_in'))} rows checked, "
+                                f"{fmt_count(v.get('validate/valid'))} valid, "
+                                f"{fmt_count(v.get('validate/quarantined'))} quarantined")  # fmt: skip
+    if loaded.get("validation") is not None:
+        section["notes"].append(
+            f"validation {'passed' if validation.get('success') else 'FAILED'}; at most "
+            f"{fmt(validation.get('max_quarantine_fraction'), 2)} of a split may be quarantined; control tokens: "
+            f"{validation.get('control_tokens', NA)}, role markers: {validation.get('role_markers', NA)}"
+        )
+    splits = {name: split for name, split in (validation.get("splits") or {}).items() if isinstance(split, dict)}
+    names = sorted({k.split("/", 1)[1] for k in prepare if k.startswith("split/")} | set(splits))
+    if names:
+        counts = ("rows_in", "valid", "quarantined")
+        rows = [[n, fmt_count(prepare.get(f"split/{n}")), *(fmt_count(splits.get(n, {}).get(k)) for k in counts)]
+                for n in names]  # fmt: skip
+        headers = ["split", "prepared rows", "validated rows in", "valid", "quarantined"]
+        section["tables"].append(_table("Rows per split", headers, rows))
+    checked = {n: s.get("rules") or {} for n, s in sorted(splits.items())}
+    rules = sorted({rule for found in checked.values() for rule in found})
+    if rules:
+        rows = [[rule, *(fmt_count(found[rule]) if rule in found else "-" for found in checked.values())]
+                for rule in rules]  # fmt: skip
+        classes = ["fail" if any(number(found.get(r)) for found in checked.values()) else "" for r in rules]
+        caption = "Rows quarantined per rule ('-': the split is not checked by it)"
+        section["tables"].append(_table(caption, ["rule", *checked], rows, classes))
+    return section
+
+
+def sft_section(loaded: dict[str, Any]) -> dict[str, Any]:
+    """The SFT run's size and loss."""
+    section = _section("sft", "Supervised fine-tuning", loaded, "sft")
+    if loaded.get("sft") is not None:
+        section["tables"].append(_values("SFT", loaded["sft"], SFT_ROWS))
+    return section
+
+
+def reward_section(loaded: dict[str, Any]) -> dict[str, Any]:
+    """Reward-model metrics with the Wilson interval, ECE and length bias, the gate and the margin histogram."""
+    section = _section("reward-model", "Reward model (proxy)", loaded, "reward", "reward_gate", "margins")
+    rm = loaded.get("reward")
+    if rm is not None:
+        warning = chance_warning("rm_eval accuracy", *(rm.get(f"rm/accuracy{s}") for s in ("", "_low", "_high")))
+        section["warnings"] += [warning] if warning else []
+        section["tables"].append(_values("Reward model on rm_eval", rm, ACCURACY_ROWS, "rm"))
+    _gate(section, loaded.get("reward_gate"), "reward gate")
+    if loaded.get("margins") is not None:
+        section["figures"].append(_figure("margins (chosen - rejected) on rm_eval", loaded["margins"]))
+    return section
+
+
+def judge_warning(m: dict[str, Any], prefix: str = "judge/") -> str:
+    """The loud line when the judge's accuracy interval includes 0.5 (or is undefined, or lies below); else ``""``."""
+    detail = chance_warning("judge accuracy", *(m.get(f"{prefix}accuracy{s}") for s in ("", "_low", "_high")))
+    if not detail:
+        return ""
+    head = "the judge ranks backwards" if "below chance" in detail else "the judge is at chance"
+    return f"{JUDGE_AT_CHANCE.replace('the judge is at chance', head)} ({detail})"
+
+
+def judge_section(loaded: dict[str, Any]) -> dict[str, Any]:
+    """The independent judge's own held-out accuracy, with the warning when it is no better than chance."""
+    section = _section("judge", "Judge (independent reward model)", loaded, "judge", "judge_margins")
+    judge = loaded.get("judge")
+    if judge is not None:
+        section["warnings"] += [judge_warning(judge)] if judge_warning(judge) else []
+        section["tables"].append(_values("Judge on its held-out pairs", judge, ACCURACY_ROWS, "judge"))
+    if loaded.get("judge_margins") is not None:
+        section["figures"].append(_figure("margins (chosen - rejected) on judge_eval", loaded["judge_margins"]))
+    return section
+
+
+def _figure(title: str, png: bytes | None) -> dict[str, str] | None:
+    return None if png is None else {"title": title, "uri": data_uri(png)}
+
+
+def ppo_section(loaded: dict[str, Any], figures: dict[str, bytes | None]) -> dict[str, Any]:
+    """PPO's run summary, its curves and the over-optimisation figure (proxy and judge against sqrt(KL))."""
+    section = _section("ppo", "PPO", loaded, "ppo", "curves", "overoptimisation")
+    if loaded.get("ppo") is not None:
+        section["tables"].append(_values("PPO run", loaded["ppo"], PPO_ROWS))
+        section["notes"].append(f"stopped by: {loaded['ppo'].get('stopped_by') or '-'}")
+    names = [(n, t) for n, t, _ in PPO_FIGURES] if loaded.get("curves") is not None else []
+    if loaded.get("overoptimisation") is not None:
+        names.append((OVEROPTIMISATION, "over-optimisation: proxy and judge mean scores against sqrt(KL to SFT)"))
+    for name, title in names:
+        found = _figure(title, figures.get(name))
+        section["figures"] += [found] if found else []
+        section["notes"] += [] if found else [f"{title}: no values to draw"]
+    return section
+
+
+def eval_section(loaded: dict[str, Any]) -> dict[str, Any]:
+    """Win rates with their intervals (judge rows marked when the judge is at chance) and the policy gate."""
+    section = _section("evaluation", "Evaluation: policy against SFT", loaded, "eval", "policy_gate")
+    ev = loaded.get("eval")
+    if ev is not None:
+        meaningless = number(ev.get("eval/judge/meaningful")) == 0.0
+        if meaningless:
+            section["warnings"].append(f"{JUDGE_AT_CHANCE} (judge accuracy {fmt_interval(ev, 'eval/judge/accuracy')})")
+        section["notes"].append(f"{fmt_count(ev.get('eval/prompts'))} prompts, "
+                                f"{fmt_count(ev.get('eval/samples_per_prompt'))} samples per prompt; judge accuracy "
+                                f"{fmt_interval(ev, 'eval/judge/accuracy')}; reward model version "
+                                f"{fmt_count(ev.get('eval/reward_model_version'))}")  # fmt: skip
+        rows = [[scorer, fmt_interval(ev, f"eval/{scorer}/win_rate"), fmt_count(ev.get(f"eval/{scorer}/decisive")),
+                 fmt_count(ev.get(f"eval/{scorer}/ties")), fmt(ev.get(f"eval/{scorer}/sft_score")),
+                 fmt(ev.get(f"eval/{scorer}/policy_score")),
+                 "not meaningful" if scorer == "judge" and meaningless else ""]
+                for scorer in ("proxy", "judge")]  # fmt: skip
+        classes = ["", "muted" if meaningless else ""]
+        headers = ["scorer", "win rate [95%]", "decisive", "ties", "SFT mean score", "policy mean score", "note"]
+        section["tables"].append(_table("Win rate of the policy over SFT (ties apart)", headers, rows, classes))
+        rows = [["KL to SFT (nats / response)", "-", fmt(ev.get("eval/policy/kl"))]]
+        rows += [
+            [label, fmt(ev.get(f"eval/sft/{key}")), fmt(ev.get(f"eval/policy/{key}"))] for label, key in RESPONSE_ROWS
+        ]
+        section["tables"].append(_table("Responses", ["measure", "SFT", "policy"], rows))
+    _gate(section, loaded.get("policy_gate"), "policy gate")
+    return section
+
+
+def samples_section(loaded: dict[str, Any], limit: int) -> dict[str, Any]:
+    """The first ``limit`` rows of reports/eval/samples.json: prompt, SFT and policy responses with their scores."""
+    section = _section("samples", "Samples", loaded, "samples")
+    found = loaded.get("samples")
+    if found is not None:
+        rows = found["samples"]
+        shown = f"the first {min(limit, len(rows))} of {len(rows)} samples"
+        section["notes"].append(f"{shown} (evaluate run {found.get('run_id', NA)})")
+        for row in rows[:limit]:
+            earlier = max(len(row.get("messages") or []) - 1, 0)
+            sides = [{"text": str(row.get(f"{m}_response", "")),
+                      "scores": f"proxy {fmt(row.get(f'{m}_proxy'))}, judge {fmt(row.get(f'{m}_judge'))}"}
+                     for m in ("sft", "policy")]  # fmt: skip
+            name = f"{row.get('id', '?')} #{row.get('sample', 0)}" + (f" (+{earlier} earlier turns)" if earlier else "")
+            section["samples"].append({"id": name, "prompt": str(row.get("prompt", "")), "sides": sides})
+    return section
+
+
+TEMPLATE = """<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
+<title>RLHF pipeline report {{ pipeline_run }}</title>
+<style>
+body{font-family:system-ui,sans-serif;margin:1.5em auto;max-width:1200px;padding:0 1em;color:#222}
+h2{border-bottom:2px solid #ccc;padding-top:.6em}table{border-collapse:collapse;margin:.6em 0}
+td,th{border:1px solid #ccc;padding:.25em .6em;text-align:left;vertical-align:top}
+caption{font-weight:bold;text-align:left}tr.fail td{background:#fde2e2}
+tr.muted td{color:#888;text-decoration:line-through}tr.muted td:last-child{text-decoration:none}
+p.warning{background:#fff3cd;border-left:6px solid #d9534f;padding:.5em;font-weight:bold}
+p.missing{color:#a00;font-style:italic}figure{display:inline-block;margin:.5em}img{max-width:560px}
+nav a{margin-right:1em}pre{white-space:pre-wrap;word-break:break-word;margin:0;font-size:.9em}
+table.samples td{width:33%}.scores{color:#555;font-size:.85em}
+</style></head><body>
+<h1>RLHF pipeline report</h1>
+<table><tbody>
+{% for key, value in header_rows %}<tr><th>{{ key }}</th><td>{{ value }}</td></tr>{% endfor %}</tbody></table>
+<table><caption>Headline</caption><tbody>
+{% for key, value in headline_rows %}<tr><th>{{ key }}</th><td>{{ value }}</td></tr>{% endfor %}</tbody></table>
+<nav>{% for s in sections %}<a href="#{{ s.id }}">{{ s.title }}</a>{% endfor %}</nav>
+{% for s in sections %}<section>
+<h2 id="{{ s.id }}">{{ s.title }}</h2>
+{% for line in s.missing %}<p class="missing">{{ line }}</p>
+{% endfor %}{% for line in s.warnings %}<p class="warning">{{ line }}</p>
+{% endfor %}{% for line in s.notes %}<p>{{ line }}</p>
+{% endfor %}{% for t in s.tables %}<table><caption>{{ t.caption }}</caption>
+<thead><tr>{% for h in t.headers %}<th>{{ h }}</th>{% endfor %}</tr></thead><tbody>
+{% for r in t.rows %}<tr{% if r.cls %} class="{{ r.cls }}"{% endif %}>
+{% for c in r.cells %}<td>{{ c }}</td>{% endfor %}</tr>
+{% endfor %}</tbody></table>
+{% endfor %}{% for f in s.figures %}<figure><img src="{{ f.uri }}" alt="{{ f.title }}">
+<figcaption>{{ f.title }}</figcaption></figure>
+{% endfor %}{% if s.samples %}<table class="samples">
+<thead><tr><th>prompt</th><th>SFT</th><th>policy</th></tr></thead><tbody>
+{% for row in s.samples %}<tr><td><div class="scores">{{ row.id }}</div><pre>{{ row.prompt }}</pre></td>
+{% for side in row.sides %}<td><pre>{{ side.text }}</pre><div class="scores">{{ side.scores }}</div></td>
+{% endfor %}</tr>
+{% endfor %}</tbody></table>{% endif %}
+</section>
+{% endfor %}</body></html>
+"""
+_TEMPLATE = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined).from_string(TEMPLATE)
+
+
+def render_report(
+    loaded: dict[str, Any],
+    figures: dict[str, bytes | None],
+    *,
+    pipeline_run: str,
+    git_commit: str,
+    profile: str,
+    created: str,
+    samples: int = 8,
+) -> str:
+    """The report page.
+
+    Args:
+        loaded: input name of :data:`INPUTS` -> its content (JSON as loaded; ``margins``: the PNG's bytes), None
+            (or absent) when the file is missing.
+        figures: :data:`PPO_FIGURES` names and :data:`OVEROPTIMISATION` -> PNG bytes, None when the file
+            holds no value to draw.
+        pipeline_run, git_commit, profile, created: the header (``created``: the time, as text).
+        samples: how many rows of reports/eval/samples.json to show.
+
+    Raises:
+        ValueError: an input of the wrong shape (:func:`check_inputs`) or a figure that is not a PNG.
+    """
+    loaded = {name: loaded.get(name) for name in INPUTS}
+    check_inputs(loaded)
+    ev, meaningful = loaded.get("eval") or {}, number((loaded.get("eval") or {}).get("eval/judge/meaningful"))
+    judge_note = " (not meaningful: the judge is at chance)" if meaningful == 0.0 else ""
+    headline_rows = [
+        ("reward-model accuracy [95%]", fmt_interval(loaded.get("reward") or {}, "rm/accuracy")),
+        ("judge accuracy [95%]", fmt_interval(loaded.get("judge") or {}, "judge/accuracy")),
+        ("judge win rate of the policy [95%]", fmt_interval(ev, "eval/judge/win_rate") + judge_note),
+        ("proxy win rate of the policy [95%]", fmt_interval(ev, "eval/proxy/win_rate")),
+        ("KL of the policy to SFT (nats / response)", fmt(ev.get("eval/policy/kl"))),
+        ("reward gate", str((loaded.get("reward_gate") or {}).get("decision", NA))),
+        ("policy gate", str((loaded.get("policy_gate") or {}).get("decision", NA))),
+    ]
+    header_rows = [("pipeline run", pipeline_run), ("git commit", git_commit), ("profile", profile),
+                   ("created", created)]  # fmt: skip
+    sections = [data_section(loaded), sft_section(loaded), reward_section(loaded), judge_section(loaded),
+                ppo_section(loaded, figures), eval_section(loaded), samples_section(loaded, samples)]  # fmt: skip
+    return _TEMPLATE.render(
+        pipeline_run=pipeline_run, header_rows=header_rows, headline_rows=headline_rows, sections=sections
+    )

@@ -1,0 +1,82 @@
+"""Stage judge: an independent reward model for evaluation only, trained on its own split (judge_train).
+
+The judge scores the policy against the SFT model in evaluate, beside the reward model PPO optimised
+(the proxy): a win rate judged by the proxy rises exactly when the policy learns to fool it (reward
+hacking, Gao et al. 2023). So no conversation of judge_train or judge_eval reaches the RM, PPO or eval
+splits (``rlhf.data.assign_split``), the judge has its own seed and may start from another backbone
+(``judge.source``), and nothing in training reads it: ppo does not depend on this stage.
+
+Writes ``models/judge/``, ``metrics/judge.json`` (the ``judge/`` figures of
+:func:`rlhf.reward.preference_metrics` on judge_eval) and ``reports/judge_margins.png`` together, after
+everything that can fail: a failed or stopped run leaves the previous ones as they were.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from typing import Any
+
+from tasks import reward
+from tasks.common import cli
+from tasks.outputs import StagedOutputs, write_metrics
+from tasks.params import stage_params
+from tasks.runs import StageRun
+
+TRAIN, EVAL, BASE = "data/validated/judge_train.jsonl", "data/validated/judge_eval.jsonl", "models/base"
+OUT_DIR, FIGURE, METRICS = "models/judge", "reports/judge_margins.png", "metrics/judge.json"
+
+
+def judge_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """The reward trainer's ``rm/`` figures renamed ``judge/`` (the judge is measured on judge_eval, not rm_eval)."""
+    return {("judge/" + key.removeprefix("rm/") if key.startswith("rm/") else key): v for key, v in metrics.items()}
+
+
+def run(params: dict[str, Any], log, outputs: StagedOutputs, device: dict[str, Any] | None = None):
+    """Train the judge as the reward stage trains the reward model, from ``judge.source`` (null: models/base).
+
+    Returns:
+        ``(metrics with judge/ names, margin histogram figure)``.
+
+    Raises:
+        FloatingPointError: training diverged or the judge's scores are not finite.
+        FileNotFoundError: ``judge.source`` cannot be loaded.
+    """
+    source, knobs = params.get("source"), {k: v for k, v in params.items() if k != "source"}
+    if source is None:
+        metrics, figure = reward.run(knobs, log, outputs, device, (TRAIN, EVAL), BASE, OUT_DIR, "judge")
+        return judge_metrics(metrics), figure
+    from tasks.base_model import save_source
+
+    with tempfile.TemporaryDirectory(dir=".") as backbone:  # the other backbone as a safetensors folder
+        save_source(source, backbone, key="judge.source")
+        metrics, figure = reward.run(knobs, log, outputs, device, (TRAIN, EVAL), backbone, OUT_DIR, "judge")
+    return judge_metrics(metrics), figure
+
+
+def summary_lines(metrics: dict[str, float]) -> list[str]:
+    """The reward stage's summary (:func:`tasks.reward.summary_lines`) of the judge's ``judge/`` figures."""
+    as_rm = {("rm/" + k.removeprefix("judge/") if k.startswith("judge/") else k): v for k, v in metrics.items()}
+    lines = reward.summary_lines(as_rm)
+    return [
+        line.replace("[reward]", "[judge]").replace("rm_eval", "judge_eval").replace("the reward model", "the judge")
+        for line in lines
+    ]
+
+
+def main() -> None:
+    """DVC stage command."""
+    import mlflow
+
+    params, device = stage_params("judge"), stage_params("device")
+    with StageRun("judge", {**params, "device": device}) as stage, StagedOutputs() as outputs:
+        metrics, figure = run(params, stage.log, outputs, device)
+        stage.log(metrics, int(metrics["judge/steps"]))
+        figure.savefig(outputs.file(FIGURE), dpi=100)
+        mlflow.log_figure(figure, "judge_margins.png")
+        write_metrics(outputs.file(METRICS), metrics, stage)
+    for line in summary_lines(metrics):
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    cli(main)

@@ -1,0 +1,131 @@
+"""Evaluation beyond the proxy: the judge's scoring, the alignment tax's figures and the kept policies, by hand."""
+
+import math
+
+import pytest
+import torch
+
+from rlhf.chat import encode_chat
+from rlhf.checkpoint import load_kept_policy, save_kept_policy
+from rlhf.device import Runtime
+from rlhf.evaluation import EvalConfig, Scorers, evaluate_policy, judge_scores, ptx_perplexity, sample_rows
+from rlhf.lora import add_lora
+from rlhf.models import load_causal_lm, load_scalar_model
+from rlhf.reward import score_sequences
+from rlhf.rollout import GenerationSettings
+from rlhf.text_stats import distinct_n, is_refusal, refusal_rate
+from rlhf.training import freeze_lower_layers
+from tasks.evaluate import judge_figures
+
+CPU = Runtime(torch.device("cpu"), "no")
+PROMPTS = [[{"role": "user", "content": "How do I bake bread?"}], [{"role": "user", "content": "Is it safe?"}]]
+
+
+def test_distinct_n_by_hand():
+    # tokens: the cat sat . | the cat ran -> unigrams 7, distinct {the, cat, sat, ., ran} = 5
+    # bigrams: (the cat) (cat sat) (sat .) (the cat) (cat ran) -> 5, distinct 4
+    texts = ["The cat sat.", "the cat ran"]
+    assert distinct_n(texts, 1) == pytest.approx(5 / 7) and distinct_n(texts, 2) == pytest.approx(4 / 5)
+    assert math.isnan(distinct_n(["one"], 2))
+    with pytest.raises(ValueError, match="n >= 1"):
+        distinct_n(texts, 0)
+
+
+def test_refusals_by_their_words():
+    refusals = ["I'm sorry, but I can't help with that.", "I cannot do that.", "As an AI, I won't.", "I cant say"]
+    answers = ["Sure! Mix flour and water.", "Sorry to hear that; here is what helps.", "I can help with that."]
+    assert all(map(is_refusal, refusals)) and not any(map(is_refusal, answers))
+    assert refusal_rate(refusals + answers) == pytest.approx(4 / 7) and math.isnan(refusal_rate([]))
+
+
+def test_ptx_perplexity_of_a_uniform_model_is_the_vocabulary_size(tiny_dir, tokenizer):
+    # zero output weights: every logit 0, every next token has probability 1 / V, so the perplexity is V
+    model = load_causal_lm(tiny_dir)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.zero_()
+    rows = [{"text": "Bread needs flour, water and time."}, {"messages": PROMPTS[0] + [{"role": "assistant",
+            "content": "Knead it."}]}]  # fmt: skip
+    value = ptx_perplexity(model, tokenizer, rows, EvalConfig(batch_size=1), CPU)
+    assert value == pytest.approx(model.config.vocab_size, rel=1e-4)
+    assert math.isnan(ptx_perplexity(model, tokenizer, [], EvalConfig(), CPU))
+
+
+def test_the_judge_reads_the_text_as_it_was_trained_and_unfinished_responses_follow_the_rule(tiny_dir, tokenizer):
+    judge = load_scalar_model(tiny_dir).eval()
+    texts = ["Mix flour and water.", "Yes, it is"]
+    trained_way = score_sequences(
+        judge,
+        tokenizer,
+        [
+            encode_chat(tokenizer, p, [{"role": "assistant", "content": t}], 64).input_ids
+            for p, t in zip(PROMPTS, texts, strict=True)
+        ],
+        2,
+        CPU,
+    )
+    settings = GenerationSettings(max_new_tokens=8, temperature=1.0, no_eos="constant", no_eos_value=-1.0)
+    scorers = Scorers(judge, judge, tokenizer)
+    scores = judge_scores(scorers, PROMPTS, texts, torch.tensor([False, True]), settings, EvalConfig(), CPU)
+    assert scores[0] == pytest.approx(float(trained_way[0]), abs=1e-5) and scores[1] == -1.0  # cut: the constant
+
+
+def test_evaluating_the_sft_model_against_itself_is_all_ties_and_zero_kl(tiny_dir, tokenizer):
+    sft, judge = load_causal_lm(tiny_dir), load_scalar_model(tiny_dir)
+    settings = GenerationSettings(max_new_tokens=4, temperature=1.0, no_eos="score", no_eos_value=None)
+    config = EvalConfig(batch_size=4, samples_per_prompt=2, bootstrap_resamples=50)
+    with pytest.warns(UserWarning, match="tied"):
+        metrics, runs = evaluate_policy(sft, sft, Scorers(judge, judge, tokenizer), tokenizer, PROMPTS,
+                                        [{"text": "Some text."}], config, settings, CPU)  # fmt: skip
+    assert metrics["eval/policy/kl"] == 0.0 and metrics["eval/prompts"] == 2 and metrics["eval/samples_per_prompt"] == 2
+    for who in ("proxy", "judge"):  # the same seed and weights: the same responses, every comparison a tie
+        assert math.isnan(metrics[f"eval/{who}/win_rate"]) and metrics[f"eval/{who}/ties"] == 4
+    assert runs["policy"]["texts"] == runs["sft"]["texts"] and runs["sft"]["judge"].shape == (2, 2)
+    rows = sample_rows([{"id": "a", "prompt": PROMPTS[0]}, {"id": "b", "prompt": PROMPTS[1]}], runs)
+    assert [(r["id"], r["sample"]) for r in rows] == [("a", 0), ("a", 1), ("b", 0), ("b", 1)]
+    assert rows[3]["policy_response"] == runs["policy"]["texts"][3] and rows[0]["prompt"] == "How do I bake bread?"
+
+
+def test_a_kept_policy_is_the_sft_model_plus_its_trained_weights(tiny_dir, tmp_path):
+    policy = load_causal_lm(tiny_dir)
+    freeze_lower_layers(policy, 1)  # only the top block (and the final norm) train
+    with torch.no_grad():
+        for p in policy.parameters():
+            if p.requires_grad:
+                p.add_(0.5)
+    save_kept_policy(policy, str(tmp_path / "iteration-0002"), {"iteration": 2, "lora_rank": 0, "lora_alpha": 16})
+    from safetensors.torch import load_file
+
+    stored = load_file(str(tmp_path / "iteration-0002" / "trained.safetensors"))
+    assert set(stored) == {n for n, p in policy.named_parameters() if p.requires_grad}
+    assert not any(".layers.0." in name for name in stored)  # the frozen block is the SFT model's: not stored
+    kept = load_kept_policy(tiny_dir, str(tmp_path / "iteration-0002"))
+    for (name, a), b in zip(policy.state_dict().items(), kept.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    with pytest.raises(FileNotFoundError, match="not a kept policy"):
+        load_kept_policy(tiny_dir, str(tmp_path))
+
+
+def test_a_kept_lora_policy_comes_back_merged(tiny_dir, tmp_path):
+    policy = add_lora(load_causal_lm(tiny_dir), 4, 8.0)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.fill_(0.1)  # B = 0 at the start: make the adapters do something
+    save_kept_policy(policy, str(tmp_path / "kept"), {"iteration": 1, "lora_rank": 4, "lora_alpha": 8.0})
+    kept = load_kept_policy(tiny_dir, str(tmp_path / "kept"))
+    ids = torch.tensor([list(range(5, 17))])
+    with torch.no_grad():
+        assert torch.allclose(kept(ids).logits, policy(ids).logits, atol=1e-5)
+        assert not torch.allclose(kept(ids).logits, load_causal_lm(tiny_dir)(ids).logits, atol=1e-3)
+
+
+def test_judge_figures_flag_a_judge_at_chance():
+    good = judge_figures({"judge/accuracy": 0.62, "judge/accuracy_low": 0.53, "judge/accuracy_high": 0.70})
+    assert good["eval/judge/meaningful"] == 1.0 and good["eval/judge/accuracy_low"] == 0.53
+    for chance in ({"judge/accuracy": 0.55, "judge/accuracy_low": 0.46, "judge/accuracy_high": 0.63}, {}):
+        assert judge_figures(chance)["eval/judge/meaningful"] == 0.0
+
+
+def test_eval_config_refuses_no_samples():
+    with pytest.raises(ValueError, match="evaluate.samples_per_prompt must be >= 1"):
+        EvalConfig(samples_per_prompt=0)
