@@ -1,0 +1,435 @@
+"""The model card of an exported policy: what it is, what it was trained on and with, how it scored, where it came from.
+
+:func:`card_facts` gathers the facts (run from the project root): params.yaml (read with
+:func:`tasks.params.read_params`, which refuses credentials), the data fingerprints, the metrics (the registered
+version's ``rlhf.metric.*`` tags, else ``metrics/*.json``), the lineage (git, ``dvc.lock``, MLflow runs).
+:func:`render_card` writes them as a Hugging Face ``ModelCard`` (YAML front matter + Markdown). Nothing is
+silently dropped: a fact nobody recorded reads ``unknown``. No environment variable is ever copied into a card.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import math
+import os
+import re
+from datetime import UTC, datetime
+from typing import Any
+
+import yaml
+
+UNKNOWN = "unknown"
+PARAM_SECTIONS = ("sft", "reward", "ppo", "generation", "evaluate")
+EVAL, REWARD, JUDGE = "metrics/eval.json", "metrics/reward.json", "metrics/judge.json"
+PROMPTS, SOURCES = "data/validated/eval_prompts.jsonl", "data/sources.json"
+DVC_LOCK, POLICY = "dvc.lock", "models/policy"
+METRIC_PREFIX = "rlhf.metric."
+PRESETS = {"ppo_max": "reward normalisation and clipping, value clipping, critic pre-training, PPO-ptx",
+           "vanilla": "PPO-clip with a KL penalty only"}  # fmt: skip
+
+TEMPLATE = """---
+{{ card_data }}
+---
+
+# {{ model_name }}
+
+A causal language model aligned with RLHF by this project's pipeline, exported by `rlhf-model export` on
+{{ exported_at }} from {{ exported_from }}.
+
+## Model
+
+- Base model: `{{ base_model }}`{% if base_detail %} ({{ base_detail }}){% endif %}
+- Training: {{ training }}
+- Files: safetensors weights (float32), the tokenizer with its chat template (`<|im_end|>` ends a turn), and
+  `generation_config.json` with the pipeline's sampling settings.
+
+{% if random_weights %}> **Warning:** random base weights ({{ random_weights }}): its output is noise.
+
+{% endif %}
+
+## Data
+
+- Source: `{{ data_source }}`{% for source in more_sources %}, `{{ source }}`{% endfor %}
+{% for source in source_hashes %}- Source fingerprint of `{{ source.url }}`: {{ source.hash }}
+{% endfor %}
+- Registered data hash (`rlhf.data_sha256`, over the eval prompts): {{ data_sha256 }}
+  (the checkout's `data/validated/eval_prompts.jsonl`: {{ prompts_match }})
+
+| file (data/validated) | sha256 |
+|---|---|
+{% for path, digest in data_files %}| `{{ path }}` | `{{ digest }}` |
+{% else %}| unknown (no data/validated/*.jsonl in the project) | unknown |
+{% endfor %}
+
+## Params
+
+Profile `{{ profile }}`, PPO preset `{{ ppo_preset }}` (presets and the profile applied), from {{ params_from }}.
+
+{% if params_note %}> **Note:** {{ params_note }}
+
+{% endif %}
+
+```yaml
+{{ params_yaml }}```
+
+## Metrics
+
+Source: {{ metrics_from }}. Win rates are the policy's against the SFT model on held-out prompts (ties apart,
+95% bootstrap intervals over prompts); "proxy" is the reward model PPO optimised, "judge" an independent
+reward model trained on its own split.
+
+{% if judge_warning %}> **Warning:** {{ judge_warning }}
+
+{% endif %}
+
+| metric | value | source |
+|---|---|---|
+{% for name, value, source in metrics %}| {{ name }} | {{ value }} | {{ source }} |
+{% endfor %}
+
+## Lineage
+
+| what | value |
+|---|---|
+{% for name, value in lineage %}| {{ name }} | {{ value }} |
+{% endfor %}
+
+## Intended use
+
+{% for line in intended_use %}- {{ line }}
+{% endfor %}
+
+## Limitations
+
+{% for line in limitations %}- {{ line }}
+{% endfor %}
+"""
+
+
+def _number(value: Any) -> float | None:
+    """A metric as a float: NaN for one recorded as undefined (null, ``nan``), None when it is not a number."""
+    if value is None:
+        return math.nan
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def show(metrics: dict[str, Any], key: str, digits: int = 3) -> str:
+    """``metrics[key]`` with its 95% interval (``key_low``/``key_high``) when recorded: ``0.620 (95% CI
+    0.510-0.720)``; ``unknown`` when not recorded, ``undefined`` when recorded as null or NaN."""
+    if key not in metrics:
+        return UNKNOWN
+    value = _number(metrics[key])
+    if value is None or not math.isfinite(value):
+        return "undefined (recorded as null: no decisive comparison)" if value is not None else str(metrics[key])
+    text = f"{value:.{digits}f}"
+    low, high = _number(metrics.get(f"{key}_low")), _number(metrics.get(f"{key}_high"))
+    if f"{key}_low" in metrics and low is not None and high is not None and math.isfinite(low) and math.isfinite(high):
+        text += f" (95% CI {low:.{digits}f}-{high:.{digits}f})"
+    return text
+
+
+def sha256_file(path: str) -> str:
+    """Hex sha256 of a file's bytes, or ``unknown`` when it does not exist."""
+    if not os.path.isfile(path):
+        return UNKNOWN
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def _load(path: str) -> dict[str, Any]:
+    """A JSON object file, or ``{}`` when there is none. Raises ValueError on bad JSON."""
+    from tasks.outputs import load_json
+
+    return load_json(path) if os.path.isfile(path) else {}
+
+
+def _dvc_out_md5(path: str) -> str:
+    """The md5 ``dvc.lock`` records for the output ``path`` (``models/policy``), or ``unknown``."""
+    if not os.path.isfile(DVC_LOCK):
+        return UNKNOWN
+    with open(DVC_LOCK, encoding="utf-8") as handle:
+        lock = yaml.safe_load(handle) or {}
+    for stage, entry in (lock.get("stages") or {}).items():
+        for out in entry.get("outs") or []:
+            if out.get("path") == path:
+                return f"`{out.get('md5', UNKNOWN)}` (stage {stage})"
+    return UNKNOWN
+
+
+def _registry_metrics(found) -> dict[str, Any]:
+    return {k[len(METRIC_PREFIX) :]: v for k, v in found.tags.items() if k.startswith(METRIC_PREFIX)}
+
+
+def _reward_metrics(client, registry: dict[str, Any], metrics: dict[str, Any], found) -> tuple[dict[str, Any], str]:
+    """The reward model's metrics: its registered version's tags (the version the evaluation names), else
+    ``metrics/reward.json``; and where they came from."""
+    from tasks.registry import RegistryError, version
+
+    number = _number(metrics.get("eval/reward_model_version", ""))
+    if found is not None and client is not None and number is not None and math.isfinite(number):
+        name = registry.get("reward_model", "")
+        try:
+            return _registry_metrics(version(client, name, int(number))), f"registry {name} v{int(number)}"
+        except RegistryError:
+            pass  # not in this store: the project's own file below
+    return _load(REWARD), REWARD if os.path.isfile(REWARD) else UNKNOWN
+
+
+def _run_lineage(client, run_id: str) -> list[tuple[str, str]]:
+    """The pipeline's parent MLflow run of ``run_id`` and every stage run under it."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        run = client.get_run(run_id)
+        parent = run.data.tags.get("mlflow.parentRunId")
+        if not parent:
+            return [("MLflow pipeline (parent) run", f"{UNKNOWN} (run {run_id} has no parent run)")]
+        children = client.search_runs([run.info.experiment_id], f"tags.`mlflow.parentRunId` = '{parent}'")
+    except (MlflowException, OSError) as err:
+        return [("MLflow pipeline (parent) run", f"{UNKNOWN} ({type(err).__name__})")]
+    stages = sorted(f"{c.data.tags.get('rlhf.stage', '?')} `{c.info.run_id}`" for c in children)
+    return [("MLflow pipeline (parent) run", f"`{parent}`"), ("MLflow stage runs of that pipeline", ", ".join(stages))]
+
+
+def _metric_facts(found, client, registry: dict[str, Any]) -> dict[str, Any]:
+    """The Metrics section: the key rows (name, value with interval, source), the other eval metrics, the judge
+    warning; from the registered version's tags, else the project's metrics files."""
+    if found is not None:
+        metrics = _registry_metrics(found)
+        metrics_from = f"the `{METRIC_PREFIX}*` tags of {found.name} v{found.version}"
+        where = dict.fromkeys(metrics, f"registry v{found.version}")
+    else:
+        metrics = _load(EVAL)
+        metrics_from = f"the project's {EVAL}" if os.path.isfile(EVAL) else f"{UNKNOWN} (no {EVAL}, not registered)"
+        where = dict.fromkeys(metrics, EVAL)
+    reward, reward_from = _reward_metrics(client, registry, metrics, found)
+    judge = {f"eval/{k}": v for k, v in _load(JUDGE).items()} if "eval/judge/accuracy" not in metrics else {}
+    metrics |= reward | judge
+    where |= dict.fromkeys(reward, reward_from) | dict.fromkeys(judge, JUDGE)
+    proxy = "eval/proxy/win_rate" if "eval/proxy/win_rate" in metrics else "eval/win_rate"  # the name before issue 11
+    rows = {
+        "Judge win rate over SFT": "eval/judge/win_rate",
+        "Proxy (trained-against RM) win rate over SFT": proxy,
+        "KL to SFT (nats per response)": "eval/policy/kl",
+        "Reward-model accuracy (rm_eval)": "rm/accuracy",
+        "Judge accuracy (its held-out split)": "eval/judge/accuracy",
+        "Policy EOS rate": "eval/policy/eos_rate",
+        "Eval prompts": "eval/prompts",
+    }
+    shown = [(name, show(metrics, key, 0 if key == "eval/prompts" else 3), where.get(key, UNKNOWN))
+             for name, key in rows.items()]  # fmt: skip
+    keys = {f"{k}{end}" for k in rows.values() for end in ("", "_low", "_high")}
+    shown += [(f"`{k}`", show(metrics, k, 4), where.get(k, UNKNOWN)) for k in sorted(metrics)
+              if k.startswith("eval/") and k not in keys]  # fmt: skip
+    judge_warning = None
+    if _number(metrics.get("eval/judge/meaningful", "")) == 0.0:
+        judge_warning = ("the judge is not meaningful (eval/judge/meaningful = 0: its accuracy interval does not "
+                         "lie above 0.5), so its win rates mean nothing.")  # fmt: skip
+    elif "eval/judge/meaningful" not in metrics:
+        judge_warning = "whether the judge is meaningful is unknown (no eval/judge/meaningful recorded)."
+    return {
+        "metrics_from": metrics_from,
+        "metrics": shown,
+        "metrics_raw": metrics,
+        "judge_warning": judge_warning,
+    }
+
+
+def _data_facts(data: dict[str, Any], tags: dict[str, str]) -> dict[str, Any]:
+    """The Data section: sources with their fingerprints (data/sources.json), the version's data hash and
+    whether the checkout's eval prompts match it, the sha256 of every data/validated/*.jsonl."""
+    from tasks.registry import DATA_TAG, files_sha256
+
+    sources = _load(SOURCES).get("sources") or []
+    hashes = [{"url": s.get("url", UNKNOWN), "hash": (s.get("fingerprint") or {}).get("sha256")
+               or json.dumps(s.get("fingerprint") or UNKNOWN)} for s in sources]  # fmt: skip
+    registered = tags.get(DATA_TAG)
+    if not os.path.isfile(PROMPTS):
+        match = f"{UNKNOWN} (not in the project)"
+    elif registered:
+        match = "matches" if files_sha256([PROMPTS]) == registered else "differs: the version saw other eval prompts"
+    else:
+        match = "no registered hash to compare with"
+    return {
+        "data_source": data.get("source", UNKNOWN),
+        "more_sources": [s.get("source", UNKNOWN) for s in data.get("more_sources") or []],
+        "source_hashes": hashes or [{"url": data.get("source", UNKNOWN), "hash": f"{UNKNOWN} (no {SOURCES})"}],
+        "data_sha256": f"`{registered}`" if registered else UNKNOWN,
+        "prompts_match": match,
+        "data_files": [(os.path.basename(p), sha256_file(p)) for p in sorted(glob.glob("data/validated/*.jsonl"))],
+        "hh": "hh-rlhf" in str(data.get("source", "")).lower(),
+    }
+
+
+def _lineage(found, client, folder_sha: str, commit_now: str) -> list[tuple[str, str]]:
+    """The Lineage rows: registry name and version, gate decision, content hash, git commits, dvc.lock, MLflow runs."""
+    from tasks.registry import COMMIT_TAG, DECISION_TAG, SHA_TAG
+    from tasks.runs import PIPELINE_RUN_TAG
+
+    tags = found.tags if found is not None else {}
+    registered = f"{UNKNOWN} (no registered version has this content)"
+    if found is not None:
+        aliases = ", ".join(getattr(found, "aliases", None) or [])
+        registered = f"{found.name} version {found.version}" + (f" (aliases: {aliases})" if aliases else "")
+    same = " (= the registered rlhf.model_sha256)" if tags.get(SHA_TAG) == folder_sha else ""
+    run_id = found.run_id if found is not None and found.run_id else None
+    rows = [
+        ("Registered model", registered),
+        ("Policy gate decision", tags.get(DECISION_TAG, UNKNOWN)),
+        ("Model content sha256 (folder)", f"`{folder_sha}`{same}"),
+        ("Git commit (at registration)", f"`{tags[COMMIT_TAG]}`" if COMMIT_TAG in tags else UNKNOWN),
+        ("Git commit of the project (at export)", f"`{commit_now}`" if commit_now != "no-git" else UNKNOWN),
+        ("dvc.lock sha256 (at export)", f"`{sha256_file(DVC_LOCK)}`" if os.path.isfile(DVC_LOCK) else UNKNOWN),
+        ("dvc.lock md5 of models/policy", _dvc_out_md5(POLICY)),
+        ("MLflow run that registered it (evaluate)", f"`{run_id}`" if run_id else UNKNOWN),
+        ("MLflow pipeline run id (rlhf.pipeline_run_id)",
+         f"`{tags[PIPELINE_RUN_TAG]}`" if PIPELINE_RUN_TAG in tags else UNKNOWN),
+    ]  # fmt: skip
+    if run_id and client is not None:
+        return rows + _run_lineage(client, run_id)
+    return rows + [("MLflow pipeline (parent) run", UNKNOWN)]
+
+
+def card_facts(folder_sha: str, found=None, client=None, exported_from: str = "") -> dict[str, Any]:
+    """Everything the card says, as template values; run from the project root (params.yaml, metrics/, dvc.lock).
+
+    Args:
+        folder_sha: :func:`tasks.registry.folder_sha256` of the exported model folder.
+        found: the registered ``ModelVersion`` the model is (from the registry, or a folder whose content
+            hash a version carries), or None.
+        client: the ``MlflowClient`` of ``found``'s store (None without one).
+        exported_from: where the weights came from, in words.
+
+    Raises:
+        FileNotFoundError: no params.yaml. ValueError: params.yaml holds a credential or a bad section.
+    """
+    from rlhf.models import resolve_model_source
+    from tasks.params import read_params, stage_params
+    from tasks.registry import COMMIT_TAG
+    from tasks.runs import git_commit
+
+    params = read_params()
+    section = {name: stage_params(name, params) if name in params else None for name in PARAM_SECTIONS}
+    section |= {"judge": stage_params("judge", params)} if "judge" in params else {}  # the independent judge
+    model, data, registry, ppo = ({} if name not in params else stage_params(name, params)
+                                  for name in ("model", "data", "registry", "ppo"))  # fmt: skip
+    base, detail = model.get("source", UNKNOWN), ""
+    try:
+        gguf = resolve_model_source(base)[1]
+        detail = f"GGUF file {gguf}, dequantised to float32" if gguf else ""
+    except (FileNotFoundError, ValueError, OSError):
+        detail = "not found on this machine"
+    preset = params.get("ppo", {}).get("preset", UNKNOWN)
+    lora = f", LoRA rank {ppo['lora_rank']} merged into the weights" if ppo.get("lora_rank") else ""
+    tags, commit_now = (found.tags if found is not None else {}), git_commit()
+    note = None
+    if tags.get(COMMIT_TAG) and tags[COMMIT_TAG] != commit_now:
+        note = (f"the params are the checkout's (commit {commit_now}); the version was trained at commit "
+                f"{tags[COMMIT_TAG]}, whose params.yaml may differ.")  # fmt: skip
+    metric_facts = _metric_facts(found, client, registry)
+    return {
+        "model_name": f"{found.name} v{found.version}" if found is not None else "RLHF policy (unregistered)",
+        "exported_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "exported_from": exported_from or UNKNOWN,
+        "base_model": base,
+        "base_detail": detail,
+        "random_weights": f"random_init {json.dumps(model['random_init'])}" if model.get("random_init") else "",
+        "training": (
+            f"supervised fine-tuning (SFT) on the sft split -> a Bradley-Terry reward model on rm_train (gated in "
+            f"the registry) -> PPO, preset `{preset}` ({PRESETS.get(preset, 'see Params')}), KL coefficient "
+            f"{ppo.get('kl_coef', UNKNOWN)} to the SFT model{lora}"
+        ),
+        **_data_facts(data, tags),
+        "profile": params.get("profile", "demo"),
+        "ppo_preset": preset,
+        "params_from": f"params.yaml of the project at commit {commit_now}",
+        "params_note": note,
+        "params_yaml": yaml.safe_dump({k: UNKNOWN if v is None else v for k, v in section.items()}, sort_keys=False),
+        **metric_facts,
+        "lineage": _lineage(found, client, folder_sha, commit_now),
+        "intended_use": list(INTENDED_USE),
+        "limitations": limitations(bool(model.get("random_init")), metric_facts["judge_warning"], tags, found),
+    }
+
+
+INTENDED_USE = (  # the card's "Intended use" section
+    "Research and teaching: studying RLHF (SFT, reward modelling, PPO-max) at small scale and comparing runs "
+    "of this pipeline.",
+    "Looking at the policy's behaviour by hand (`rlhf-model chat`) and generating responses to prompt files "
+    "for further evaluation (`rlhf-model generate`).",
+    "Out of scope: production or any user-facing service, advice people act on (medical, legal, financial, "
+    "safety), decisions about people.",
+)
+
+
+def limitations(random_weights: bool, judge_doubtful: Any, tags: dict[str, str], found) -> list[str]:
+    """What the model cannot be trusted for (the card's "Limitations" section); a few lines depend on the run."""
+    lines = [
+        "A small research model aligned on the HH-RLHF harmless-base preference pairs only: it was trained toward "
+        "harmlessness, not helpfulness, with a CPU-sized budget of PPO steps.",
+        "The reward model is a proxy for human preference and PPO optimised it: the proxy win rate overstates the "
+        "real improvement (reward over-optimisation). The judge is an independent reward model, still not a human.",
+        "Win rates are against the SFT model on a few dozen held-out prompts: their intervals are wide.",
+        "English only. HH-RLHF holds offensive and harmful requests; the model can produce harmful, false or "
+        "biased text, and may refuse too much or too little.",
+        "Responses were limited to the generation section's max_new_tokens in training; longer ones are untested.",
+    ]
+    if random_weights:
+        lines.append("This export has random base weights (a test profile): its output is noise.")
+    if judge_doubtful:
+        lines.append("The judge's verdict is not established for this model (see Metrics).")
+    if tags.get("rlhf.gate.decision") == "fail":
+        lines.append("This version FAILED its policy gate.")
+    if found is None:
+        lines.append("This folder matches no registered version: its metrics are the project's latest files, "
+                     "which may describe another model.")  # fmt: skip
+    return lines
+
+
+def render_card(facts: dict[str, Any]):
+    """The ``huggingface_hub.ModelCard`` of :func:`card_facts`: YAML front matter (base model, tags, language,
+    library, a model-index of the win rates and KL) and the Markdown body.
+
+    Raises:
+        ValueError: the rendered card would hold something that looks like a credential (names what).
+    """
+    from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
+    from tasks.params import find_secrets
+
+    metrics, results = facts["metrics_raw"], []
+    names = {"eval/judge/win_rate": "judge win rate", "eval/proxy/win_rate": "proxy win rate",
+             "eval/win_rate": "proxy win rate", "eval/policy/kl": "KL to SFT"}  # fmt: skip
+    for key, name in names.items():
+        if key == "eval/win_rate" and "eval/proxy/win_rate" in metrics:
+            continue
+        value = _number(metrics.get(key, ""))
+        if value is not None and math.isfinite(value):
+            results.append(EvalResult(
+                task_type="text-generation", dataset_type="Anthropic/hh-rlhf" if facts["hh"] else "local",
+                dataset_name="held-out eval prompts", dataset_split="eval_prompts",
+                metric_type=key.split("/", 1)[1].replace("/", "_"), metric_name=name, metric_value=round(value, 6),
+            ))  # fmt: skip
+    base = facts["base_model"]
+    hub_id = base.count("/") == 1 and ":" not in base and not os.path.exists(base) and not base.endswith(".gguf")
+    data = ModelCardData(
+        base_model=base if hub_id else None,
+        language="en",
+        library_name="transformers",
+        pipeline_tag="text-generation",
+        tags=["rlhf", "ppo", "ppo-max", "reward-model", "sft", "safetensors"],
+        model_name=facts["model_name"],
+        eval_results=results or None,
+        base_model_source=base,  # model.source as params.yaml names it (not always a Hub id)
+    )
+    text = str(ModelCard.from_template(data, template_str=TEMPLATE, **facts))
+    card = ModelCard(re.sub(r"\n{3,}", "\n\n", text))  # the template's empty conditionals leave blank runs
+    found = find_secrets(text)
+    if found:
+        raise ValueError(f"model card: refusing to write a card holding {found[0]}")
+    return card

