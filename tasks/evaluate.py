@@ -6,7 +6,7 @@ on a fixed set of prompts against its KL to the SFT model (Gao et al. 2023).
 
 Writes ``metrics/eval.json``, ``metrics/overoptimisation.json`` (a DVC plot), ``reports/eval/``
 (``samples.json``: every prompt with both responses and their scores, and the MLflow run id;
-``samples.md``; ``scores.png``; ``overoptimisation.png``) and ``reports/policy_gate.json`` together, after
+``samples.md``; ``scores.png``) and ``reports/policy_gate.json`` together, after
 everything that can fail (:class:`tasks.outputs.StagedOutputs`): a failed or stopped run leaves the previous
 ones as they were.
 """
@@ -145,23 +145,14 @@ def summary_lines(metrics: dict[str, float]) -> list[str]:
     return lines
 
 
-def figures(samples: list[dict[str, Any]], rows: list[dict[str, float]], folder: str) -> None:
-    """``scores.png`` (proxy and judge score distributions of both models) and ``overoptimisation.png``."""
+def scores_figure(samples: list[dict[str, Any]], folder: str) -> None:
+    """``scores.png``: the proxy and the judge score distributions of both models' responses."""
     figure, axes = plt.subplots(1, 2, figsize=(10, 4))
     for axis, who in zip(axes, ("proxy", "judge"), strict=True):
         axis.hist([[s[f"sft_{who}"] for s in samples], [s[f"policy_{who}"] for s in samples]], label=["SFT", "policy"])
         axis.set(xlabel=f"{who} score", ylabel="responses", title=f"scores by the {who}")
         axis.legend()
     figure.savefig(os.path.join(folder, "scores.png"), dpi=90)
-    plt.close(figure)
-    figure, axis = plt.subplots(figsize=(6, 4))
-    for who in ("proxy", "judge"):
-        axis.plot([r["sqrt_kl"] for r in rows], [r[who] for r in rows], marker="o", label=who)
-    for r in rows:
-        axis.annotate(str(r["iteration"]), (r["sqrt_kl"], r["proxy"]), fontsize=7)
-    axis.set(xlabel="sqrt(KL to SFT) (sqrt nats)", ylabel="mean score", title="over-optimisation: proxy vs judge")
-    axis.legend()
-    figure.savefig(os.path.join(folder, "overoptimisation.png"), dpi=90)
     plt.close(figure)
 
 
@@ -206,7 +197,7 @@ def main() -> None:
         write_json(os.path.join(reports, "samples.json"), {"run_id": stage.run.info.run_id, "samples": samples})
         with open(os.path.join(reports, "samples.md"), "w", encoding="utf-8") as handle:
             handle.write(samples_markdown(samples[: config.samples_in_table]))
-        figures(samples, rows, reports)
+        scores_figure(samples, reports)
         mlflow.log_artifacts(reports, "eval")
         by_iteration = {r["iteration"]: {k: v for k, v in r.items() if k != "iteration"} for r in rows}
         write_metrics(outputs.file(METRICS), metrics, stage, curves={outputs.file(CURVE): by_iteration})
