@@ -16,6 +16,7 @@ import math
 import os
 import re
 from datetime import UTC, datetime
+from importlib import resources
 from typing import Any
 
 import yaml
@@ -29,83 +30,7 @@ METRIC_PREFIX = "rlhf.metric."
 PRESETS = {"ppo_max": "reward normalisation and clipping, value clipping, critic pre-training, PPO-ptx",
            "vanilla": "PPO-clip with a KL penalty only"}  # fmt: skip
 
-TEMPLATE = """---
-{{ card_data }}
----
-
-# {{ model_name }}
-
-A causal language model aligned with RLHF by this project's pipeline, exported by `rlhf-model export` on
-{{ exported_at }} from {{ exported_from }}.
-
-## Model
-
-- Base model: `{{ base_model }}`{% if base_detail %} ({{ base_detail }}){% endif %}
-- Training: {{ training }}
-- Files: safetensors weights (float32), the tokenizer with its chat template (`<|im_end|>` ends a turn), and
-  `generation_config.json` with the pipeline's sampling settings.
-
-{% if random_weights %}> **Warning:** random base weights ({{ random_weights }}): its output is noise.
-
-{% endif %}
-
-## Data
-
-- Source: `{{ data_source }}`{% for source in more_sources %}, `{{ source }}`{% endfor %}
-{% for source in source_hashes %}- Source fingerprint of `{{ source.url }}`: {{ source.hash }}
-{% endfor %}
-- Registered data hash (`rlhf.data_sha256`, over the eval prompts): {{ data_sha256 }}
-  (the checkout's `data/validated/eval_prompts.jsonl`: {{ prompts_match }})
-
-| file (data/validated) | sha256 |
-|---|---|
-{% for path, digest in data_files %}| `{{ path }}` | `{{ digest }}` |
-{% else %}| unknown (no data/validated/*.jsonl in the project) | unknown |
-{% endfor %}
-
-## Params
-
-Profile `{{ profile }}`, PPO preset `{{ ppo_preset }}` (presets and the profile applied), from {{ params_from }}.
-
-{% if params_note %}> **Note:** {{ params_note }}
-
-{% endif %}
-
-```yaml
-{{ params_yaml }}```
-
-## Metrics
-
-Source: {{ metrics_from }}. Win rates are the policy's against the SFT model on held-out prompts (ties apart,
-95% bootstrap intervals over prompts); "proxy" is the reward model PPO optimised, "judge" an independent
-reward model trained on its own split.
-
-{% if judge_warning %}> **Warning:** {{ judge_warning }}
-
-{% endif %}
-
-| metric | value | source |
-|---|---|---|
-{% for name, value, source in metrics %}| {{ name }} | {{ value }} | {{ source }} |
-{% endfor %}
-
-## Lineage
-
-| what | value |
-|---|---|
-{% for name, value in lineage %}| {{ name }} | {{ value }} |
-{% endfor %}
-
-## Intended use
-
-{% for line in intended_use %}- {{ line }}
-{% endfor %}
-
-## Limitations
-
-{% for line in limitations %}- {{ line }}
-{% endfor %}
-"""
+TEMPLATE = (resources.files("tasks") / "templates/model_card.md").read_text(encoding="utf-8")  # a Jinja template
 
 
 def _number(value: Any) -> float | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import math
+from importlib import resources
 from typing import Any
 
 import jinja2
@@ -332,47 +333,7 @@ def samples_section(loaded: dict[str, Any], limit: int) -> dict[str, Any]:
     return section
 
 
-TEMPLATE = """<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
-<title>RLHF pipeline report {{ pipeline_run }}</title>
-<style>
-body{font-family:system-ui,sans-serif;margin:1.5em auto;max-width:1200px;padding:0 1em;color:#222}
-h2{border-bottom:2px solid #ccc;padding-top:.6em}table{border-collapse:collapse;margin:.6em 0}
-td,th{border:1px solid #ccc;padding:.25em .6em;text-align:left;vertical-align:top}
-caption{font-weight:bold;text-align:left}tr.fail td{background:#fde2e2}
-tr.muted td{color:#888;text-decoration:line-through}tr.muted td:last-child{text-decoration:none}
-p.warning{background:#fff3cd;border-left:6px solid #d9534f;padding:.5em;font-weight:bold}
-p.missing{color:#a00;font-style:italic}figure{display:inline-block;margin:.5em}img{max-width:560px}
-nav a{margin-right:1em}pre{white-space:pre-wrap;word-break:break-word;margin:0;font-size:.9em}
-table.samples td{width:33%}.scores{color:#555;font-size:.85em}
-</style></head><body>
-<h1>RLHF pipeline report</h1>
-<table><tbody>
-{% for key, value in header_rows %}<tr><th>{{ key }}</th><td>{{ value }}</td></tr>{% endfor %}</tbody></table>
-<table><caption>Headline</caption><tbody>
-{% for key, value in headline_rows %}<tr><th>{{ key }}</th><td>{{ value }}</td></tr>{% endfor %}</tbody></table>
-<nav>{% for s in sections %}<a href="#{{ s.id }}">{{ s.title }}</a>{% endfor %}</nav>
-{% for s in sections %}<section>
-<h2 id="{{ s.id }}">{{ s.title }}</h2>
-{% for line in s.missing %}<p class="missing">{{ line }}</p>
-{% endfor %}{% for line in s.warnings %}<p class="warning">{{ line }}</p>
-{% endfor %}{% for line in s.notes %}<p>{{ line }}</p>
-{% endfor %}{% for t in s.tables %}<table><caption>{{ t.caption }}</caption>
-<thead><tr>{% for h in t.headers %}<th>{{ h }}</th>{% endfor %}</tr></thead><tbody>
-{% for r in t.rows %}<tr{% if r.cls %} class="{{ r.cls }}"{% endif %}>
-{% for c in r.cells %}<td>{{ c }}</td>{% endfor %}</tr>
-{% endfor %}</tbody></table>
-{% endfor %}{% for f in s.figures %}<figure><img src="{{ f.uri }}" alt="{{ f.title }}">
-<figcaption>{{ f.title }}</figcaption></figure>
-{% endfor %}{% if s.samples %}<table class="samples">
-<thead><tr><th>prompt</th><th>SFT</th><th>policy</th></tr></thead><tbody>
-{% for row in s.samples %}<tr><td><div class="scores">{{ row.id }}</div><pre>{{ row.prompt }}</pre></td>
-{% for side in row.sides %}<td><pre>{{ side.text }}</pre><div class="scores">{{ side.scores }}</div></td>
-{% endfor %}</tr>
-{% endfor %}</tbody></table>{% endif %}
-</section>
-{% endfor %}</body></html>
-"""
+TEMPLATE = (resources.files("rlhf") / "templates/report.html").read_text(encoding="utf-8")  # a Jinja template
 _TEMPLATE = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined).from_string(TEMPLATE)
 
 
