@@ -20,8 +20,8 @@ from tasks.outputs import StagedOutputs
 
 SHARED = "../shared/data/hh-rlhf/harmless-base/pairs.jsonl.gz"
 
-FRACTIONS = {"sft": 0.1, "rm_train": 0.45, "rm_eval": 0.1, "ppo_prompts": 0.06, "ptx_text": 0.05, "eval_prompts": 0.06,
-             "judge_train": 0.12, "judge_eval": 0.06}  # params.yaml's  # fmt: skip
+FRACTIONS = {"judge_train": 0.12, "sft": 0.08, "rm_train": 0.45, "rm_eval": 0.1, "ppo_prompts": 0.07, "judge_eval": 0.05,
+             "ptx_text": 0.05, "eval_prompts": 0.08}  # params.yaml's  # fmt: skip
 
 
 def one(row):
@@ -232,15 +232,15 @@ def test_real_data_no_conversation_in_two_splits():
     ids = [row["id"] for rows in prepared.splits.values() for row in rows]
     assert len(ids) == len(set(ids)) == 2000 - 3  # every parsed row once (no prompt repeats within a prompt split)
     assert {split: len(rows) for split, rows in prepared.splits.items()} == {
-        "sft": 200,
-        "rm_train": 871,
-        "rm_eval": 182,
-        "ppo_prompts": 129,
-        "ptx_text": 80,
-        "ptx_heldout": 24,
-        "eval_prompts": 97,
-        "judge_train": 281,
-        "judge_eval": 133,
+        "sft": 156,
+        "rm_train": 855,
+        "rm_eval": 214,
+        "ppo_prompts": 116,
+        "ptx_text": 105,
+        "ptx_heldout": 12,
+        "eval_prompts": 168,
+        "judge_train": 242,
+        "judge_eval": 129,
     }
 
 
