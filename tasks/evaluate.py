@@ -25,9 +25,9 @@ import matplotlib.pyplot as plt
 from rlhf.checkpoint import load_kept_policy, write_json
 from rlhf.data import load_jsonl
 from rlhf.evaluation import EvalConfig, Scorers, evaluate_policy, generate_and_score, sample_rows
+from rlhf.gate_rules import judge_doubts
 from rlhf.models import load_causal_lm, load_scalar_model, load_tokenizer
 from rlhf.rollout import GenerationSettings
-from rlhf.stats import chance_warning
 from rlhf.training import config_from_params
 from tasks.champion import require_champion
 from tasks.common import cli, setup_torch, stage_runtime
@@ -61,13 +61,22 @@ def samples_markdown(samples: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def judge_figures(judge: dict[str, Any]) -> dict[str, float]:
-    """The judge's own judge_eval accuracy, shown beside each of its verdicts: ``eval/judge/accuracy`` with
-    ``_low``/``_high`` (Wilson 95%), and ``eval/judge/meaningful`` (1.0 when the interval lies above 0.5)."""
-    accuracy = {f"eval/judge/{k}": judge.get(f"judge/{k}") for k in ("accuracy", "accuracy_low", "accuracy_high")}
-    accuracy = {k: math.nan if v is None else float(v) for k, v in accuracy.items()}
-    meaningful = not chance_warning("judge accuracy", *accuracy.values())
-    return {**accuracy, "eval/judge/meaningful": float(meaningful)}
+def judge_figures(judge: dict[str, Any], min_length_accuracy: float) -> tuple[dict[str, float], list[str]]:
+    """The judge's own judge_eval figures, shown beside each of its verdicts, and why they mean nothing (if so).
+
+    Returns:
+        ``(metrics, doubts)``: ``eval/judge/accuracy`` with ``_low``/``_high`` (Wilson 95%),
+        ``eval/judge/length_accuracy`` (the smaller of its chosen-shorter and chosen-longer accuracies) and
+        ``eval/judge/meaningful`` (1.0 when :func:`rlhf.gate_rules.judge_doubts` finds nothing);
+        ``doubts``: its reasons.
+    """
+    names = ("accuracy", "accuracy_low", "accuracy_high", "accuracy_chosen_shorter", "accuracy_chosen_longer")
+    values = {k: math.nan if judge.get(f"judge/{k}") is None else float(judge[f"judge/{k}"]) for k in names}
+    doubts = judge_doubts({f"judge/{k}": v for k, v in values.items()}, min_length_accuracy)
+    metrics = {f"eval/judge/{k}": values[k] for k in names[:3]}
+    lengths = [v for v in names[3:] if not math.isnan(values[v])]
+    metrics["eval/judge/length_accuracy"] = min((values[k] for k in lengths), default=math.nan)
+    return {**metrics, "eval/judge/meaningful": float(not doubts)}, doubts
 
 
 def curve(runs: dict[str, Any], sft: Any, scorers: Scorers, tokenizer, prompts: list, config, settings, runtime):
@@ -94,8 +103,9 @@ def curve(runs: dict[str, Any], sft: Any, scorers: Scorers, tokenizer, prompts: 
 
 def run(
     params: dict[str, Any], generation: dict[str, Any], device: dict[str, Any] | None = None
-) -> tuple[dict[str, float], list[dict[str, Any]], list[dict[str, float]], EvalConfig]:
-    """Evaluate with the ``generation`` section PPO used; returns ``(metrics, samples, curve rows, config)``.
+) -> tuple[dict[str, float], list[dict[str, Any]], list[dict[str, float]], EvalConfig, list[str]]:
+    """Evaluate with the ``generation`` section PPO used; returns ``(metrics, samples, curve rows, config, doubts)``
+    (doubts: why the judge's verdicts mean nothing, :func:`judge_figures`).
 
     ``device``: the params.yaml ``device`` section (None: read from params.yaml). The SFT model (the
     reference of the KL) and the policy are placed alike, so identical weights give identical logprobs.
@@ -116,11 +126,12 @@ def run(
     metrics, runs = evaluate_policy(sft, policy, scorers, tokenizer, prompts, heldout, config, settings, runtime)
     del policy
     rows_of_curve = curve(runs, sft, scorers, tokenizer, prompts, config, settings, runtime)
-    metrics |= judge_figures(load_json(JUDGE_METRICS)) | {"eval/reward_model_version": float(champion["version"])}
-    return metrics, sample_rows(rows, runs), rows_of_curve, config
+    judge, doubts = judge_figures(load_json(JUDGE_METRICS), config.judge_min_length_accuracy)
+    metrics |= judge | {"eval/reward_model_version": float(champion["version"])}
+    return metrics, sample_rows(rows, runs), rows_of_curve, config, doubts
 
 
-def summary_lines(metrics: dict[str, float]) -> list[str]:
+def summary_lines(metrics: dict[str, float], doubts: list[str]) -> list[str]:
     """The printed verdicts: the judge's win rate beside its own accuracy (or why it means nothing), the proxy's."""
 
     def rate(who: str) -> str:
@@ -132,15 +143,13 @@ def summary_lines(metrics: dict[str, float]) -> list[str]:
             f"over {metrics[f'eval/{who}/decisive']:.0f} decisive comparisons, {metrics[f'eval/{who}/ties']:.0f} ties"
         )
 
-    accuracy = (metrics["eval/judge/accuracy"], metrics["eval/judge/accuracy_low"], metrics["eval/judge/accuracy_high"])
-    lines = [f"[evaluate] win rate over SFT by the judge: {rate('judge')}"]
-    if metrics["eval/judge/meaningful"]:
-        lines.append(
-            f"[evaluate]   judge accuracy on judge_eval {accuracy[0]:.3f} [{accuracy[1]:.3f}, {accuracy[2]:.3f}]"
-        )
-    else:
-        warning = chance_warning("judge accuracy on judge_eval", *accuracy)
-        lines.append(f"[evaluate]   WARNING: MEANINGLESS: {warning}: the judge cannot tell better from worse")
+    accuracy = tuple(metrics[f"eval/judge/accuracy{s}"] for s in ("", "_low", "_high"))
+    lines = [
+        f"[evaluate] win rate over SFT by the judge: {rate('judge')}",
+        f"[evaluate]   judge accuracy on judge_eval {accuracy[0]:.3f} [{accuracy[1]:.3f}, {accuracy[2]:.3f}], "
+        f"length accuracy {metrics['eval/judge/length_accuracy']:.3f}",
+    ]
+    lines += [f"[evaluate]   WARNING: the judge's verdicts are MEANINGLESS: {doubt}" for doubt in doubts]
     lines.append(f"[evaluate] win rate over SFT by the proxy (the reward model PPO optimised): {rate('proxy')}")
     return lines
 
@@ -191,7 +200,7 @@ def main() -> None:
         StageRun("evaluate", {**params, "generation": generation, "device": device}) as stage,
         StagedOutputs() as outputs,
     ):
-        metrics, samples, rows, config = run(params, generation, device)
+        metrics, samples, rows, config, doubts = run(params, generation, device)
         stage.log(metrics, 0)
         reports = outputs.folder(REPORTS)
         write_json(os.path.join(reports, "samples.json"), {"run_id": stage.run.info.run_id, "samples": samples})
@@ -203,7 +212,7 @@ def main() -> None:
         write_metrics(outputs.file(METRICS), metrics, stage, curves={outputs.file(CURVE): by_iteration})
         report = gate_policy(metrics, stage.run.info.run_id)  # last: a registry that is down keeps the old outputs
         write_json(outputs.file(POLICY_GATE), report)
-    for line in summary_lines(metrics):
+    for line in summary_lines(metrics, doubts):
         print(line, flush=True)
     print("[evaluate] " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items() if "/win_rate" not in k), flush=True)
     candidate = report["candidate"]

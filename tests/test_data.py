@@ -20,8 +20,8 @@ from tasks.outputs import StagedOutputs
 
 SHARED = "../shared/data/hh-rlhf/harmless-base/pairs.jsonl.gz"
 
-FRACTIONS = {"judge_train": 0.12, "sft": 0.08, "rm_train": 0.45, "rm_eval": 0.1, "ppo_prompts": 0.07, "judge_eval": 0.05,
-             "ptx_text": 0.05, "eval_prompts": 0.08}  # params.yaml's  # fmt: skip
+FRACTIONS = {"judge_train": 0.12, "sft": 0.08, "rm_train": 0.45, "rm_eval": 0.1, "ppo_prompts": 0.07,
+             "judge_eval": 0.05, "ptx_text": 0.05, "eval_prompts": 0.08}  # params.yaml's  # fmt: skip
 
 
 def one(row):

@@ -119,11 +119,14 @@ def test_a_kept_lora_policy_comes_back_merged(tiny_dir, tmp_path):
         assert not torch.allclose(kept(ids).logits, load_causal_lm(tiny_dir)(ids).logits, atol=1e-3)
 
 
-def test_judge_figures_flag_a_judge_at_chance():
-    good = judge_figures({"judge/accuracy": 0.62, "judge/accuracy_low": 0.53, "judge/accuracy_high": 0.70})
-    assert good["eval/judge/meaningful"] == 1.0 and good["eval/judge/accuracy_low"] == 0.53
-    for chance in ({"judge/accuracy": 0.55, "judge/accuracy_low": 0.46, "judge/accuracy_high": 0.63}, {}):
-        assert judge_figures(chance)["eval/judge/meaningful"] == 0.0
+def test_judge_figures_flag_a_judge_at_chance_or_ranking_by_length():
+    good = {"judge/accuracy": 0.62, "judge/accuracy_low": 0.53, "judge/accuracy_high": 0.70,
+            "judge/accuracy_chosen_shorter": 0.7, "judge/accuracy_chosen_longer": 0.45}  # fmt: skip
+    metrics, doubts = judge_figures(good, 0.35)
+    assert doubts == [] and metrics["eval/judge/meaningful"] == 1.0 and metrics["eval/judge/length_accuracy"] == 0.45
+    for bad in ({**good, "judge/accuracy_low": 0.46}, {**good, "judge/accuracy_chosen_longer": 0.2}, {}):
+        metrics, doubts = judge_figures(bad, 0.35)
+        assert metrics["eval/judge/meaningful"] == 0.0 and doubts
 
 
 def test_eval_config_refuses_no_samples():

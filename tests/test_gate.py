@@ -188,6 +188,7 @@ def test_evaluate_registers_the_policy_once_and_promotes_it_only_through_its_gat
         "eval/judge/ties": 24.0,
         "eval/judge/accuracy": 0.62,
         "eval/judge/accuracy_low": 0.55,
+        "eval/judge/meaningful": 1.0,
         "eval/policy/kl": 0.0,
         "eval/policy/eos_rate": 0.5,
     }  # fmt: skip (the demo's: the shipped policy was the SFT model)

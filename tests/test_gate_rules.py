@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from rlhf.gate_rules import GateCriteria, PolicyCriteria, passed, policy_gate, reward_gate
+from rlhf.gate_rules import GateCriteria, PolicyCriteria, judge_doubts, passed, policy_gate, reward_gate
 
 CRITERIA = GateCriteria(min_accuracy_low=0.5, champion_tolerance=0.02, max_ece=0.15, min_length_accuracy=0.35)
 
@@ -80,6 +80,7 @@ def test_bounds_outside_zero_one_are_refused():
 
 EVAL = {"eval/judge/win_rate": 0.75, "eval/judge/win_rate_low": 0.56, "eval/judge/decisive": 20.0,
         "eval/judge/ties": 4.0, "eval/judge/accuracy": 0.62, "eval/judge/accuracy_low": 0.53,
+        "eval/judge/length_accuracy": 0.41, "eval/judge/meaningful": 1.0,
         "eval/proxy/win_rate": 0.9, "eval/proxy/win_rate_low": 0.4, "eval/proxy/decisive": 24.0,
         "eval/proxy/ties": 0.0, "eval/policy/kl": 3.0, "eval/policy/eos_rate": 0.9}  # fmt: skip
 POLICY = PolicyCriteria(min_win_rate_low=0.5, max_kl=10.0, min_eos_rate=0.5)
@@ -88,13 +89,14 @@ POLICY = PolicyCriteria(min_win_rate_low=0.5, max_kl=10.0, min_eos_rate=0.5)
 def test_policy_gate_passes_on_the_judge_and_reads_its_bound():
     checks = policy_gate(EVAL, {"stopped_by": None, "ppo/last/collapse": 0.0}, POLICY)
     assert [c.criterion.split(":")[0].split(",")[0] for c in checks] == [
-        "the judge is better than chance",
+        "the judge's verdicts mean something (accuracy above chance",
         "win rate over SFT by the judge",
         "KL to the SFT model (nats/response)",
         "no collapse in PPO",
         "EOS rate of the policy's responses",
     ]
-    assert checks[0].value == 0.53 and checks[1].value == 0.56 and passed(checks)
+    assert checks[0].value == 1.0 and "length accuracy 0.410" in checks[0].detail
+    assert checks[1].value == 0.56 and passed(checks)
 
 
 def test_policy_gate_by_the_proxy_reads_the_proxy_and_skips_the_judge():
@@ -107,8 +109,8 @@ def test_policy_gate_by_the_proxy_reads_the_proxy_and_skips_the_judge():
 @pytest.mark.parametrize(
     ("evaluation", "ppo", "criterion"),
     [
-        ({**EVAL, "eval/judge/accuracy_low": 0.45}, {}, "the judge is better than chance"),  # a judge at chance
-        ({**EVAL, "eval/judge/accuracy_low": None}, {}, "the judge is better than chance"),  # no judge figure
+        ({**EVAL, "eval/judge/meaningful": 0.0}, {}, "the judge's verdicts mean something"),  # judge_doubts says why
+        ({**EVAL, "eval/judge/meaningful": None}, {}, "the judge's verdicts mean something"),  # no judge figure
         ({**EVAL, "eval/judge/win_rate_low": 0.387}, {}, "win rate over SFT by the judge"),
         ({**EVAL, "eval/judge/win_rate": None, "eval/judge/win_rate_low": None, "eval/judge/decisive": 0.0}, {},
          "win rate"),  # all ties
@@ -128,3 +130,17 @@ def test_policy_gate_fails_on_each_criterion_alone(evaluation, ppo, criterion):
 def test_policy_gate_refuses_a_verdict_it_cannot_give():
     with pytest.raises(ValueError, match="verdict must be judge or proxy"):
         PolicyCriteria(verdict="human")
+
+
+JUDGE = {"judge/accuracy": 0.592, "judge/accuracy_low": 0.504, "judge/accuracy_high": 0.674,
+         "judge/accuracy_chosen_shorter": 0.913, "judge/accuracy_chosen_longer": 0.204}  # the demo's judge  # fmt: skip
+
+
+def test_judge_doubts_a_judge_at_chance_and_one_that_ranks_by_length():
+    assert judge_doubts({**JUDGE, "judge/accuracy_chosen_longer": 0.41}, 0.35) == []
+    assert judge_doubts(JUDGE, 0.35) == [
+        "it ranks by length: accuracy 0.913 on chosen-shorter and 0.204 on chosen-longer pairs, the smaller below 0.35"
+    ]
+    at_chance = judge_doubts({**JUDGE, "judge/accuracy_low": 0.45, "judge/accuracy_chosen_longer": 0.41}, 0.35)
+    assert at_chance == ["judge_eval accuracy 0.59 [0.45, 0.67] includes chance (0.5)"]
+    assert len(judge_doubts({}, 0.35)) == 2  # no figures: undefined, and no length accuracy either

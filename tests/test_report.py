@@ -18,7 +18,7 @@ from PIL import Image
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from rlhf.report import JUDGE_AT_CHANCE, render_report
+from rlhf.report import JUDGE_AT_CHANCE, JUDGE_MEANINGLESS, render_report
 from tasks import report
 from tasks.common import cli
 
@@ -159,10 +159,10 @@ def test_a_judge_at_chance_is_flagged_and_its_win_rates_marked(project):
     judge = html[html.index('<h2 id="judge">') : html.index('<h2 id="ppo">')]
     assert f"{JUDGE_AT_CHANCE} (judge accuracy 0.53 [0.46, 0.60] includes chance (0.5))" in judge
     evaluation = html[html.index('<h2 id="evaluation">') : html.index('<h2 id="samples">')]
-    assert JUDGE_AT_CHANCE in evaluation and re.search(
+    assert JUDGE_MEANINGLESS in evaluation and re.search(
         r'<tr class="muted">\s*<td>judge</td>.*not meaningful', evaluation
     )
-    assert "(not meaningful: the judge is at chance)" in html  # beside the judge win rate in the headline
+    assert "(not meaningful: see the evaluation)" in html  # beside the judge win rate in the headline
     assert report.headline(loaded)["eval/judge/meaningful"] == 0.0
 
 

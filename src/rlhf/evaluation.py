@@ -40,6 +40,7 @@ class EvalConfig:
     curve_prompts: int = 16  # the first N eval prompts: the fixed set of the over-optimisation curve
     bootstrap_resamples: int = 2000
     judge_max_length: int = 256  # tokens of prompt + response the judge reads (its training max_length)
+    judge_min_length_accuracy: float = 0.35  # below it on either length kind of pair the judge ranks by length
     ptx_max_length: int = 128  # tokens of a held-out ptx row (the alignment tax's perplexity)
     seed: int = 1234
 

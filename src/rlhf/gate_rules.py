@@ -12,7 +12,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from rlhf.stats import wilson_interval
+from rlhf.stats import chance_warning, wilson_interval
 
 
 @dataclass(frozen=True)
@@ -130,6 +130,34 @@ def as_records(checks: list[Check]) -> list[dict[str, Any]]:
     return [{**asdict(c), "value": None if math.isnan(c.value) else c.value} for c in checks]
 
 
+def judge_doubts(judge: dict[str, Any], min_length_accuracy: float) -> list[str]:
+    """Why the judge's verdicts mean nothing, one reason each; ``[]`` when they mean something.
+
+    A judge must rank its own held-out pairs better than chance (the lower end of its Wilson 95% interval
+    of judge_eval accuracy above 0.5, :func:`rlhf.stats.chance_warning`), and not by length alone: the
+    smaller of its accuracies on chosen-shorter and on chosen-longer pairs must be at least
+    ``min_length_accuracy`` (a judge that prefers the shorter response whatever it says calls a policy that
+    writes less "better"; the reward gate's length criterion, applied to the judge).
+
+    Args:
+        judge: the judge stage's metrics (``judge/accuracy`` with ``_low``/``_high``,
+            ``judge/accuracy_chosen_shorter``, ``judge/accuracy_chosen_longer``); None or NaN where undefined.
+        min_length_accuracy: the floor of the smaller length-kind accuracy, in [0, 1].
+    """
+    doubts = []
+    at_chance = chance_warning("judge_eval accuracy", *(judge.get(f"judge/accuracy{s}") for s in ("", "_low", "_high")))
+    if at_chance:
+        doubts.append(at_chance)
+    kinds = [judge.get(f"judge/accuracy_chosen_{kind}") for kind in ("shorter", "longer")]
+    smaller = min((k for k in kinds if k is not None and not math.isnan(k)), default=float("nan"))
+    if not smaller >= min_length_accuracy:
+        doubts.append(
+            f"it ranks by length: accuracy {_fmt(kinds[0])} on chosen-shorter and {_fmt(kinds[1])} on chosen-longer "
+            f"pairs, the smaller below {min_length_accuracy}"
+        )
+    return doubts
+
+
 @dataclass(frozen=True)
 class PolicyCriteria:
     """The bounds of the policy gate (params.yaml ``registry.policy_gate``).
@@ -138,8 +166,8 @@ class PolicyCriteria:
     training never reads) or ``proxy`` (the reward model the policy was trained against: circular, it rises when
     the policy fools it). ``min_win_rate_low``: the lower end of the 95% interval of that win rate over the SFT
     model (ties left out; bootstrap over prompts, :func:`rlhf.stats.clustered_rate`) must be at least this.
-    With the judge, the judge itself must be better than chance: the lower end of its judge_eval accuracy
-    interval above 0.5, or its verdict means nothing. ``max_kl``: the policy's KL to the SFT model on the
+    With the judge, its verdicts must mean something (``eval/judge/meaningful``, :func:`judge_doubts`: its
+    judge_eval accuracy above chance and not by length alone). ``max_kl``: the policy's KL to the SFT model on the
     eval prompts, nats per response, at most this. ``min_eos_rate``: the share of the policy's eval responses
     that end with EOS, at least this.
     """
@@ -170,27 +198,29 @@ def policy_gate(evaluation: dict[str, Any], ppo: dict[str, Any], criteria: Polic
 
     Args:
         evaluation: the evaluate stage's metrics (``eval/<verdict>/win_rate`` with ``_low``,
-            ``eval/<verdict>/decisive``, ``eval/<verdict>/ties``; ``eval/judge/accuracy_low``;
+            ``eval/<verdict>/decisive``, ``eval/<verdict>/ties``; ``eval/judge/meaningful`` (1 or 0);
             ``eval/policy/kl``, ``eval/policy/eos_rate``); None or NaN where undefined.
         ppo: the ppo stage's metrics (``stopped_by``: the collapse that stopped the run, or None;
             ``ppo/last/collapse``).
         criteria: the bounds.
 
     Returns:
-        ``[Check]``: with the judge, its own accuracy lower bound (above 0.5); the win rate's lower 95% bound
+        ``[Check]``: with the judge, that its verdicts mean something; the win rate's lower 95% bound
         (at least its floor; all ties fail), KL (at most its bound), no collapse, EOS rate (at least its bound).
     """
     who = criteria.verdict
     checks = []
     if who == "judge":
-        low = _number(evaluation, "eval/judge/accuracy_low")
+        meaningful = _number(evaluation, "eval/judge/meaningful")
         checks.append(
             Check(
-                "the judge is better than chance: judge_eval accuracy, lower 95% bound (Wilson)",
-                low,
-                0.5,
-                low > 0.5,
-                f"accuracy {_fmt(evaluation.get('eval/judge/accuracy'))}; a judge at chance gives meaningless verdicts",
+                "the judge's verdicts mean something (accuracy above chance, not ranking by length)",
+                meaningful,
+                1.0,
+                meaningful == 1.0,
+                f"judge_eval accuracy {_fmt(evaluation.get('eval/judge/accuracy'))}, lower bound "
+                f"{_fmt(evaluation.get('eval/judge/accuracy_low'))}, length accuracy "
+                f"{_fmt(evaluation.get('eval/judge/length_accuracy'))} (evaluate says why)",
             )
         )
     collapsed = bool(ppo.get("stopped_by")) or bool(ppo.get("ppo/last/collapse"))

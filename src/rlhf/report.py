@@ -66,6 +66,9 @@ RESPONSE_ROWS = (("length (tokens)", "length"), ("EOS rate", "eos_rate"), ("dist
                  ("distinct-2", "distinct_2"), ("refusal rate", "refusal_rate"),
                  ("ptx perplexity", "ptx_perplexity"))  # fmt: skip
 JUDGE_AT_CHANCE = "the judge is at chance: its win rates below mean nothing"
+JUDGE_MEANINGLESS = (  # eval/judge/meaningful 0 (rlhf.gate_rules.judge_doubts: at chance, or ranking by length)
+    "the verdicts of the judge mean nothing: it is at chance on judge_eval or ranks by length (see the evaluate log)"
+)
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 NA = "n/a"
 
@@ -287,13 +290,16 @@ def ppo_section(loaded: dict[str, Any], figures: dict[str, bytes | None]) -> dic
 
 
 def eval_section(loaded: dict[str, Any]) -> dict[str, Any]:
-    """Win rates with their intervals (judge rows marked when the judge is at chance) and the policy gate."""
+    """Win rates with their intervals (judge rows marked when its verdicts mean nothing) and the policy gate."""
     section = _section("evaluation", "Evaluation: policy against SFT", loaded, "eval", "policy_gate")
     ev = loaded.get("eval")
     if ev is not None:
         meaningless = number(ev.get("eval/judge/meaningful")) == 0.0
         if meaningless:
-            section["warnings"].append(f"{JUDGE_AT_CHANCE} (judge accuracy {fmt_interval(ev, 'eval/judge/accuracy')})")
+            section["warnings"].append(
+                f"{JUDGE_MEANINGLESS} (judge accuracy {fmt_interval(ev, 'eval/judge/accuracy')}, smaller length-kind "
+                f"accuracy {fmt(ev.get('eval/judge/length_accuracy'))})"
+            )
         section["notes"].append(f"{fmt_count(ev.get('eval/prompts'))} prompts, "
                                 f"{fmt_count(ev.get('eval/samples_per_prompt'))} samples per prompt; judge accuracy "
                                 f"{fmt_interval(ev, 'eval/judge/accuracy')}; reward model version "
@@ -363,7 +369,7 @@ def render_report(
     loaded = {name: loaded.get(name) for name in INPUTS}
     check_inputs(loaded)
     ev, meaningful = loaded.get("eval") or {}, number((loaded.get("eval") or {}).get("eval/judge/meaningful"))
-    judge_note = " (not meaningful: the judge is at chance)" if meaningful == 0.0 else ""
+    judge_note = " (not meaningful: see the evaluation)" if meaningful == 0.0 else ""
     headline_rows = [
         ("reward-model accuracy [95%]", fmt_interval(loaded.get("reward") or {}, "rm/accuracy")),
         ("judge accuracy [95%]", fmt_interval(loaded.get("judge") or {}, "judge/accuracy")),
