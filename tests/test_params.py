@@ -52,7 +52,7 @@ def test_a_key_set_both_by_the_preset_and_at_the_top_is_refused_naming_both_plac
 def test_a_misspelled_profile_is_refused_naming_the_known_ones():
     params = load("params.yaml")
     params["profile"] = "tinny"
-    with pytest.raises(ValueError, match=r"profile is 'tinny'; known profiles: \['demo', 'tiny'\]"):
+    with pytest.raises(ValueError, match=r"profile is 'tinny'; known profiles: \['demo', 'full', 'tiny'\]"):
         stage_params("sft", params)
 
 
