@@ -82,15 +82,18 @@ def judge_figures(judge: dict[str, Any], min_length_accuracy: float) -> tuple[di
 def curve(runs: dict[str, Any], sft: Any, scorers: Scorers, tokenizer, prompts: list, config, settings, runtime):
     """The over-optimisation curve: one row per policy PPO kept (``models/policy_kept/iteration-NNNN``) and the SFT
     model (iteration 0): mean proxy and judge score on the first ``curve_prompts`` prompts (one sample each)
-    and the KL to the SFT model (nats per response) with its square root (Gao et al. plot against it)."""
+    and the KL to the SFT model, nats per response: ``kl`` (k1, as ``eval/policy/kl``; its mean over a few
+    samples can come out below 0), ``kl_k3`` (never negative) and ``sqrt_kl`` = sqrt(``kl_k3``), the axis of
+    Gao et al. 2023."""
 
     def row(iteration: int, run: dict[str, Any]) -> dict[str, float]:
-        kl = float(run["kl"][:, 0].mean())
+        kl, kl_k3 = float(run["kl"][:, 0].mean()), float(run["kl_k3"][:, 0].mean())
         proxy, judge = float(run["proxy"][:, 0].mean()), float(run["judge"][:, 0].mean())
-        return {"iteration": iteration, "kl": kl, "sqrt_kl": math.sqrt(max(kl, 0.0)), "proxy": proxy, "judge": judge}
+        return {"iteration": iteration, "kl": kl, "kl_k3": kl_k3, "sqrt_kl": math.sqrt(kl_k3), "proxy": proxy,
+                "judge": judge}  # fmt: skip
 
     fixed = prompts[: config.curve_prompts]
-    first = {key: runs["sft"][key][: len(fixed)] for key in ("kl", "proxy", "judge")}
+    first = {key: runs["sft"][key][: len(fixed)] for key in ("kl", "kl_k3", "proxy", "judge")}
     rows = [row(0, first)]
     kept = sorted(os.listdir(KEPT)) if os.path.isdir(KEPT) else []
     for name in kept:

@@ -126,14 +126,15 @@ def generate_and_score(
     """Sample ``samples`` responses per prompt (or decode greedily) and score them as PPO does, and by the judge.
 
     Returns:
-        ``proxy``, ``judge``, ``kl`` (nats per response to ``reference``, k1), ``length`` (tokens): ``(P, samples)``
+        ``proxy``, ``judge``, ``kl`` and ``kl_k3`` (nats per response to ``reference``, the k1 and k3 estimates
+        summed over the response's tokens; k3 is never negative), ``length`` (tokens): ``(P, samples)``
         float32 on the CPU; ``ended`` ``(P, samples)`` bool; ``texts``: ``P * samples`` strings, prompt-major.
     """
     torch.manual_seed(config.seed)
     repeated = [p for p in prompts for _ in range(samples)]
     encoded = [encode_prompt(tokenizer, p, config.max_prompt_length) for p in repeated]
     temperature = 1.0 if config.greedy else settings.temperature
-    out: dict[str, list] = {"proxy": [], "unfinished": [], "ended": [], "kl": [], "length": [], "texts": []}
+    out: dict[str, list] = {key: [] for key in ("proxy", "unfinished", "ended", "kl", "kl_k3", "length", "texts")}
     for start in range(0, len(encoded), config.batch_size):
         with runtime.autocast():
             scored = sample_and_score(
@@ -148,7 +149,9 @@ def generate_and_score(
             )
             logprobs, _ = response_logprobs(model, ids, attn, begin, temperature)
             ref_logprobs, _ = response_logprobs(reference, ids, attn, begin, temperature)
-        out["kl"].append(torch.where(mask, losses.kl_k1(logprobs - ref_logprobs), 0.0).sum(-1).float().cpu())
+        logratio = logprobs - ref_logprobs
+        out["kl"].append(torch.where(mask, losses.kl_k1(logratio), 0.0).sum(-1).float().cpu())
+        out["kl_k3"].append(torch.where(mask, losses.kl_k3(logratio), 0.0).sum(-1).float().cpu())
         out["proxy"].append(scored.scores.float().cpu())
         out["unfinished"].append(scored.unfinished.cpu())
         out["ended"].append(rollout.ended.cpu())
