@@ -58,7 +58,10 @@ def summary_lines(metrics: dict[str, float]) -> list[str]:
     as_rm = {("rm/" + k.removeprefix("judge/") if k.startswith("judge/") else k): v for k, v in metrics.items()}
     lines = reward.summary_lines(as_rm)
     return [
-        line.replace("[reward]", "[judge]").replace("rm_eval", "judge_eval").replace("the reward model", "the judge")
+        line.replace("[reward]", "[judge]")
+        .replace("rm_eval", "judge_eval")
+        .replace("the reward model", "the judge")
+        .replace("rm/", "judge/")
         for line in lines
     ]
 

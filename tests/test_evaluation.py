@@ -77,6 +77,7 @@ def test_evaluating_the_sft_model_against_itself_is_all_ties_and_zero_kl(tiny_di
         metrics, runs = evaluate_policy(sft, sft, Scorers(judge, judge, tokenizer), tokenizer, PROMPTS,
                                         [{"text": "Some text."}], config, settings, CPU)  # fmt: skip
     assert metrics["eval/policy/kl"] == 0.0 and metrics["eval/prompts"] == 2 and metrics["eval/samples_per_prompt"] == 2
+    assert torch.equal(runs["policy"]["kl_k3"], torch.zeros(2, 2))  # the curve's axis: k3, 0 for the same model
     for who in ("proxy", "judge"):  # the same seed and weights: the same responses, every comparison a tie
         assert math.isnan(metrics[f"eval/{who}/win_rate"]) and metrics[f"eval/{who}/ties"] == 4
     assert runs["policy"]["texts"] == runs["sft"]["texts"] and runs["sft"]["judge"].shape == (2, 2)
@@ -132,3 +133,17 @@ def test_judge_figures_flag_a_judge_at_chance_or_ranking_by_length():
 def test_eval_config_refuses_no_samples():
     with pytest.raises(ValueError, match="evaluate.samples_per_prompt must be >= 1"):
         EvalConfig(samples_per_prompt=0)
+
+
+def test_the_judge_stage_names_its_figures_judge_and_warns_at_chance():
+    from tasks.judge import judge_metrics, summary_lines
+
+    trained = {"rm/accuracy": 0.568, "rm/accuracy_low": 0.480, "rm/accuracy_high": 0.652, "rm/pairs": 125.0,
+               "rm/ties": 0.0, "rm/accuracy_chosen_shorter": 0.797, "rm/pairs_chosen_shorter": 69.0,
+               "rm/accuracy_chosen_longer": 0.296, "rm/pairs_chosen_longer": 54.0, "rm/steps": 31.0}  # fmt: skip
+    metrics = judge_metrics(trained)
+    assert metrics["judge/accuracy_low"] == 0.480 and not any(key.startswith("rm/") for key in metrics)
+    lines = summary_lines(metrics)
+    assert lines[0].startswith("[judge] judge_eval accuracy 0.568 [0.480, 0.652] (Wilson 95%) over 125 decisive")
+    assert lines[1] == "[judge] judge/steps=31.000" and not any("rm/" in line for line in lines)
+    assert lines[-1].startswith("[judge] WARNING: judge_eval accuracy 0.57 [0.48, 0.65] includes chance (0.5)")
