@@ -38,9 +38,8 @@ class PPOResult:
     reward_samples: dict[int, list[float]]
     stopped_by: str | None
     best_iteration: int
-    kept: str | None = (
-        None  # folder of the kept policies (``iteration-NNNN``, :func:`rlhf.checkpoint.save_kept_policy`)
-    )
+    # the folder of the kept policies (``iteration-NNNN``, :func:`rlhf.checkpoint.save_kept_policy`), if any
+    kept: str | None = None
 
 
 @dataclass

@@ -140,6 +140,8 @@ class PPOConfig:
                 "ppo.lora_rank and ppo.trainable_layers both choose what the policy trains: with lora_rank "
                 f"{self.lora_rank} set trainable_layers to null (the value model then trains every block)"
             )
+        if self.keep_every < 0:
+            raise ValueError(f"ppo.keep_every must be >= 0 (0: keep no policy for the curve), got {self.keep_every}")
         for name in ("collapse_length_ratio", "collapse_perplexity_ratio"):
             if getattr(self, name) is not None and getattr(self, name) <= 1:
                 raise ValueError(f"ppo.{name} must be above 1 (a factor of change), got {getattr(self, name)}")
