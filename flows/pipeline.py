@@ -211,7 +211,9 @@ def run_stage(stage: str, pipeline_run_id: str) -> None:
         RuntimeError: the stage failed otherwise (its output tail is in the message).
     """
     logger = get_run_logger()
-    env = {**os.environ, "RLHF_PIPELINE_RUN_ID": pipeline_run_id}
+    # a stage's `python -m tasks.<stage>` is this interpreter, activated or not (else PATH's first python runs it)
+    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+    env = {**os.environ, "RLHF_PIPELINE_RUN_ID": pipeline_run_id, "PATH": path}
     process = subprocess.Popen(
         [sys.executable, "-m", "dvc", "repro", "--single-item", stage],
         env=env,

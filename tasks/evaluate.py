@@ -79,9 +79,10 @@ def judge_figures(judge: dict[str, Any], min_length_accuracy: float) -> tuple[di
     return {**metrics, "eval/judge/meaningful": float(not doubts)}, doubts
 
 
-def curve(runs: dict[str, Any], sft: Any, scorers: Scorers, tokenizer, prompts: list, config, settings, runtime):
-    """The over-optimisation curve: one row per policy PPO kept (``models/policy_kept/iteration-NNNN``) and the SFT
-    model (iteration 0): mean proxy and judge score on the first ``curve_prompts`` prompts (one sample each)
+def curve(sft: Any, scorers: Scorers, tokenizer, prompts: list, config, settings, runtime) -> list[dict[str, float]]:
+    """The over-optimisation curve: one row per policy PPO kept (``models/policy_kept/iteration-NNNN``, the rollout
+    step) and the SFT model (iteration 0), each sampled the same way (one sample of each of the first
+    ``curve_prompts`` prompts, the same seed and batches): mean proxy and judge score
     and the KL to the SFT model, nats per response: ``kl`` (k1, as ``eval/policy/kl``; its mean over a few
     samples can come out below 0), ``kl_k3`` (never negative) and ``sqrt_kl`` = sqrt(``kl_k3``), the axis of
     Gao et al. 2023."""
@@ -93,13 +94,11 @@ def curve(runs: dict[str, Any], sft: Any, scorers: Scorers, tokenizer, prompts: 
                 "judge": judge}  # fmt: skip
 
     fixed = prompts[: config.curve_prompts]
-    first = {key: runs["sft"][key][: len(fixed)] for key in ("kl", "kl_k3", "proxy", "judge")}
-    rows = [row(0, first)]
-    kept = sorted(os.listdir(KEPT)) if os.path.isdir(KEPT) else []
-    for name in kept:
+    rows = [row(0, generate_and_score(sft, sft, scorers, tokenizer, fixed, config, settings, runtime))]
+    for name in sorted(os.listdir(KEPT)) if os.path.isdir(KEPT) else []:  # each sampled exactly as the SFT point
         policy = runtime.place(load_kept_policy(SFT, os.path.join(KEPT, name)))
-        run = generate_and_score(policy, sft, scorers, tokenizer, fixed, config, settings, runtime)
-        rows.append(row(int(name.split("-")[-1]), run))
+        rows.append(row(int(name.split("-")[-1]), generate_and_score(policy, sft, scorers, tokenizer, fixed, config,
+                                                                     settings, runtime)))  # fmt: skip
         del policy
     return rows
 
@@ -128,7 +127,7 @@ def run(
     heldout = load_jsonl(PTX_HELDOUT)
     metrics, runs = evaluate_policy(sft, policy, scorers, tokenizer, prompts, heldout, config, settings, runtime)
     del policy
-    rows_of_curve = curve(runs, sft, scorers, tokenizer, prompts, config, settings, runtime)
+    rows_of_curve = curve(sft, scorers, tokenizer, prompts, config, settings, runtime)
     judge, doubts = judge_figures(load_json(JUDGE_METRICS), config.judge_min_length_accuracy)
     metrics |= judge | {"eval/reward_model_version": float(champion["version"])}
     return metrics, sample_rows(rows, runs), rows_of_curve, config, doubts
@@ -168,19 +167,28 @@ def scores_figure(samples: list[dict[str, Any]], folder: str) -> None:
     plt.close(figure)
 
 
-def gate_policy(metrics: dict[str, float], run_id: str) -> dict[str, Any]:
+def policy_criteria() -> Any:
+    """``registry.policy_gate`` as :class:`rlhf.gate_rules.PolicyCriteria`; raises ValueError on a bad bound or
+    verdict (the stage asks first, before any model is loaded)."""
+    from rlhf.gate_rules import PolicyCriteria
+
+    return PolicyCriteria(**stage_params("registry")["policy_gate"])
+
+
+def gate_policy(metrics: dict[str, float], run_id: str, doubts: list[str] | None = None) -> dict[str, Any]:
     """Register ``models/policy`` (once per content) and decide the policy gate on it, once.
 
-    The verdict is ``registry.policy_gate.verdict``'s (the judge by default); a pass moves the policy's
-    ``champion`` alias (:func:`tasks.registry.decide_once`). Returns the report for ``reports/policy_gate.json``.
+    The verdict is ``registry.policy_gate.verdict``'s (the judge by default; ``doubts``: why its verdicts
+    mean nothing, for the report); a pass moves the policy's ``champion`` alias
+    (:func:`tasks.registry.decide_once`). Returns the report for ``reports/policy_gate.json``.
     """
-    from rlhf.gate_rules import PolicyCriteria, policy_gate
+    from rlhf.gate_rules import policy_gate
     from tasks.outputs import load_json
     from tasks.registry import decide_once, find_by_sha, folder_sha256, register, version_tags
     from tasks.runs import tracking_client
 
     params = stage_params("registry")
-    criteria = PolicyCriteria(**params["policy_gate"])  # a bad bound stops before anything is registered
+    criteria = policy_criteria()  # a bad bound stops before anything is registered
     client, _ = tracking_client()
     name, ppo = params["policy_model"], load_json(PPO_METRICS)
     candidate = find_by_sha(client, name, folder_sha256(POLICY))
@@ -190,7 +198,8 @@ def gate_policy(metrics: dict[str, float], run_id: str) -> dict[str, Any]:
     win = metrics.get(f"eval/{criteria.verdict}/win_rate")
     reason = f"passed the policy gate (win rate {win} by the {criteria.verdict})"
     move = not params["policy_approval"]["required"]  # else a person approves in the flow (flows/approval.py)
-    decision = decide_once(client, name, candidate, lambda: (policy_gate(metrics, ppo, criteria), {}), reason, move)
+    checks = lambda: (policy_gate(metrics, ppo, criteria, doubts), {})  # noqa: E731 (decided once, maybe never)
+    decision = decide_once(client, name, candidate, checks, reason, move)
     return {"candidate": {"name": name, "version": str(candidate.version)}, **decision}
 
 
@@ -199,6 +208,7 @@ def main() -> None:
     import mlflow
 
     params, generation, device = stage_params("evaluate"), stage_params("generation"), stage_params("device")
+    policy_criteria()  # a bad registry.policy_gate stops here, not after the evaluation
     with (
         StageRun("evaluate", {**params, "generation": generation, "device": device}) as stage,
         StagedOutputs() as outputs,
@@ -213,7 +223,7 @@ def main() -> None:
         mlflow.log_artifacts(reports, "eval")
         by_iteration = {r["iteration"]: {k: v for k, v in r.items() if k != "iteration"} for r in rows}
         write_metrics(outputs.file(METRICS), metrics, stage, curves={outputs.file(CURVE): by_iteration})
-        report = gate_policy(metrics, stage.run.info.run_id)  # last: a registry that is down keeps the old outputs
+        report = gate_policy(metrics, stage.run.info.run_id, doubts)  # last: a registry that is down keeps the old
         write_json(outputs.file(POLICY_GATE), report)
     for line in summary_lines(metrics, doubts):
         print(line, flush=True)

@@ -121,17 +121,24 @@ def _run_lineage(client, run_id: str) -> list[tuple[str, str]]:
     return [("MLflow pipeline (parent) run", f"`{parent}`"), ("MLflow stage runs of that pipeline", ", ".join(stages))]
 
 
-def _metric_facts(found, client, registry: dict[str, Any]) -> dict[str, Any]:
+def _metric_facts(found, client, registry: dict[str, Any], folder_sha: str) -> dict[str, Any]:
     """The Metrics section: the key rows (name, value with interval, source), the other eval metrics, the judge
-    warning; from the registered version's tags, else the project's metrics files."""
+    warning; from the registered version's tags, else the project's metrics files, but only for the model they
+    measured (the folder's content is that of ``models/policy``): another folder's metrics are unknown."""
+    from tasks.registry import folder_sha256
+
+    evaluated = os.path.isdir(POLICY) and folder_sha256(POLICY) == folder_sha
     if found is not None:
         metrics = _registry_metrics(found)
         metrics_from = f"the `{METRIC_PREFIX}*` tags of {found.name} v{found.version}"
         where = dict.fromkeys(metrics, f"registry v{found.version}")
-    else:
+    elif evaluated:
         metrics = _load(EVAL)
         metrics_from = f"the project's {EVAL}" if os.path.isfile(EVAL) else f"{UNKNOWN} (no {EVAL}, not registered)"
         where = dict.fromkeys(metrics, EVAL)
+    else:
+        metrics, where = {}, {}
+        metrics_from = f"{UNKNOWN}: this folder is neither a registered version nor the evaluated {POLICY}"
     reward, reward_from = _reward_metrics(client, registry, metrics, found)
     judge = {f"eval/{k}": v for k, v in _load(JUDGE).items()} if "eval/judge/accuracy" not in metrics else {}
     metrics |= reward | judge
@@ -154,7 +161,7 @@ def _metric_facts(found, client, registry: dict[str, Any]) -> dict[str, Any]:
     judge_warning = None
     if _number(metrics.get("eval/judge/meaningful", "")) == 0.0:
         judge_warning = ("the judge is not meaningful (eval/judge/meaningful = 0: its accuracy interval does not "
-                         "lie above 0.5), so its win rates mean nothing.")  # fmt: skip
+                         "lie above 0.5, or it ranks by length), so its win rates mean nothing.")  # fmt: skip
     elif "eval/judge/meaningful" not in metrics:
         judge_warning = "whether the judge is meaningful is unknown (no eval/judge/meaningful recorded)."
     return {
@@ -256,7 +263,7 @@ def card_facts(folder_sha: str, found=None, client=None, exported_from: str = ""
     if tags.get(COMMIT_TAG) and tags[COMMIT_TAG] != commit_now:
         note = (f"the params are the checkout's (commit {commit_now}); the version was trained at commit "
                 f"{tags[COMMIT_TAG]}, whose params.yaml may differ.")  # fmt: skip
-    metric_facts = _metric_facts(found, client, registry)
+    metric_facts = _metric_facts(found, client, registry, folder_sha)
     return {
         "model_name": f"{found.name} v{found.version}" if found is not None else "RLHF policy (unregistered)",
         "exported_at": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -311,8 +318,8 @@ def limitations(random_weights: bool, judge_doubtful: Any, tags: dict[str, str],
     if tags.get("rlhf.gate.decision") == "fail":
         lines.append("This version FAILED its policy gate.")
     if found is None:
-        lines.append("This folder matches no registered version: its metrics are the project's latest files, "
-                     "which may describe another model.")  # fmt: skip
+        lines.append("This folder matches no registered version: its metrics are the project's latest files when "
+                     "it is the evaluated models/policy, unknown otherwise.")  # fmt: skip
     return lines
 
 

@@ -112,12 +112,17 @@ def load(folder: str, device: str = "auto"):
     the model in eval mode on ``device`` (``auto``: CUDA when present).
 
     Raises:
-        UserError: the tokenizer has no chat template.
+        UserError: the folder holds no causal LM (a reward model, say), or its tokenizer has no chat template.
     """
     import torch
+    from transformers import AutoConfig
 
     from rlhf.models import load_causal_lm, load_tokenizer
 
+    architectures = AutoConfig.from_pretrained(folder, trust_remote_code=False).architectures or []
+    if not any(name.endswith("ForCausalLM") for name in architectures):
+        raise UserError(f"{folder}: not a causal language model ({', '.join(architectures) or 'no architecture'}); "
+                        "give a policy (e.g. models/policy)")  # fmt: skip
     tokenizer = load_tokenizer(folder)
     if not tokenizer.chat_template:
         raise UserError(f"{folder}: the tokenizer has no chat template")

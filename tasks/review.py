@@ -33,6 +33,7 @@ from rlhf.review import (
 )
 
 COLUMNS = ("row", "prompt", "response_a", "response_b", "preference", "comment")
+CHECKED = ("prompt", "response_a", "response_b")  # cells the key holds a hash of: a row from another export is refused
 REQUIRED = ("row", "preference")  # what import needs; the prompt column, when kept, is checked against the key
 DELIMITERS = (",", ";", "\t")  # spreadsheets in some locales save CSV with ';'
 
@@ -86,7 +87,12 @@ def build_review(samples: dict[str, Any], sample: int, seed: int, source: str) -
         first, second = (row["policy_response"], row["sft_response"])[:: 1 if policy == "A" else -1]
         prompt = spreadsheet_safe(prompt_text(row))
         table.append([str(number), prompt, spreadsheet_safe(str(first)), spreadsheet_safe(str(second)), "", ""])
-        key_rows[str(number)] = {"id": str(row["id"]), "policy": policy, "prompt_sha256": prompt_digest(prompt)}
+        cells = dict(zip(CHECKED, (prompt, first, second), strict=True))
+        key_rows[str(number)] = {
+            "id": str(row["id"]),
+            "policy": policy,
+            "sha256": {c: prompt_digest(t) for c, t in cells.items()},
+        }
     key = {"run_id": samples.get("run_id", ""), "seed": seed, "sample": sample, "rows": key_rows}
     return table, key
 
@@ -172,7 +178,7 @@ def read_review(path: str, key: dict[str, Any]) -> tuple[Tally, list[str], list[
             missing, a row number not in the key, a row twice, no rows, or no prompt matching the key.
     """
     header, records = read_table(path)
-    column = {name: header.index(name) for name in (*REQUIRED, "prompt") if name in header}
+    column = {name: header.index(name) for name in (*REQUIRED, *CHECKED) if name in header}
     rows = key["rows"]
     fatal, lines_of = [], {}
     for line, record in enumerate(records, start=2):  # the spreadsheet's line; the header is line 1
@@ -195,10 +201,14 @@ def read_review(path: str, key: dict[str, Any]) -> tuple[Tally, list[str], list[
     outcomes, problems, blank, mismatched = [], [], [], 0
     for number, [(_, record)] in sorted(lines_of.items()):
         cells = {name: (record[i] if i < len(record) else "") for name, i in column.items()}
-        expected = rows[str(number)].get("prompt_sha256")
-        if "prompt" in cells and expected and prompt_digest(cells["prompt"]) != expected:
+        expected = rows[str(number)].get("sha256") or {}
+        changed = [c for c in CHECKED if c in cells and c in expected and prompt_digest(cells[c]) != expected[c]]
+        if changed:
             mismatched += 1
-            problems.append(f"{path} row {number}: the prompt is not the one exported as row {number}; row left out")
+            problems.append(
+                f"{path} row {number}: the {' and '.join(changed)} is not what was exported as row {number} (another "
+                "export, or edited); row left out"
+            )
             continue
         try:
             preference = parse_preference(cells["preference"])
@@ -209,7 +219,7 @@ def read_review(path: str, key: dict[str, Any]) -> tuple[Tally, list[str], list[
             blank.append(number)
         outcomes.append(None if preference is None else outcome(preference, rows[str(number)]["policy"]))
     if mismatched and mismatched == len(lines_of):
-        raise ReviewError(f"{path}: no row's prompt matches the key: the file and the key come from different exports")
+        raise ReviewError(f"{path}: no row matches the key: the file and the key come from different exports")
     absent = sorted(int(n) for n in rows if int(n) not in lines_of)
     notes = []
     if blank:

@@ -144,3 +144,9 @@ def test_judge_doubts_a_judge_at_chance_and_one_that_ranks_by_length():
     at_chance = judge_doubts({**JUDGE, "judge/accuracy_low": 0.45, "judge/accuracy_chosen_longer": 0.41}, 0.35)
     assert at_chance == ["judge_eval accuracy 0.59 [0.45, 0.67] includes chance (0.5)"]
     assert len(judge_doubts({}, 0.35)) == 2  # no figures: undefined, and no length accuracy either
+
+
+def test_the_gate_says_why_the_judge_means_nothing():
+    why = ["it ranks by length: accuracy 0.913 on chosen-shorter and 0.204 on chosen-longer pairs"]
+    checks = policy_gate({**EVAL, "eval/judge/meaningful": 0.0}, {}, POLICY, why)
+    assert not checks[0].passed and checks[0].detail == why[0] and why[0] in checks[0].line()

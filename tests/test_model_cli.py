@@ -270,3 +270,27 @@ def test_generate_answers_every_row_and_refuses_a_bad_row_in_one_line(tiny_dir, 
 def test_a_bad_model_argument_is_one_line(model, registry_project):
     result = runner.invoke(model_cli.app, ["chat", model], input="/exit\n")
     assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1, result.output
+
+
+def test_export_refuses_a_reward_model_and_gives_another_folder_no_metrics_of_the_policy(registry_project, tiny_dir):
+    from rlhf.models import load_causal_lm, load_scalar_model, load_tokenizer
+
+    project_files(registry_project)
+    shutil.copytree(tiny_dir, registry_project / "models" / "policy")
+    os.makedirs(registry_project / "metrics")
+    (registry_project / "metrics" / "eval.json").write_text(json.dumps(EVAL))
+    load_scalar_model(tiny_dir).save_pretrained("scalar")
+    load_tokenizer(tiny_dir).save_pretrained("scalar")
+    result = runner.invoke(model_cli.app, ["export", "--out", "hf-rm", "--model", "scalar"])
+    assert result.exit_code == 1 and "scalar: not a causal language model (LlamaForSequenceClassification)" in (
+        result.output
+    )
+    other = load_causal_lm(tiny_dir)
+    with torch.no_grad():
+        other.lm_head.weight.add_(0.1)  # other weights: not the evaluated models/policy
+    other.save_pretrained("other")
+    load_tokenizer(tiny_dir).save_pretrained("other")
+    result = runner.invoke(model_cli.app, ["export", "--out", "hf-other", "--model", "other"])
+    assert result.exit_code == 0, result.output
+    metrics = card_sections((registry_project / "hf-other" / "README.md").read_text())["Metrics"]
+    assert "neither a registered version nor the evaluated models/policy" in metrics and "0.610" not in metrics

@@ -77,8 +77,8 @@ def assert_outputs(project: str) -> None:
         "reports/eval/samples.json",
         "reports/ppo/ppo_kl.png",
         "models/judge/model.safetensors",
-        "models/policy_kept/iteration-0002/kept.json",  # tiny: keep_every 2 of 3 iterations, and the last
-        "models/policy_kept/iteration-0003/kept.json",
+        "models/policy_kept/iteration-0003/kept.json",  # tiny: policy iterations 2 (keep_every) and 3 (the last),
+        "models/policy_kept/iteration-0004/kept.json",  # named by the rollout step (1 critic pre-training rollout)
         "reports/index.html",
     ):
         assert os.path.exists(os.path.join(project, path)), path
@@ -91,7 +91,7 @@ def assert_outputs(project: str) -> None:
     assert 0.0 <= metrics["eval/policy/eos_rate"] <= 1.0 and metrics["eval/judge/meaningful"] in (0.0, 1.0)
     with open(os.path.join(project, "metrics/overoptimisation.json")) as handle:
         curve = json.load(handle)
-    assert [row["iteration"] for row in curve] == [0, 2, 3] and curve[0]["kl"] == 0.0
+    assert [row["iteration"] for row in curve] == [0, 3, 4] and curve[0]["kl"] == 0.0
     status = subprocess.run(
         [sys.executable, "-m", "dvc", "status", "--json"], cwd=project, capture_output=True, text=True, check=True
     ).stdout

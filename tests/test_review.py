@@ -167,7 +167,7 @@ def test_bad_cells_are_reported_and_the_rest_used(tmp_path):
     assert result.stderr.splitlines() == [
         f'{out} row 7: preference "maybe" is not A, B or tie; row left out',
         f'{out} row 8: preference "A B" is not A, B or tie; row left out',
-        f"{out} row 9: the prompt is not the one exported as row 9; row left out",
+        f"{out} row 9: the prompt is not what was exported as row 9 (another export, or edited); row left out",
     ]
     assert "human win rate 1.000 [0.646, 1.000] (Wilson 95%) over 7 decisive rows, 0 ties, 0 not rated, 3 unusable" in (
         result.stdout
@@ -262,3 +262,17 @@ def test_import_logs_to_the_run_in_the_key(tracked_project, tmp_path):
     result = RUNNER.invoke(review.app, ["import", "ab.csv", "--key", "ab_key.json"])
     assert result.exit_code == 1 and "human win rate 0.750" in result.stdout
     assert len(result.stderr.splitlines()) == 1 and result.stderr.startswith(f"review: MLflow run {'0' * 32}: ")
+
+
+def test_a_file_from_another_export_never_counts_a_row_against_the_wrong_key(tmp_path):
+    write_samples(tmp_path)
+    os.makedirs(tmp_path / "other")
+    shutil.copy(tmp_path / "samples.json", tmp_path / "other" / "samples.json")
+    out, _, key = export(tmp_path)  # seed 0: the rater fills this file, preferring the policy in every row
+    _, other_key_path, other_key = export(tmp_path / "other", "--seed", "1")
+    fill(out, key, lambda n, policy: policy)
+    found, problems, _ = review.read_review(out, other_key)
+    flipped = [n for n in key["rows"] if key["rows"][n]["policy"] != other_key["rows"][n]["policy"]]
+    assert flipped and len(problems) == len(flipped) and found.unusable == len(flipped)
+    assert all("is not what was exported" in line and "response_a and response_b" in line for line in problems)
+    assert (found.wins, found.losses) == (50 - len(flipped), 0)  # the rows left are read right: all wins

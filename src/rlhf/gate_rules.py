@@ -193,7 +193,9 @@ def _number(metrics: dict[str, Any], key: str) -> float:
     return float("nan") if value is None else float(value)
 
 
-def policy_gate(evaluation: dict[str, Any], ppo: dict[str, Any], criteria: PolicyCriteria) -> list[Check]:
+def policy_gate(
+    evaluation: dict[str, Any], ppo: dict[str, Any], criteria: PolicyCriteria, doubts: list[str] | None = None
+) -> list[Check]:
     """The checks of a trained policy, in a fixed order; it passes when all pass.
 
     Args:
@@ -203,6 +205,7 @@ def policy_gate(evaluation: dict[str, Any], ppo: dict[str, Any], criteria: Polic
         ppo: the ppo stage's metrics (``stopped_by``: the collapse that stopped the run, or None;
             ``ppo/last/collapse``).
         criteria: the bounds.
+        doubts: why the judge's verdicts mean nothing (:func:`judge_doubts`), for the check's detail.
 
     Returns:
         ``[Check]``: with the judge, that its verdicts mean something; the win rate's lower 95% bound
@@ -218,9 +221,11 @@ def policy_gate(evaluation: dict[str, Any], ppo: dict[str, Any], criteria: Polic
                 meaningful,
                 1.0,
                 meaningful == 1.0,
-                f"judge_eval accuracy {_fmt(evaluation.get('eval/judge/accuracy'))}, lower bound "
+                "; ".join(doubts)
+                if doubts
+                else f"judge_eval accuracy {_fmt(evaluation.get('eval/judge/accuracy'))}, lower bound "
                 f"{_fmt(evaluation.get('eval/judge/accuracy_low'))}, length accuracy "
-                f"{_fmt(evaluation.get('eval/judge/length_accuracy'))} (evaluate says why)",
+                f"{_fmt(evaluation.get('eval/judge/length_accuracy'))}",
             )
         )
     collapsed = bool(ppo.get("stopped_by")) or bool(ppo.get("ppo/last/collapse"))

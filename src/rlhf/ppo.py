@@ -216,9 +216,10 @@ def train_ppo(
         ):
             stats.update(_keep_best(models, tokenizer, validation, settings, runtime, state, best_dir, step))
         if stats.get("ppo/updated_policy") and _kept_now(state["policy_iterations"], config):
-            n = state["policy_iterations"]
-            meta = {"iteration": n, "lora_rank": config.lora_rank, "lora_alpha": config.lora_alpha}
-            save_kept_policy(models.policy, os.path.join(kept_dir, f"iteration-{n:04d}"), meta)
+            # named by the rollout step, as the curves, the checkpoints and ppo/shipped_iteration count
+            meta = {"iteration": step, "policy_iteration": state["policy_iterations"]}
+            meta |= {"lora_rank": config.lora_rank, "lora_alpha": config.lora_alpha}
+            save_kept_policy(models.policy, os.path.join(kept_dir, f"iteration-{step:04d}"), meta)
         log(stats, step)
         state["history"][step] = stats
         bar.update(int(stats.get("ppo/updated_policy", 0.0)))

@@ -140,13 +140,14 @@ def check_inputs(loaded: dict[str, Any]) -> None:
 
 
 def headline(loaded: dict[str, Any]) -> dict[str, float]:
-    """The headline figures of :data:`HEADLINE` present in ``loaded`` (a missing file, None or NaN is left out).
+    """The headline figures of :data:`HEADLINE` in ``loaded``: a figure its file holds as None or NaN (a win rate
+    of all ties) is NaN, so the parent run shows it undefined rather than absent; a missing file's are left out.
 
     Returns:
-        e.g. ``{"rm/accuracy": 0.59, "rm/accuracy_low": 0.52, "eval/judge/win_rate": 0.61, ...}``.
+        e.g. ``{"rm/accuracy": 0.59, "rm/accuracy_low": 0.52, "eval/judge/win_rate": nan, ...}``.
     """
-    found = {key: number((loaded.get(name) or {}).get(key)) for name, key in HEADLINE}
-    return {key: value for key, value in found.items() if value is not None}
+    found = {key: (loaded[name] or {}).get(key, math.nan) for name, key in HEADLINE if loaded.get(name) is not None}
+    return {key: math.nan if number(value) is None else float(value) for key, value in found.items()}
 
 
 def _missing(loaded: dict[str, Any], *names: str) -> list[str]:
