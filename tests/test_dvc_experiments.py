@@ -124,7 +124,9 @@ def test_an_experiment_compares_with_the_committed_baseline_in_dvc_exp_show_and_
     params_diff = dvc_json(project, "params", "diff", baseline, "kl-0.1")
     assert params_diff == {"params.yaml": {"ppo.kl_coef": {"old": 0.05, "new": 0.1, "diff": pytest.approx(0.05)}}}
     plots = dvc_json(project, "plots", "diff", baseline, "kl-0.1")
-    assert not plots.get("errors"), plots.get("errors")
+    # evaluate did not run (ppo is the target): its curve, metrics/overoptimisation.json, is in neither revision
+    errors = [e for e in plots.get("errors") or [] if e.get("source") != "metrics/overoptimisation.json"]
+    assert not errors, errors
     iterations = len(load(os.path.join(project, "metrics", "ppo_curves.json")))
     for name in ("metrics/ppo_curves.json", "ppo/kl", "ppo/value/explained_variance"):
         (figure,) = plots["data"][name]
