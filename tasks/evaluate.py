@@ -198,8 +198,11 @@ def gate_policy(metrics: dict[str, float], run_id: str, doubts: list[str] | None
     win = metrics.get(f"eval/{criteria.verdict}/win_rate")
     reason = f"passed the policy gate (win rate {win} by the {criteria.verdict})"
     move = not params["policy_approval"]["required"]  # else a person approves in the flow (flows/approval.py)
-    checks = lambda: (policy_gate(metrics, ppo, criteria, doubts), {})  # noqa: E731 (decided once, maybe never)
-    decision = decide_once(client, name, candidate, checks, reason, move)
+
+    def judge() -> tuple[list, dict]:  # runs only for a version not decided before
+        return policy_gate(metrics, ppo, criteria, doubts), {}
+
+    decision = decide_once(client, name, candidate, judge, reason, move)
     return {"candidate": {"name": name, "version": str(candidate.version)}, **decision}
 
 

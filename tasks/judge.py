@@ -18,7 +18,7 @@ from typing import Any
 
 from tasks import reward
 from tasks.common import cli
-from tasks.outputs import StagedOutputs, write_metrics
+from tasks.outputs import StagedOutputs
 from tasks.params import stage_params
 from tasks.runs import StageRun
 
@@ -68,15 +68,10 @@ def summary_lines(metrics: dict[str, float]) -> list[str]:
 
 def main() -> None:
     """DVC stage command."""
-    import mlflow
-
     params, device = stage_params("judge"), stage_params("device")
     with StageRun("judge", {**params, "device": device}) as stage, StagedOutputs() as outputs:
         metrics, figure = run(params, stage.log, outputs, device)
-        stage.log(metrics, int(metrics["judge/steps"]))
-        figure.savefig(outputs.file(FIGURE), dpi=100)
-        mlflow.log_figure(figure, "judge_margins.png")
-        write_metrics(outputs.file(METRICS), metrics, stage)
+        reward.write_outputs(stage, outputs, metrics, "judge/steps", figure, FIGURE, METRICS)
     for line in summary_lines(metrics):
         print(line, flush=True)
 

@@ -134,18 +134,25 @@ def register_version(folder: str, metrics: dict[str, float], params: dict[str, A
     return f"[reward] registered {name} version {found.version} (the gate stage decides on it)"
 
 
-def main() -> None:
-    """DVC stage command."""
+def write_outputs(stage, outputs: StagedOutputs, metrics: dict[str, float], steps: str, figure, figure_path: str,
+                  metrics_path: str) -> None:  # fmt: skip
+    """Log ``metrics`` at the step count ``metrics[steps]``, stage the margin histogram ``figure`` (also an MLflow
+    figure) and the metrics file: what the reward and the judge stage both write."""
     import mlflow
 
+    stage.log(metrics, int(metrics[steps]))
+    figure.savefig(outputs.file(figure_path), dpi=100)
+    mlflow.log_figure(figure, os.path.basename(figure_path))
+    write_metrics(outputs.file(metrics_path), metrics, stage)
+
+
+def main() -> None:
+    """DVC stage command."""
     params, device = stage_params("reward"), stage_params("device")
     with StageRun("reward", {**params, "device": device}) as stage, StagedOutputs() as outputs:
         metrics, figure = run(params, stage.log, outputs, device)
-        stage.log(metrics, int(metrics["rm/steps"]))
-        figure.savefig(outputs.file(FIGURE), dpi=100)
-        mlflow.log_figure(figure, "reward_margins.png")
+        write_outputs(stage, outputs, metrics, "rm/steps", figure, FIGURE, METRICS)
         lines = summary_lines(metrics)
-        write_metrics(outputs.file(METRICS), metrics, stage)
         lines.append(register_version(outputs.staged(OUT_DIR), metrics, params, stage.run.info.run_id))
     for line in lines:
         print(line, flush=True)
