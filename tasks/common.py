@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 from typing import Any
@@ -38,12 +39,39 @@ def stage_runtime(stage: str, device: dict[str, Any] | None = None):
     return runtime
 
 
+SERVICE_ERRORS = (  # (module, class): the errors of a tracking server or an object store
+    ("mlflow.exceptions", "MlflowException"),
+    ("requests.exceptions", "RequestException"),
+    ("botocore.exceptions", "BotoCoreError"),
+    ("botocore.exceptions", "ClientError"),
+    ("boto3.exceptions", "Boto3Error"),
+)
+USERINFO = re.compile(r"(://)[^\s@'\"]*@")
+MAX_LINE = 500
+
+
+def service_errors() -> tuple[type[BaseException], ...]:
+    """The classes of :data:`SERVICE_ERRORS` whose module is loaded (one not loaded cannot have raised)."""
+    return tuple(getattr(sys.modules[module], name) for module, name in SERVICE_ERRORS if module in sys.modules)
+
+
+def one_line(message: str) -> str:
+    """The first line of ``message``, at most :data:`MAX_LINE` characters, with the ``user:password@`` of any
+    URL in it cut out."""
+    lines = message.strip().splitlines()
+    line = USERINFO.sub(r"\1", lines[0] if lines else "")
+    return line if len(line) <= MAX_LINE else line[: MAX_LINE - 3] + "..."
+
+
 def cli(main) -> None:
     """Run a stage's ``main``; known failures end with one line on stderr and a non-zero exit, not a traceback.
 
     - ``ValueError``, ``FileNotFoundError``, ``KeyError``: bad input or configuration (their
       messages name the file, row, param and rule); exit 1.
     - ``FloatingPointError``: training diverged (the message names the stage and step); exit 1.
+    - An error of a tracking server or object store (:data:`SERVICE_ERRORS`: MLflow's, requests', boto's; a
+      server that is down, a refused credential): exit 1, with the message's first line, which names the
+      server or bucket (any ``user:password@`` of a URL in it is cut out).
     - :class:`Stopped` (SIGTERM, SIGHUP) or Ctrl-C: exit 128 + the signal's number, as a shell reports it.
 
     The line starts with the stage's name, e.g. ``[sft] error: FloatingPointError: sft: non-finite
@@ -55,6 +83,9 @@ def cli(main) -> None:
         main()
     except (ValueError, FileNotFoundError, KeyError, FloatingPointError) as err:
         print(f"[{stage}] error: {type(err).__name__}: {err}", file=sys.stderr)
+        raise SystemExit(1) from None
+    except service_errors() as err:
+        print(f"[{stage}] error: {type(err).__name__}: {one_line(str(err))}", file=sys.stderr)
         raise SystemExit(1) from None
     except KeyboardInterrupt as err:
         signum = getattr(err, "signum", signal.SIGINT)

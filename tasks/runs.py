@@ -63,18 +63,23 @@ def tracking_uri() -> str:
 def tracking_client():
     """``(MlflowClient, experiment id)`` of :func:`tracking_uri` and params.yaml's ``mlflow.experiment``.
 
-    A new experiment of a local store keeps its artifacts in ``<project root>/mlruns``, never in the folder
-    the command happens to run in.
+    A new experiment keeps its artifacts at params.yaml's ``mlflow.artifact_location`` (e.g. ``s3://bucket/mlflow``,
+    written by the client itself with the credentials of its environment); without one, a local store's in
+    ``<project root>/mlruns`` (never the folder the command happens to run in) and a tracking server's where the
+    server puts them (``--artifacts-destination``, proxied). An existing experiment keeps its location.
     """
     import mlflow
 
     uri = tracking_uri()
     mlflow.set_tracking_uri(uri)
-    name = read_params().get("mlflow", {}).get("experiment", "rlhf")
+    settings = read_params().get("mlflow", {})
+    name = settings.get("experiment", "rlhf")
+    location = settings.get("artifact_location")
+    if not location and uri.startswith(("sqlite:", "/")):
+        location = f"file://{os.path.join(project_root(), 'mlruns')}"
     client = mlflow.MlflowClient()
-    found = client.get_experiment_by_name(name)
-    if found is None and uri.startswith(("sqlite:", "/")):
-        client.create_experiment(name, artifact_location=f"file://{os.path.join(project_root(), 'mlruns')}")
+    if location and client.get_experiment_by_name(name) is None:
+        client.create_experiment(name, artifact_location=location)
     return client, mlflow.set_experiment(name).experiment_id
 
 
