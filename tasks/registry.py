@@ -7,6 +7,9 @@ pickled module) and is read back only by downloading that folder for the project
 Every alias move (by a gate, ``promote`` or ``rollback``) is one tag on the version moved to,
 ``rlhf.alias_move.<alias>.<nanoseconds>`` = JSON ``{alias, from, to, by, reason, at, pipeline_run}``: MLflow
 keeps only the current alias, and one tag per move never outgrows a tag's size limit.
+
+A version whose model files ``rlhf-housekeeping`` deleted (:mod:`tasks.housekeeping`, ``registry.keep_versions``)
+carries ``rlhf.pruned`` = JSON ``{at, by, rule, bytes}`` and can never take an alias again.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ SHA_TAG, DATA_TAG, COMMIT_TAG = "rlhf.model_sha256", "rlhf.data_sha256", "rlhf.g
 DECISION_TAG, CHECKS_TAG, CHALLENGER_TAG = "rlhf.gate.decision", "rlhf.gate.checks", "rlhf.challenger"
 APPROVAL_TAG = "rlhf.approval"  # awaiting | approved | rejected | timed out
 MOVE_PREFIX = "rlhf.alias_move."
+PRUNED_TAG = "rlhf.pruned"  # JSON {at, by, rule, bytes}: rlhf-housekeeping deleted the version's model files
 ARTIFACT_PATH = "model"
 MAX_REASON = 1000  # characters kept of a reason (a tag value holds at most 5,000 in MLflow's stores)
 
@@ -138,15 +142,38 @@ def version(client, name: str, number: str | int):
     return _guard(f"{name} version {number}", client.get_model_version, name, str(number))
 
 
+def pruned(found) -> dict[str, Any] | None:
+    """The record of version ``found``'s deleted model files (``{at, by, rule, bytes}``), or None while it has them."""
+    return json.loads(found.tags[PRUNED_TAG]) if PRUNED_TAG in found.tags else None
+
+
+def require_files(found, alias: str = CHAMPION) -> None:
+    """Refuse a version whose model files were pruned: nothing may take ``alias`` without the files to load.
+
+    Raises:
+        RegistryError: e.g. ``registry: rlhf-reward-model version 2 cannot hold champion: its model files were
+            pruned on 2026-11-30T03:00:00+00:00 (registry.keep_versions 3); promote a version that keeps them``.
+    """
+    record = pruned(found)
+    if record is not None:
+        raise RegistryError(
+            f"registry: {found.name} version {found.version} cannot hold {alias}: its model files were pruned on "
+            f"{record['at']} ({record['rule']}); promote a version that keeps them (rlhf-registry status lists "
+            f"the pruned ones)"
+        )
+
+
 def move_alias(
     client, name: str, to: str | int, by: str, reason: str, alias: str = CHAMPION, pipeline_run: str = ""
 ) -> dict[str, Any]:
     """Point ``alias`` of ``name`` at version ``to`` and record the move on that version; returns the record.
 
     Raises:
-        RegistryError: the version does not exist or already holds the alias, or the registry cannot be reached.
+        RegistryError: the version does not exist, already holds the alias or has no model files (pruned,
+            :func:`require_files`), or the registry cannot be reached.
     """
     target = version(client, name, to)
+    require_files(target, alias)
     previous = holder(client, name, alias)
     if previous is not None and str(previous.version) == str(target.version):
         raise RegistryError(f"registry: {name} version {target.version} already holds {alias}; nothing moved")
@@ -254,13 +281,19 @@ def download(client, found, folder: str) -> None:
     """Download version ``found``'s model folder into ``folder`` (an empty folder that exists).
 
     Raises:
-        RegistryError: the artifacts cannot be read (one line).
+        RegistryError: the artifacts cannot be read, or were pruned (``rlhf-housekeeping``; one line).
     """
     import shutil
     import tempfile
 
     import mlflow
 
+    record = pruned(found)
+    if record is not None:
+        raise RegistryError(
+            f"registry: {found.name} version {found.version} has no model files to download: they were pruned on "
+            f"{record['at']} ({record['rule']})"
+        )
     with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(folder))) as tmp:
         path = _guard(
             f"download {found.name} version {found.version}",
@@ -337,13 +370,13 @@ def _move(model: str, to: str, by: str, reason: str, project: str | None) -> Non
         raise RegistryError("registry: --reason must say why the alias moves (it is recorded)")
     client, name, where = _open(model, project)
     decision = version(client, name, to).tags.get(DECISION_TAG)
-    if decision != "pass":  # by hand a person may override the gate: say what is being overridden
+    record = move_alias(client, name, to, by, reason)  # a refusal (a pruned version, say) is its one line
+    typer.echo(where)
+    typer.echo(f"{name}: {CHAMPION} moved from version {record['from']} to {record['to']} ({by}: {record['reason']})")
+    if decision != "pass":  # by hand a person may override the gate: say what was overridden
         typer.echo(
             f"note: version {to} {'failed its gate' if decision == 'fail' else 'was never gated'}; moved by hand"
         )
-    record = move_alias(client, name, to, by, reason)
-    typer.echo(where)
-    typer.echo(f"{name}: {CHAMPION} moved from version {record['from']} to {record['to']} ({by}: {record['reason']})")
     if model == "reward":
         typer.echo("Run `dvc repro` (or the pipeline flow): the gate stage writes the new champion, ppo reruns on it.")
 
@@ -379,7 +412,8 @@ def status(
     model: str = typer.Argument("reward", help="reward or policy"),
     project: str = typer.Option(None, help="the project folder (default: found from here)"),
 ) -> None:
-    """The champion with its metrics and gate decision, then every recorded move of the alias."""
+    """The champion with its metrics and gate decision, every recorded move of the alias, then the versions whose
+    model files were pruned (``rlhf-housekeeping``)."""
 
     def action() -> None:
         client, name, where = _open(model, project)
@@ -399,6 +433,16 @@ def status(
             typer.echo(
                 f"  {move['at']}  {move['from'] or '(none)'} -> {move['to']}  by {move['by']}: {move['reason']}"
                 + (f" (pipeline {move['pipeline_run']})" if move.get("pipeline_run") else "")
+            )
+        gone = sorted(
+            (v for v in _guard(f"search {name}", client.search_model_versions, f"name = '{name}'") if pruned(v)),
+            key=lambda v: int(v.version),
+        )
+        if gone:
+            rules = sorted({pruned(v)["rule"] for v in gone})
+            typer.echo(
+                f"{name}: model files pruned by rlhf-housekeeping ({', '.join(rules)}), so they cannot be promoted: "
+                f"version {', '.join(str(v.version) for v in gone)}"
             )
 
     _command(action)
