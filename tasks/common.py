@@ -17,6 +17,35 @@ def setup_torch(seed: int) -> None:
     torch.set_num_threads(max(os.cpu_count() or 1, 1))
 
 
+def other_rank(device: dict[str, Any], module: str, train) -> bool:
+    """Run a training stage on ``device.num_processes`` processes; True in every process but rank 0.
+
+    With ``num_processes`` above 1 and no process group yet, this process is replaced by
+    ``accelerate launch`` of ``python -m <module>`` on that many processes (``device.accelerate_config``: an
+    accelerate config file, e.g. infra/accelerate/ddp.yaml; null: ``--multi_gpu`` on this machine, which
+    starts gloo processes on a CPU-only one). Under the launcher, rank 0 goes on as the stage (MLflow run,
+    outputs) and every other rank runs ``train()`` (the training, whose gradients and batch statistics it
+    shares) and stops: this function then returns True.
+
+    Raises:
+        ValueError: ``num_processes`` is not an integer of at least 1.
+    """
+    processes = device.get("num_processes", 1)
+    if not isinstance(processes, int) or isinstance(processes, bool) or processes < 1:
+        raise ValueError(f"params.yaml: device.num_processes must be an integer of at least 1, got {processes!r}")
+    if processes > 1 and "LOCAL_RANK" not in os.environ:
+        config = device.get("accelerate_config")
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes)]
+        command += ["--config_file", config] if config else ["--multi_gpu", "--num_machines", "1"]
+        command += ["--mixed_precision", device["mixed_precision"], "--dynamo_backend", "no", "-m", module]
+        sys.stdout.flush()
+        os.execv(sys.executable, command)
+    if int(os.environ.get("RANK", "0")) == 0:
+        return False
+    train()
+    return True
+
+
 def stage_runtime(stage: str, device: dict[str, Any] | None = None):
     """The stage's :class:`rlhf.device.Runtime` from accelerate and the ``device`` section; prints it in one line.
 
@@ -31,11 +60,14 @@ def stage_runtime(stage: str, device: dict[str, Any] | None = None):
     from tasks.params import stage_params
 
     runtime = runtime_from_params(device if device is not None else stage_params("device"))
-    print(
-        f"[{stage}] device {runtime.device}, mixed precision {runtime.mixed_precision}"
-        f"{', frozen models in bf16' if runtime.frozen_bf16 else ''}",
-        flush=True,
-    )
+    processes = runtime.ranks.world_size
+    if runtime.ranks.main:
+        print(
+            f"[{stage}] device {runtime.device}, mixed precision {runtime.mixed_precision}"
+            f"{', frozen models in bf16' if runtime.frozen_bf16 else ''}"
+            f"{f', {processes} processes (data parallel)' if processes > 1 else ''}",
+            flush=True,
+        )
     return runtime
 
 

@@ -16,8 +16,9 @@ from __future__ import annotations
 import tempfile
 from typing import Any
 
+from rlhf.training import no_log
 from tasks import reward
-from tasks.common import cli
+from tasks.common import cli, other_rank
 from tasks.outputs import StagedOutputs
 from tasks.params import stage_params
 from tasks.runs import StageRun
@@ -31,7 +32,7 @@ def judge_metrics(metrics: dict[str, float]) -> dict[str, float]:
     return {("judge/" + key.removeprefix("rm/") if key.startswith("rm/") else key): v for key, v in metrics.items()}
 
 
-def run(params: dict[str, Any], log, outputs: StagedOutputs, device: dict[str, Any] | None = None):
+def run(params: dict[str, Any], log, outputs: StagedOutputs | None, device: dict[str, Any] | None = None):
     """Train the judge as the reward stage trains the reward model, from ``judge.source`` (null: models/base).
 
     Returns:
@@ -69,6 +70,8 @@ def summary_lines(metrics: dict[str, float]) -> list[str]:
 def main() -> None:
     """DVC stage command."""
     params, device = stage_params("judge"), stage_params("device")
+    if other_rank(device, "tasks.judge", lambda: run(params, no_log, None, device)):
+        return
     with StageRun("judge", {**params, "device": device}) as stage, StagedOutputs() as outputs:
         metrics, figure = run(params, stage.log, outputs, device)
         reward.write_outputs(stage, outputs, metrics, "judge/steps", figure, FIGURE, METRICS)

@@ -25,9 +25,9 @@ from rlhf.plots import reward_histograms, signal_figures
 from rlhf.ppo import PPOModels, train_ppo
 from rlhf.ppo_config import PPOConfig
 from rlhf.rollout import GenerationSettings
-from rlhf.training import config_from_params
+from rlhf.training import config_from_params, no_log
 from tasks.champion import require_champion
-from tasks.common import cli, setup_torch, stage_runtime
+from tasks.common import cli, other_rank, setup_torch, stage_runtime
 from tasks.outputs import StagedOutputs, write_metrics
 from tasks.params import stage_params
 from tasks.resume import run_checkpointer
@@ -58,7 +58,8 @@ def run(
     model are trained in float32, the reference and reward model stored as ``device.frozen_bf16`` says
     (with ``ppo.lora_rank`` the reference is the policy's own float32 base, adapters disabled).
 
-    The policy is written when ``outputs`` commits (without ``outputs``, as soon as it is trained).
+    The policy is written when ``outputs`` commits (without ``outputs``, as soon as it is trained); in a
+    training process other than rank 0 (``device.num_processes``) nothing is written.
 
     The last ``validation_prompts`` prompts (in id order) are held out to pick the best checkpoint.
     ``ppo.seed`` is set before any model is built, so it owns the value head of ``value_init: sft``.
@@ -91,6 +92,8 @@ def run(
     )
     result = train_ppo(models, tokenizer, train_prompts, validation, ptx, config, settings, log, checkpointer, runtime)
     result.summary["ppo/reward_model_version"] = float(champion["version"])
+    if not runtime.ranks.main:
+        return result  # rank 0 writes the policy
     with contextlib.nullcontext(outputs) if outputs is not None else StagedOutputs() as staged:
         folder = staged.folder(out_dir)
         merged_copy(models.policy).save_pretrained(folder, safe_serialization=True)  # LoRA: adapters folded in
@@ -135,6 +138,8 @@ def main() -> None:
     import mlflow
 
     params, generation, device = stage_params("ppo"), stage_params("generation"), stage_params("device")
+    if other_rank(device, "tasks.ppo", lambda: run(params, generation, no_log, device=device)):
+        return
     with StageRun("ppo", {**params, "generation": generation, "device": device}) as stage, StagedOutputs() as outputs:
         result = run(params, generation, stage.log, outputs=outputs, device=device)
         reports = outputs.folder(REPORTS)

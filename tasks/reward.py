@@ -21,8 +21,8 @@ from rlhf.data import load_jsonl
 from rlhf.models import load_scalar_model, load_tokenizer
 from rlhf.reward import RewardConfig, center_rewards, encode_pairs, evaluate_reward_model, train_reward_model
 from rlhf.stats import chance_warning
-from rlhf.training import config_from_params
-from tasks.common import cli, setup_torch, stage_runtime
+from rlhf.training import config_from_params, no_log
+from tasks.common import cli, other_rank, setup_torch, stage_runtime
 from tasks.outputs import StagedOutputs, write_metrics
 from tasks.params import stage_params
 from tasks.resume import run_checkpointer
@@ -35,7 +35,7 @@ OUT_DIR, FIGURE, METRICS = "models/reward", "reports/reward_margins.png", "metri
 def run(
     params: dict[str, Any],
     log,
-    outputs: StagedOutputs,
+    outputs: StagedOutputs | None,
     device: dict[str, Any] | None = None,
     splits: tuple[str, str] = (TRAIN, EVAL),
     init: str = SFT,
@@ -46,7 +46,8 @@ def run(
 
     ``device``: the params.yaml ``device`` section (None: read from params.yaml). ``splits``: the
     ``(train, eval)`` pair files; ``init``: the model folder the scalar model starts from; ``stage``: the name
-    of its resume checkpoints and device settings (the judge stage trains its own model with these).
+    of its resume checkpoints and device settings (the judge stage trains its own model with these). In a
+    training process other than rank 0 (``device.num_processes``) it only trains: ``outputs`` is None.
 
     Returns:
         ``(metrics, margin histogram figure)``.
@@ -62,6 +63,8 @@ def run(
     train = load_jsonl(splits[0])
     checkpointer = run_checkpointer(stage, params, [splits[0], init])
     metrics = train_reward_model(model, tokenizer, train, config, log, runtime, checkpointer)
+    if not runtime.ranks.main:
+        return metrics, None  # rank 0 centres, measures and writes the model
     demonstrations = [
         chosen.input_ids
         for chosen, _ in encode_pairs(tokenizer, train[: config.center_max_examples], config.max_length)
@@ -149,6 +152,8 @@ def write_outputs(stage, outputs: StagedOutputs, metrics: dict[str, float], step
 def main() -> None:
     """DVC stage command."""
     params, device = stage_params("reward"), stage_params("device")
+    if other_rank(device, "tasks.reward", lambda: run(params, no_log, None, device)):
+        return
     with StageRun("reward", {**params, "device": device}) as stage, StagedOutputs() as outputs:
         metrics, figure = run(params, stage.log, outputs, device)
         write_outputs(stage, outputs, metrics, "rm/steps", figure, FIGURE, METRICS)

@@ -11,8 +11,8 @@ from typing import Any
 from rlhf.data import load_jsonl
 from rlhf.models import load_causal_lm, load_tokenizer
 from rlhf.sft import SFTConfig, train_sft
-from rlhf.training import config_from_params
-from tasks.common import cli, setup_torch, stage_runtime
+from rlhf.training import config_from_params, no_log
+from tasks.common import cli, other_rank, setup_torch, stage_runtime
 from tasks.outputs import StagedOutputs, write_metrics
 from tasks.params import stage_params
 from tasks.resume import run_checkpointer
@@ -23,8 +23,12 @@ BASE = "models/base"
 OUT_DIR, METRICS = "models/sft", "metrics/sft.json"
 
 
-def run(params: dict[str, Any], log, outputs: StagedOutputs, device: dict[str, Any] | None = None) -> dict[str, float]:
+def run(
+    params: dict[str, Any], log, outputs: StagedOutputs | None, device: dict[str, Any] | None = None
+) -> dict[str, float]:
     """Train the SFT model and stage it as ``models/sft/`` in ``outputs`` (written when they commit).
+
+    In a training process other than rank 0 (``device.num_processes``) it only trains: ``outputs`` is None.
 
     ``device``: the params.yaml ``device`` section (None: read from params.yaml).
 
@@ -41,6 +45,8 @@ def run(params: dict[str, Any], log, outputs: StagedOutputs, device: dict[str, A
     model = runtime.place(model)
     checkpointer = run_checkpointer("sft", params, [DATA, BASE])
     metrics = train_sft(model, tokenizer, load_jsonl(DATA), config, log, runtime, checkpointer)
+    if not runtime.ranks.main:
+        return metrics  # rank 0 writes the model
     folder = outputs.folder(OUT_DIR)
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
@@ -51,6 +57,8 @@ def run(params: dict[str, Any], log, outputs: StagedOutputs, device: dict[str, A
 def main() -> None:
     """DVC stage command."""
     params, device = stage_params("sft"), stage_params("device")
+    if other_rank(device, "tasks.sft", lambda: run(params, no_log, None, device)):
+        return
     with StageRun("sft", {**params, "device": device}) as stage, StagedOutputs() as outputs:
         metrics = run(params, stage.log, outputs, device)
         write_metrics(outputs.file(METRICS), metrics, stage)

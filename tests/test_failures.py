@@ -66,8 +66,8 @@ def toy_loop(plan: dict[int, str], lr: float = 0.1, steps: int = 5, scheduler: s
     (the finite loss w with an infinite gradient: d sqrt(x)/dx at 0). Returns (model, logged, summary or error)."""
     model, logged, calls = Scalar(), {}, []
 
-    def step_fn(indices):
-        calls.append(indices)
+    def step_fn(part, batch):
+        calls.append(part)
         w, kind = model.w, plan.get(len(calls))
         if kind == "nan":
             return w * NAN, {}

@@ -103,7 +103,7 @@ def test_max_skewness_by_hand():
     assert max_skewness(8) == pytest.approx(2.2678, abs=1e-4)
     assert max_skewness(32) == pytest.approx(5.3882, abs=1e-4)
     # reached by n - 1 equal values and one outlier
-    from rlhf.rollout import skewness
+    from rlhf.rollout_stats import skewness
 
     assert skewness([0.0] * 7 + [1.0]) == pytest.approx(max_skewness(8), abs=1e-6)
 

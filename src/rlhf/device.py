@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from rlhf.distributed import Ranks
+
 MIXED_PRECISION = ("no", "bf16")
 
 
@@ -34,11 +36,13 @@ class Runtime:
         device: where every model and batch lives.
         mixed_precision: ``"no"`` (float32 everywhere) or ``"bf16"`` (see the module docstring).
         frozen_bf16: models that are never trained are stored in bfloat16.
+        ranks: this process among the training processes (``accelerate launch``; one by default).
     """
 
     device: torch.device = torch.device("cpu")
     mixed_precision: str = "no"
     frozen_bf16: bool = False
+    ranks: Ranks = Ranks()
 
     def __post_init__(self) -> None:
         """Refuse a precision the trainers do not implement.
@@ -76,16 +80,23 @@ class Runtime:
 
 
 def runtime_from_accelerator(accelerator: Any) -> Runtime:
-    """The :class:`Runtime` of an ``accelerate.Accelerator`` (its device and ``mixed_precision``).
+    """The :class:`Runtime` of an ``accelerate.Accelerator`` (its device, ``mixed_precision`` and processes).
 
     Raises:
         ValueError: a mixed precision other than ``no`` or ``bf16``.
     """
-    return Runtime(device=torch.device(accelerator.device), mixed_precision=str(accelerator.mixed_precision))
+    return Runtime(
+        device=torch.device(accelerator.device),
+        mixed_precision=str(accelerator.mixed_precision),
+        ranks=Ranks(accelerator.process_index, accelerator.num_processes),
+    )
 
 
 def runtime_from_params(params: dict[str, Any]) -> Runtime:
     """Build the stage's :class:`Runtime` from the params.yaml ``device`` section through accelerate.
+
+    Under ``accelerate launch`` with several processes, the process group is set up here (NCCL on GPUs,
+    gloo on CPUs: accelerate takes a machine without CUDA as ``cpu``, else it would start no group there).
 
     Args:
         params: ``{"mixed_precision": "no" | "bf16", "cpu": bool, "frozen_bf16": bool}``; ``cpu: true``
@@ -93,12 +104,22 @@ def runtime_from_params(params: dict[str, Any]) -> Runtime:
 
     Raises:
         ValueError: an unknown mixed precision (checked before accelerate is asked, whose own
-            error would be a traceback).
+            error would be a traceback), or a launch with FSDP or DeepSpeed, which the trainers do not
+            implement (each process holds the whole model; README: running at scale).
     """
+    import os
+
     from accelerate import Accelerator
 
     Runtime(mixed_precision=params["mixed_precision"])  # the clear refusal first
-    accelerator = Accelerator(mixed_precision=params["mixed_precision"], cpu=bool(params["cpu"]))
+    sharded = [name for name in ("FSDP", "DEEPSPEED") if os.environ.get(f"ACCELERATE_USE_{name}") == "true"]
+    if sharded:
+        raise ValueError(
+            f"accelerate launched with {sharded[0]}: the trainers run data parallel only (every process holds "
+            "the whole model and gradients are summed across them); use infra/accelerate/ddp.yaml"
+        )
+    cpu = bool(params["cpu"]) or not torch.cuda.is_available()
+    accelerator = Accelerator(mixed_precision=params["mixed_precision"], cpu=cpu)
     return dataclasses.replace(runtime_from_accelerator(accelerator), frozen_bf16=bool(params["frozen_bf16"]))
 
 

@@ -19,7 +19,7 @@ from transformers import PreTrainedModel
 
 from rlhf.checkpoint import Checkpointer
 from rlhf.ppo_config import PPOConfig
-from rlhf.rollout import skewness
+from rlhf.rollout_stats import skewness
 
 
 def window_signals(window: list[dict[str, list[float]]]) -> dict[str, float]:

@@ -12,30 +12,44 @@ Conventions: ``B`` is the batch, ``R`` the number of response tokens. Every
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
 
-def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+def masked_mean(
+    values: torch.Tensor, mask: torch.Tensor, dim: int | None = None, count: torch.Tensor | float | None = None
+) -> torch.Tensor:
     """Mean of ``values`` over the positions where ``mask`` is True.
 
     Args:
         values: float tensor of any shape.
         mask: bool tensor broadcastable to ``values``.
         dim: reduce along this dimension; ``None`` reduces over all elements.
+        count: the number of masked elements of the *whole batch* these values are a part of (a micro-batch,
+            or one rank's rows: :mod:`rlhf.distributed`); the result is then this part's share of the whole
+            batch's mean, and the shares of its parts sum to that mean. None: this tensor's own count.
 
     Returns:
-        The masked mean; 0 where a row has no valid element. Masked-out positions are
+        The masked mean (or share); 0 where a row has no valid element. Masked-out positions are
         filled with 0 before summing, so an inf or NaN there cannot reach the result.
     """
     mask = mask.bool().expand_as(values)
     filled = torch.where(mask, values, torch.zeros_like(values))
     total = filled.sum() if dim is None else filled.sum(dim)
-    count = mask.to(values.dtype).sum() if dim is None else mask.to(values.dtype).sum(dim)
-    return total / count.clamp(min=1.0)
+    if count is None:
+        count = mask.to(values.dtype).sum() if dim is None else mask.to(values.dtype).sum(dim)
+    return total / torch.as_tensor(count, dtype=values.dtype, device=values.device).clamp(min=1.0)
 
 
-def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+def masked_whiten(
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    shift_mean: bool = True,
+    eps: float = 1e-8,
+    across: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
     """Normalise ``values`` to zero mean and unit (population) variance over the masked positions.
 
     Used for advantage normalisation (paper section 5.3.1, off in PPO-max by appendix B.1).
@@ -45,20 +59,27 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
         mask: ``(B, R)`` bool.
         shift_mean: if False, the mean is added back (scale only).
         eps: added to the variance.
+        across: sums a tensor over the parts of the batch held elsewhere (``Ranks.sum``: the
+            statistics are then those of the whole batch across ranks); None: these values are the batch.
 
     Returns:
         ``(B, R)`` float, 0 outside the mask. With fewer than two valid elements
         the variance is 0 and the result stays finite (no NaN).
     """
-    mean = masked_mean(values, mask)
-    var = masked_mean((values - mean) ** 2, mask)
+    total = across or (lambda tensor: tensor)
+    zeros = torch.zeros_like(values)
+    count = total(mask.to(values.dtype).sum()).clamp(min=1.0)
+    mean = total(torch.where(mask, values, zeros).sum()) / count
+    var = total(torch.where(mask, (values - mean) ** 2, zeros).sum()) / count
     whitened = (values - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         whitened = whitened + mean
     return torch.where(mask, whitened, torch.zeros_like(whitened))
 
 
-def bradley_terry_loss(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor, margin: float = 0.0) -> torch.Tensor:
+def bradley_terry_loss(
+    chosen_scores: torch.Tensor, rejected_scores: torch.Tensor, margin: float = 0.0, count: int | None = None
+) -> torch.Tensor:
     """Reward-model loss, ``-log sigmoid(r(x, y_w) - r(x, y_l) - margin)`` averaged over pairs.
 
     Source: tutorial Eq. 6 (paper Eq. 2 without its LM term). ``margin`` is the
@@ -68,11 +89,13 @@ def bradley_terry_loss(chosen_scores: torch.Tensor, rejected_scores: torch.Tenso
         chosen_scores: ``(B,)`` float, scores of the preferred responses.
         rejected_scores: ``(B,)`` float, scores of the rejected responses.
         margin: non-negative float.
+        count: pairs in the whole batch these are a part of (:func:`masked_mean`'s ``count``); None: ``B``.
 
     Returns:
         Scalar float loss (nats).
     """
-    return -F.logsigmoid(chosen_scores - rejected_scores - margin).mean()
+    losses = -F.logsigmoid(chosen_scores - rejected_scores - margin)
+    return losses.sum() / (count if count is not None else max(len(losses), 1))
 
 
 def kl_k1(logratio: torch.Tensor) -> torch.Tensor:
@@ -179,7 +202,12 @@ def gae(
 
 
 def ppo_clip_loss(
-    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, clip: float
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip: float,
+    count: torch.Tensor | float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO-clip policy loss, the negative of ``E_t[min(rho A, clip(rho, 1-eps, 1+eps) A)]``.
 
@@ -191,6 +219,8 @@ def ppo_clip_loss(
         advantages: ``(B, R)`` float.
         mask: ``(B, R)`` bool.
         clip: epsilon, e.g. 0.2.
+        count: response tokens of the whole minibatch these rows are a part of (:func:`masked_mean`);
+            the loss and the stats are then this part's shares. None: this batch's own tokens.
 
     Returns:
         ``(loss, stats)``: scalar loss; stats holds ``clipfrac`` (share of tokens
@@ -203,18 +233,23 @@ def ppo_clip_loss(
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip, 1.0 + clip)
-    loss = masked_mean(torch.maximum(unclipped, clipped), mask)
+    loss = masked_mean(torch.maximum(unclipped, clipped), mask, count=count)
     with torch.no_grad():
         stats = {
-            "clipfrac": masked_mean((clipped > unclipped).to(ratio.dtype), mask),
-            "approx_kl": masked_mean(0.5 * log_ratio**2, mask),
-            "ratio": masked_mean(ratio, mask),
+            "clipfrac": masked_mean((clipped > unclipped).to(ratio.dtype), mask, count=count),
+            "approx_kl": masked_mean(0.5 * log_ratio**2, mask, count=count),
+            "ratio": masked_mean(ratio, mask, count=count),
         }
     return loss, stats
 
 
 def clipped_value_loss(
-    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, clip: float | None
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip: float | None,
+    count: torch.Tensor | float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Value loss ``0.5 * max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)``.
 
@@ -228,6 +263,8 @@ def clipped_value_loss(
         returns: ``(B, R)`` float, GAE returns.
         mask: ``(B, R)`` bool.
         clip: clip range in value units, or None for no clipping.
+        count: response tokens of the whole minibatch these rows are a part of (:func:`masked_mean`);
+            the loss and ``clipfrac`` are then this part's shares. None: this batch's own tokens.
 
     Returns:
         ``(loss, stats)``: scalar loss; stats holds ``clipfrac`` (share of tokens
@@ -237,12 +274,12 @@ def clipped_value_loss(
     values, old_values, returns = (torch.where(mask, x, torch.zeros_like(x)) for x in (values, old_values, returns))
     unclipped = (values - returns) ** 2
     if clip is None:
-        return 0.5 * masked_mean(unclipped, mask), {"clipfrac": values.new_zeros(())}
+        return 0.5 * masked_mean(unclipped, mask, count=count), {"clipfrac": values.new_zeros(())}
     values_clipped = old_values + torch.clamp(values - old_values, -clip, clip)
     clipped = (values_clipped - returns) ** 2
-    loss = 0.5 * masked_mean(torch.maximum(unclipped, clipped), mask)
+    loss = 0.5 * masked_mean(torch.maximum(unclipped, clipped), mask, count=count)
     with torch.no_grad():
-        stats = {"clipfrac": masked_mean((clipped > unclipped).to(values.dtype), mask)}
+        stats = {"clipfrac": masked_mean((clipped > unclipped).to(values.dtype), mask, count=count)}
     return loss, stats
 
 
@@ -309,7 +346,9 @@ def next_token_logprobs(
     return logprobs_from_logits(logits[:, :-1], input_ids[:, 1:]), token_mask[:, 1:].bool()
 
 
-def language_model_loss(logits: torch.Tensor, input_ids: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:
+def language_model_loss(
+    logits: torch.Tensor, input_ids: torch.Tensor, token_mask: torch.Tensor, count: torch.Tensor | int | None = None
+) -> torch.Tensor:
     """Mean negative log-likelihood of the masked tokens (nats/token).
 
     The SFT loss (response tokens only), the reward model's imitation term
@@ -319,12 +358,20 @@ def language_model_loss(logits: torch.Tensor, input_ids: torch.Tensor, token_mas
         logits: ``(B, T, V)`` float.
         input_ids: ``(B, T)`` int64.
         token_mask: ``(B, T)`` bool, True on the target tokens.
+        count: target tokens of the whole batch these rows are a part of (:func:`target_tokens` summed;
+            :func:`masked_mean`'s ``count``); None: this batch's own.
 
     Returns:
         Scalar float.
     """
     logprobs, mask = next_token_logprobs(logits, input_ids, token_mask)
-    return -masked_mean(logprobs, mask)
+    return -masked_mean(logprobs, mask, count=count)
+
+
+def target_tokens(token_mask: list[bool] | list[int]) -> int:
+    """The tokens :func:`language_model_loss` scores in one sequence: the masked ones after the first position
+    (the first token has no logits predicting it)."""
+    return int(sum(bool(flag) for flag in token_mask[1:]))
 
 
 def ppo_ptx_loss(policy_loss: torch.Tensor, ptx_lm_loss: torch.Tensor, ptx_coef: float) -> torch.Tensor:

@@ -23,6 +23,7 @@ from transformers import (
     GenerationConfig,
     LlamaConfig,
     LlamaForCausalLM,
+    LogitsProcessorList,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
@@ -30,6 +31,7 @@ from transformers import (
 from rlhf.chat import pad
 from rlhf.finite import non_finite_weights
 from rlhf.losses import last_token_index, logprobs_from_logits
+from rlhf.sampling import PerPromptSampling
 
 PAD_TOKEN = "<|endoftext|>"
 """A pad token distinct from EOS (``<|im_end|>``), so a mask never hides a real end token."""
@@ -339,6 +341,7 @@ def sample(
     max_new_tokens: int,
     temperature: float,
     greedy: bool = False,
+    seeds: list[int] | None = None,
 ) -> Rollout:
     """Sample one response per prompt from the policy: temperature only (no top-k, top-p or min length).
 
@@ -349,23 +352,31 @@ def sample(
         max_new_tokens: response length limit.
         temperature: sampling temperature (> 0).
         greedy: decode greedily instead (evaluation only).
+        seeds: one per prompt: each prompt's tokens come from its own generator
+            (:class:`rlhf.sampling.PerPromptSampling`), whatever batch or process it is in; None: torch's
+            global generator.
 
     Returns:
         :class:`Rollout`.
     """
     input_ids, attention_mask = pad(tokenizer, prompts, "left", model.device)
+    per_prompt = seeds is not None and not greedy
+    sampled = not greedy and not per_prompt  # model.generate's own sampling, from the global generator
     config = GenerationConfig(
-        do_sample=not greedy,
-        temperature=temperature if not greedy else None,
-        top_k=0 if not greedy else None,
-        top_p=1.0 if not greedy else None,
+        do_sample=sampled,
+        temperature=temperature if sampled else None,
+        top_k=0 if sampled else None,
+        top_p=1.0 if sampled else None,
         min_new_tokens=0,
         max_new_tokens=max_new_tokens,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
     )
-    sequences = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+    processors = LogitsProcessorList([PerPromptSampling(seeds, temperature, model.device)] if per_prompt else [])
+    sequences = model.generate(
+        input_ids=input_ids, attention_mask=attention_mask, generation_config=config, logits_processor=processors
+    )
     start = input_ids.shape[1]
     mask, ended = response_mask_from_tokens(sequences[:, start:], tokenizer.eos_token_id)
     return Rollout(

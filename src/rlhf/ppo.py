@@ -21,10 +21,12 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from rlhf import losses
 from rlhf.checkpoint import Checkpointer, save_kept_policy
 from rlhf.device import Runtime
+from rlhf.distributed import Ranks
 from rlhf.finite import NonFiniteError, ScalerStep, check_finite_weights
 from rlhf.guard import act_on_collapse, detect_collapse, window_signals
 from rlhf.ppo_config import PPOConfig
 from rlhf.rollout import GenerationSettings, RunningMoments, make_experience, validation_stats
+from rlhf.sampling import prompt_seed
 from rlhf.training import LogFn, freeze_lower_layers, minibatch_indices
 from rlhf.update import Optimisers, make_optimisers, ppo_update, ptx_batches
 
@@ -185,7 +187,8 @@ def train_ppo(
     else:
         _keep_best(models, tokenizer, validation if validate else [], settings, runtime, state, best_dir, 0)
         log(state["best"]["stats"], 0)
-    bar = tqdm(desc="ppo", total=config.iterations, initial=state["policy_iterations"], disable=not progress)
+    shown = progress and runtime.ranks.main  # one bar and one set of lines, however many processes
+    bar = tqdm(desc="ppo", total=config.iterations, initial=state["policy_iterations"], disable=not shown)
     while state["policy_iterations"] < config.iterations and not state["stopped_by"]:
         try:
             stats = _iteration(
@@ -200,7 +203,7 @@ def train_ppo(
                 moments,
                 state,
                 best_dir,
-                bar.write,
+                bar.write if runtime.ranks.main else (lambda line: None),
             )
         except NonFiniteError as err:
             log(err.metrics, state["iteration"] + 1)
@@ -219,13 +222,15 @@ def train_ppo(
             # named by the rollout step, as the curves, the checkpoints and ppo/shipped_iteration count
             meta = {"iteration": step, "policy_iteration": state["policy_iterations"]}
             meta |= {"lora_rank": config.lora_rank, "lora_alpha": config.lora_alpha}
-            save_kept_policy(models.policy, os.path.join(kept_dir, f"iteration-{step:04d}"), meta)
+            if runtime.ranks.main:
+                save_kept_policy(models.policy, os.path.join(kept_dir, f"iteration-{step:04d}"), meta)
         log(stats, step)
         state["history"][step] = stats
         bar.update(int(stats.get("ppo/updated_policy", 0.0)))
         bar.set_postfix(reward=f"{stats['ppo/reward/mean']:.3f}", kl=f"{stats['ppo/kl']:.3f}")
         finished = state["policy_iterations"] >= config.iterations
-        if config.checkpoint_every and (step % config.checkpoint_every == 0 or state["stopped_by"]) and not finished:
+        checkpoint_now = config.checkpoint_every and (step % config.checkpoint_every == 0 or state["stopped_by"])
+        if checkpoint_now and not finished and runtime.ranks.main:
             _save(checkpointer, step, models, opt, moments, state)
     bar.close()
     if validate or state["stopped_by"]:
@@ -257,21 +262,23 @@ def _iteration(models, tokenizer, prompts, ptx_texts, config, settings, runtime,
     iteration = state["iteration"]
     # a continuing stream over seeded epochs, so every rollout has rollout_batch_size prompts
     # (an epoch's short last batch would shrink the buffer, its statistics and its optimiser steps)
-    size = config.rollout_batch_size
+    size, ranks = config.rollout_batch_size, runtime.ranks
     batch = [prompts[minibatch_indices(iteration * size + j, len(prompts), 1, config.seed)[0]] for j in range(size)]
+    seeds = [prompt_seed(config.seed, iteration, j) for j in range(size)]  # a prompt's tokens: not its rank's
     calibrate = config.value_init == "reward" and state["value_affine"] is None
     experience, stats = make_experience(
         models.as_tuple(),
         tokenizer,
-        batch,
+        ranks.shard(batch),
         config,
         settings,
         moments,
         state["kl_coef"],
         runtime,
         calibrate_value=calibrate,
+        seeds=ranks.shard(seeds),
     )
-    _check_rollout(experience, stats, iteration + 1)
+    _check_rollout(experience, stats, iteration + 1, ranks)
     if calibrate:
         state["value_affine"] = [models.value_model.config.value_shift, models.value_model.config.value_scale]
     if state["pretraining"]:
@@ -282,8 +289,9 @@ def _iteration(models, tokenizer, prompts, ptx_texts, config, settings, runtime,
             stats["ppo/value/pretrain_explained_variance"] = explained
             say(f"critic pre-training done after {iteration} iterations: explained variance {explained:.3f}")
     update_policy = not state["pretraining"]
-    truncated = (~experience.ended).float().tolist()
-    state["window"] = (state["window"] + [{"scores": experience.raw_scores.tolist(), "truncated": truncated}])[
+    raw_scores = ranks.gather(experience.raw_scores)  # every rank's, in the batch's order
+    truncated = (~ranks.gather(experience.ended)).float().tolist()
+    state["window"] = (state["window"] + [{"scores": raw_scores.tolist(), "truncated": truncated}])[
         -config.collapse_window :
     ]
     stats.update(window_signals(state["window"]))
@@ -334,13 +342,14 @@ def _iteration(models, tokenizer, prompts, ptx_texts, config, settings, runtime,
     stats["ppo/value/lr"] = opt.value_schedule.get_last_lr()[0]
     step = iteration + 1
     if config.histogram_every and (step % config.histogram_every == 0 or step == 1):
-        state["reward_samples"][step] = experience.raw_scores.tolist()
+        state["reward_samples"][step] = raw_scores.tolist()
     state["iteration"] = step
     return stats
 
 
-def _check_rollout(experience, stats: dict[str, float], iteration: int) -> None:
-    """Stop at a rollout whose scores, or logprobs, values, advantages or returns on response tokens, are not finite.
+def _check_rollout(experience, stats: dict[str, float], iteration: int, ranks: Ranks) -> None:
+    """Stop at a rollout whose scores, or logprobs, values, advantages or returns on response tokens, are not finite
+    (counted over every rank's rollouts, so all ranks stop together).
 
     Raises:
         NonFiniteError: names the iteration and the tensors (its metrics: the rollout's stats).
@@ -350,11 +359,13 @@ def _check_rollout(experience, stats: dict[str, float], iteration: int) -> None:
         "raw_scores": experience.raw_scores,
         **{name: getattr(experience, name)[mask] for name in ("logprobs", "values", "advantages", "returns")},
     }
-    bad = [
-        f"{name} ({int((~torch.isfinite(t)).sum())} of {t.numel()} non-finite)"
-        for name, t in tensors.items()
-        if not bool(torch.isfinite(t).all())
-    ]
+    counts = ranks.sum(
+        torch.stack(
+            [torch.stack([(~torch.isfinite(t)).sum(), t.new_tensor(t.numel()).long()]) for t in tensors.values()]
+        )
+    )
+    found = zip(tensors, counts.tolist(), strict=True)
+    bad = [f"{name} ({count} of {total} non-finite)" for name, (count, total) in found if count]
     if bad:
         raise NonFiniteError(
             f"ppo: non-finite rollout at iteration {iteration}: {', '.join(bad)}; training stopped", stats
@@ -371,7 +382,9 @@ def _keep_best(models, tokenizer, validation, settings, runtime, state, best_dir
     reward = stats.get("ppo/validation/reward", -math.inf)
     if step == 0 or reward > state["best"]["reward"]:
         state["best"] = {"iteration": step, "reward": reward, "stats": stats}
-        Checkpointer(best_dir, keep=1).save(step, {"policy": models.policy}, {"iteration": step})
+        if runtime.ranks.main:
+            Checkpointer(best_dir, keep=1).save(step, {"policy": models.policy}, {"iteration": step})
+        runtime.ranks.barrier()  # a rollback on any rank may read it next
     return stats
 
 

@@ -41,6 +41,7 @@ class PPOConfig:
     iterations: int = 12  # policy iterations (after critic pre-training)
     rollout_batch_size: int = 8  # prompts per iteration: the (small) experience buffer
     minibatch_size: int = 4
+    micro_batch_size: int | None = None  # at most this many rollouts per forward/backward pass (None: a rank's share)
     ppo_epochs: int = 2
     policy_lr: float = 1e-6
     value_lr: float = 3e-6
@@ -111,6 +112,8 @@ class PPOConfig:
         for name in ("rollout_batch_size", "minibatch_size", "ppo_epochs", "collapse_window", "kl_horizon"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ppo.{name} must be at least 1, got {getattr(self, name)}")
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
+            raise ValueError(f"ppo.micro_batch_size must be at least 1 or null, got {self.micro_batch_size}")
         check_schedule("ppo", self.scheduler, self.warmup_steps)
         if self.adaptive_kl and 0.2 * self.rollout_batch_size / self.kl_horizon < 0.001:
             raise ValueError(

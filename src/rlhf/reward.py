@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -13,7 +14,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from rlhf.chat import Encoded, encode_chat, pad, pad_masks
 from rlhf.checkpoint import Checkpointer
 from rlhf.device import Runtime
-from rlhf.losses import bradley_terry_loss, language_model_loss, last_token_index
+from rlhf.losses import bradley_terry_loss, language_model_loss, last_token_index, target_tokens
 from rlhf.models import position_ids_from_mask, sequence_scores
 from rlhf.stats import TiesWarning, paired_rate
 from rlhf.training import LogFn, LoopConfig, freeze_lower_layers, supervised_loop
@@ -54,6 +55,50 @@ def _lm_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
     return hidden @ model.get_input_embeddings().weight.T
 
 
+def reward_step(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    pairs: list[tuple[Encoded, Encoded]],
+    config: RewardConfig,
+    runtime: Runtime,
+) -> Callable[[list[int], list[int]], tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    """The reward model's ``step_fn(part, batch)`` of :func:`rlhf.training.supervised_loop` over encoded pairs.
+
+    It returns the part's share of the batch's loss: the Bradley-Terry terms (tutorial Eq. 6) of its pairs
+    summed and divided by the *whole* batch's pairs, plus ``lm_coef`` times its share of the chosen
+    responses' token-mean NLL (paper Eq. 2); and its shares of the training accuracy and margin.
+    """
+    backbone = getattr(model, model.base_model_prefix)
+    chosen_targets = [target_tokens(chosen.response_mask) for chosen, _ in pairs]
+
+    def step(part: list[int], batch: list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        rows = [pairs[i][0] for i in part] + [pairs[i][1] for i in part]
+        input_ids, attention_mask = pad(tokenizer, [e.input_ids for e in rows], "right", runtime.device)
+        hidden = backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)
+        ).last_hidden_state
+        token_scores = model.score(hidden).squeeze(-1).float()
+        last = last_token_index(attention_mask)
+        scores = token_scores[torch.arange(len(rows), device=runtime.device), last]
+        chosen, rejected = scores[: len(part)], scores[len(part) :]
+        # every mean is over the whole batch's pairs (or chosen tokens), whichever part of it this is
+        loss = bradley_terry_loss(chosen, rejected, config.margin, count=len(batch))
+        metrics = {
+            "rm/train_accuracy": (chosen > rejected).float().sum() / len(batch),
+            "rm/train_margin": (chosen - rejected).detach().sum() / len(batch),
+        }
+        if config.lm_coef > 0:
+            responses = [e.response_mask for e in rows[: len(part)]]
+            target = pad_masks(responses, input_ids.shape[1], "right", runtime.device)
+            count = sum(chosen_targets[i] for i in batch)
+            lm_loss = language_model_loss(_lm_logits(model, hidden[: len(part)]), input_ids[: len(part)], target, count)
+            loss = loss + config.lm_coef * lm_loss
+            metrics["rm/lm_loss"] = lm_loss.detach()
+        return loss, metrics
+
+    return step
+
+
 def train_reward_model(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -85,31 +130,9 @@ def train_reward_model(
         ``rm/epochs``: pairs seen / training pairs).
     """
     pairs = encode_pairs(tokenizer, examples, config.max_length)
-    backbone = getattr(model, model.base_model_prefix)
     freeze_lower_layers(model, config.trainable_layers)
 
-    def step(indices: list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        batch = [pairs[i][0] for i in indices] + [pairs[i][1] for i in indices]
-        input_ids, attention_mask = pad(tokenizer, [e.input_ids for e in batch], "right", runtime.device)
-        hidden = backbone(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)
-        ).last_hidden_state
-        token_scores = model.score(hidden).squeeze(-1).float()
-        last = last_token_index(attention_mask)
-        scores = token_scores[torch.arange(len(batch), device=runtime.device), last]
-        chosen, rejected = scores[: len(indices)], scores[len(indices) :]
-        loss = bradley_terry_loss(chosen, rejected, config.margin)
-        metrics = {
-            "rm/train_accuracy": (chosen > rejected).float().mean(),
-            "rm/train_margin": (chosen - rejected).detach().mean(),
-        }
-        if config.lm_coef > 0:
-            responses = [e.response_mask for e in batch[: len(indices)]]
-            target = pad_masks(responses, input_ids.shape[1], "right", runtime.device)
-            lm_loss = language_model_loss(_lm_logits(model, hidden[: len(indices)]), input_ids[: len(indices)], target)
-            loss = loss + config.lm_coef * lm_loss
-            metrics["rm/lm_loss"] = lm_loss.detach()
-        return loss, metrics
+    step = reward_step(model, tokenizer, pairs, config, runtime)
 
     summary = supervised_loop(
         model,

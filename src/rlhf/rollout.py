@@ -19,9 +19,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf import losses
 from rlhf.device import PhaseTimer, Runtime
-from rlhf.finite import to_host
 from rlhf.models import Rollout, response_logprobs, sample, sequence_scores, token_scores
 from rlhf.ppo_config import PPOConfig
+from rlhf.rollout_stats import rollout_stats, sequence_table
 
 NO_EOS_CHOICES = ("penalty", "constant", "score")
 
@@ -125,14 +125,18 @@ def sample_and_score(
     settings: GenerationSettings,
     greedy: bool = False,
     timer: PhaseTimer | None = None,
+    seeds: list[int] | None = None,
 ) -> ScoredRollout:
     """Sample one response per prompt and score it as the settings say (PPO, validation and evaluation).
 
-    Runs in the caller's autocast context; ``timer`` (optional) records ``generation`` and ``reward`` seconds.
+    Runs in the caller's autocast context; ``timer`` (optional) records ``generation`` and ``reward`` seconds;
+    ``seeds``: one generator per prompt (:func:`rlhf.models.sample`).
     """
     phase = timer if timer is not None else (lambda name: contextlib.nullcontext())
     with phase("generation"):
-        rollout = sample(policy, tokenizer, prompts, settings.max_new_tokens, settings.temperature, greedy=greedy)
+        rollout = sample(
+            policy, tokenizer, prompts, settings.max_new_tokens, settings.temperature, greedy=greedy, seeds=seeds
+        )
     with phase("reward"):
         raw = sequence_scores(reward_model, rollout.input_ids, rollout.attention_mask)
     unfinished, empty = unfinished_responses(rollout, tokenizer, settings)
@@ -254,8 +258,13 @@ def make_experience(
     kl_coef: float,
     runtime: Runtime,
     calibrate_value: bool = False,
+    seeds: list[int] | None = None,
 ) -> tuple[Experience, dict[str, float]]:
     """Roll out, score and turn a batch of prompts into advantages and returns.
+
+    With several processes each rank passes its share of the batch (:meth:`rlhf.distributed.Ranks.shard`)
+    and builds the experience of its prompts; what spans the batch is taken over all ranks: the running
+    reward statistics fold in every rank's scores, and the stats describe the whole batch.
 
     Args:
         models: ``(policy, reference, reward_model, value_model)``, dropout off.
@@ -267,6 +276,8 @@ def make_experience(
         runtime: device and precision; every forward pass runs under ``runtime.autocast()``.
         calibrate_value: put the value model on the reward scale first (:func:`calibrate_value_head`),
             once the statistics include this batch.
+        seeds: one generator seed per prompt (:func:`rlhf.sampling.prompt_seed`), so the tokens a prompt gets
+            do not depend on the rank or the rows beside it; None: torch's global generator.
 
     Returns:
         ``(experience, stats)``; stats are the iteration's monitoring signals and the seconds of each
@@ -275,7 +286,7 @@ def make_experience(
     policy, reference, reward_model, value_model = models
     timer = PhaseTimer(runtime)
     with runtime.autocast():
-        scored = sample_and_score(policy, reward_model, tokenizer, prompts, settings, timer=timer)
+        scored = sample_and_score(policy, reward_model, tokenizer, prompts, settings, timer=timer, seeds=seeds)
         rollout = scored.rollout
         ids, attn, start = rollout.input_ids, rollout.attention_mask, rollout.response_start
         with timer("policy_logprobs"):
@@ -286,7 +297,7 @@ def make_experience(
             ref_logprobs, _ = response_logprobs(reference, ids, attn, start, settings.temperature)
     mask, scores = rollout.response_mask, scored.scores
     if config.reward_normalize:
-        moments.update(scores)
+        moments.update(runtime.ranks.gather(scores))  # every rank's scores, in the global order
         scores = moments.normalize(scores, config.reward_clip)
     elif config.reward_clip is not None:
         scores = scores.clamp(-config.reward_clip, config.reward_clip)
@@ -301,65 +312,8 @@ def make_experience(
     experience = Experience(
         ids, attn, start, mask, logprobs, values, advantages, returns, scored.raw_scores, rollout.ended
     )
-    stats = rollout_stats(scored, scores, logprobs, logratio, entropy, experience)
-    return experience, {**stats, "ppo/kl_coef": kl_coef, **timer.stats("ppo/time")}
-
-
-def rollout_stats(
-    scored: ScoredRollout,
-    scores: torch.Tensor,
-    logprobs: torch.Tensor,
-    logratio: torch.Tensor,
-    entropy: torch.Tensor,
-    experience: Experience,
-) -> dict[str, float]:
-    """The monitoring signals of one rollout (metric names of the README's PPO section), in one host round trip
-    (besides the explained variance and the skewness, which read the host copies)."""
-    mask, raw = experience.mask, scored.raw_scores
-    kl_seq = (losses.kl_k1(logratio) * mask).sum(-1)
-    kl3_seq = (losses.kl_k3(logratio) * mask).sum(-1)
-    quantiles = torch.quantile(raw.float(), torch.tensor([0.1, 0.5, 0.9], device=raw.device))
-    stats = to_host(
-        {
-            "ppo/reward/mean": raw.mean(),
-            "ppo/reward/std": raw.std(unbiased=False),
-            "ppo/reward/scored_mean": scored.scores.mean(),
-            "ppo/reward/normalized_mean": scores.mean(),
-            "ppo/reward/normalized_std": scores.std(unbiased=False),
-            **{f"ppo/reward/p{q}": quantiles[i] for i, q in enumerate((10, 50, 90))},
-            "ppo/reward/max": raw.max(),
-            "ppo/kl": kl_seq.mean(),
-            "ppo/kl_k3": kl3_seq.mean(),
-            "ppo/kl_token": losses.masked_mean(losses.kl_k1(logratio), mask),
-            "ppo/kl_token_k3": losses.masked_mean(losses.kl_k3(logratio), mask),
-            "ppo/perplexity": torch.exp(-losses.masked_mean(logprobs, mask)),
-            "ppo/response_length": mask.sum(-1).float().mean(),
-            "ppo/eos_rate": scored.rollout.ended.float().mean(),
-            "ppo/truncated_share": (~scored.rollout.ended).float().mean(),
-            "ppo/empty_share": scored.empty.float().mean(),
-            "ppo/unfinished_share": scored.unfinished.float().mean(),
-            "ppo/entropy": losses.masked_mean(entropy, mask),
-            "ppo/advantages/mean": losses.masked_mean(experience.advantages, mask),
-            "ppo/returns/mean": losses.masked_mean(experience.returns, mask),
-        }
-    )
-    return {
-        **stats,
-        "ppo/reward/skew": skewness(raw.tolist()),
-        "ppo/value/explained_variance": losses.explained_variance(experience.values, experience.returns, mask),
-    }
-
-
-def skewness(values: list[float]) -> float:
-    """Sample skewness ``E[(x - mu)^3] / sigma^3`` of ``N`` values (population moments); 0 when constant or empty.
-
-    On the host (the values are already there, e.g. a rollout's scores for the collapse guard).
-    """
-    if not values:
-        return 0.0
-    mean = math.fsum(values) / len(values)
-    std = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / len(values))
-    return math.fsum((v - mean) ** 3 for v in values) / len(values) / std**3 if std > 0 else 0.0
+    table = runtime.ranks.gather(sequence_table(scored, scores, logprobs, logratio, entropy, experience))
+    return experience, {**rollout_stats(table), "ppo/kl_coef": kl_coef, **timer.stats("ppo/time")}
 
 
 @torch.no_grad()
@@ -374,24 +328,29 @@ def validation_stats(
 ) -> dict[str, float]:
     """Greedy responses on held-out prompts, scored as in training: what the best policy is kept by.
 
-    Every forward pass runs under ``runtime.autocast()``.
+    Every forward pass runs under ``runtime.autocast()``. With several processes each rank passes all the
+    prompts, answers its share (:meth:`rlhf.distributed.Ranks.shard`), and every rank returns the means over all.
 
     Returns:
         ``ppo/validation/reward`` (mean score after the unfinished-response rule),
         ``ppo/validation/eos_rate``, ``ppo/validation/length`` (tokens) and
         ``ppo/validation/kl`` (sequence k1 to the reference, nats/response).
     """
+    ranks = runtime.ranks
+    mine = ranks.shard(prompts)
     with runtime.autocast():
-        scored = sample_and_score(policy, reward_model, tokenizer, prompts, settings, greedy=True)
+        scored = sample_and_score(policy, reward_model, tokenizer, mine, settings, greedy=True)
         rollout = scored.rollout
         ids, attn, start = rollout.input_ids, rollout.attention_mask, rollout.response_start
         logprobs, _ = response_logprobs(policy, ids, attn, start, settings.temperature)
         ref_logprobs, _ = response_logprobs(reference, ids, attn, start, settings.temperature)
     mask = rollout.response_mask
     kl = torch.where(mask, logprobs - ref_logprobs, 0.0).sum(-1)
+    rows = torch.stack([scored.scores, rollout.ended, mask.sum(-1), kl], dim=1).double()
+    reward, eos_rate, length, kl = ranks.gather(rows).mean(0).tolist()
     return {
-        "ppo/validation/reward": float(scored.scores.mean()),
-        "ppo/validation/eos_rate": float(rollout.ended.float().mean()),
-        "ppo/validation/length": float(mask.sum(-1).float().mean()),
-        "ppo/validation/kl": float(kl.mean()),
+        "ppo/validation/reward": reward,
+        "ppo/validation/eos_rate": eos_rate,
+        "ppo/validation/length": length,
+        "ppo/validation/kl": kl,
     }

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from rlhf.chat import encode_chat, pad, pad_masks
+from rlhf.chat import Encoded, encode_chat, pad, pad_masks
 from rlhf.checkpoint import Checkpointer
 from rlhf.device import Runtime
-from rlhf.losses import language_model_loss
+from rlhf.losses import language_model_loss, target_tokens
 from rlhf.models import position_ids_from_mask
 from rlhf.training import LogFn, LoopConfig, freeze_lower_layers, supervised_loop
 
@@ -25,6 +26,30 @@ class SFTConfig(LoopConfig):
     lr: float = 2e-5
     warmup_steps: int = 4
     max_length: int = 256
+
+
+def sft_step(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, encoded: list[Encoded], runtime: Runtime
+) -> Callable[[list[int], list[int]], tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    """The SFT ``step_fn(part, batch)`` of :func:`rlhf.training.supervised_loop` over ``encoded`` examples.
+
+    It returns the part's share of the batch's token-mean NLL of the response tokens: the part's NLL summed,
+    divided by the response tokens of the *whole* batch (tutorial stage 1; :mod:`rlhf.distributed`), and the
+    part's response tokens (``sft/tokens``).
+    """
+    targets = [target_tokens(e.response_mask) for e in encoded]
+
+    def step(part: list[int], batch: list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        rows = [encoded[i] for i in part]
+        input_ids, attention_mask = pad(tokenizer, [e.input_ids for e in rows], "right", runtime.device)
+        target = pad_masks([e.response_mask for e in rows], input_ids.shape[1], "right", runtime.device)
+        logits = model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)
+        ).logits
+        count = sum(targets[i] for i in batch)
+        return language_model_loss(logits, input_ids, target, count), {"sft/tokens": target.sum()}
+
+    return step
 
 
 def train_sft(
@@ -56,15 +81,7 @@ def train_sft(
     """
     encoded = [encode_chat(tokenizer, ex["prompt"], ex["chosen"], config.max_length) for ex in examples]
     freeze_lower_layers(model, config.trainable_layers)
-
-    def step(indices: list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        batch = [encoded[i] for i in indices]
-        input_ids, attention_mask = pad(tokenizer, [e.input_ids for e in batch], "right", runtime.device)
-        target = pad_masks([e.response_mask for e in batch], input_ids.shape[1], "right", runtime.device)
-        logits = model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)
-        ).logits
-        return language_model_loss(logits, input_ids, target), {"sft/tokens": target.sum()}
+    step = sft_step(model, tokenizer, encoded, runtime)
 
     summary = supervised_loop(
         model,

@@ -17,6 +17,7 @@ from transformers.trainer_pt_utils import get_length_grouped_indices
 
 from rlhf.checkpoint import Checkpointer
 from rlhf.device import Runtime
+from rlhf.distributed import Ranks, micro_batches
 from rlhf.finite import FiniteGuard, NonFiniteError, ScalerStep, check_finite_weights, to_host
 
 LogFn = Callable[[dict[str, float], int], None]
@@ -119,7 +120,8 @@ class LoopConfig:
 
     section: ClassVar[str] = ""
     steps: int = 40  # optimiser steps
-    batch_size: int = 4
+    batch_size: int = 4  # examples per optimiser step, over all processes together
+    micro_batch_size: int | None = None  # at most this many per forward/backward pass (None: a process's share)
     lr: float = 2e-5
     warmup_steps: int = 0  # optimiser steps
     scheduler: str = "cosine"  # a transformers schedule
@@ -131,17 +133,19 @@ class LoopConfig:
     seed: int = 0  # minibatch order and any new head's initialisation
 
     def __post_init__(self) -> None:
-        """Refuse a warm-up the schedule would ignore.
+        """Refuse a warm-up the schedule would ignore, and passes of no examples.
 
         Raises:
-            ValueError: see :func:`check_schedule`.
+            ValueError: see :func:`check_schedule`; a ``micro_batch_size`` below 1.
         """
         check_schedule(self.section, self.scheduler, self.warmup_steps)
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
+            raise ValueError(f"{self.section}.micro_batch_size must be at least 1 or null, got {self.micro_batch_size}")
 
 
 def supervised_loop(
     model: PreTrainedModel,
-    step_fn: Callable[[list[int]], tuple[torch.Tensor, dict[str, torch.Tensor]]],
+    step_fn: Callable[[list[int], list[int]], tuple[torch.Tensor, dict[str, torch.Tensor]]],
     num_examples: int,
     config: LoopConfig,
     *,
@@ -159,8 +163,12 @@ def supervised_loop(
     model, optimiser, scheduler, RNG states and step counter are checkpointed
     every ``checkpoint_every`` steps and restored on start.
 
-    ``step_fn`` runs inside ``runtime.autocast()`` and returns its loss and figures as
-    tensors on the device; the step's figures (loss, gradient norm and the rest) reach
+    ``step_fn(part, batch)`` runs inside ``runtime.autocast()`` on ``part``, some examples of the optimiser
+    step's ``batch``, and returns the part's *share* of the batch's loss and figures (its terms summed and
+    divided by the whole batch's count: ``count=`` of :mod:`rlhf.losses`) as tensors on the device. The batch
+    is split over the processes (:meth:`rlhf.distributed.Ranks.shard`) and each process's rows into passes of
+    ``micro_batch_size``; the shares' gradients and figures are summed over passes and processes, so a step's
+    gradient is the whole batch's however it was split. The figures (loss, gradient norm and the rest) reach
     the host in one round trip per optimiser step (:func:`rlhf.finite.to_host`).
 
     The first non-finite loss or gradient norm stops the run (:class:`FiniteGuard`)
@@ -170,7 +178,7 @@ def supervised_loop(
 
     Args:
         model: the model to train (dropout already off).
-        step_fn: maps a list of example indices to ``(loss, metrics)``: a 0-dim loss and 0-dim tensors.
+        step_fn: maps ``(part, batch)`` example indices to ``(loss, metrics)``: 0-dim shares (see above).
         num_examples: size of the training set.
         config: :class:`LoopConfig` (steps, batch size, learning rate and schedule, clipping, seed,
             ``checkpoint_every``).
@@ -178,7 +186,7 @@ def supervised_loop(
         log: ``log(metrics, step)`` callback.
         runtime: device and precision (:class:`rlhf.device.Runtime`); ``model`` already placed on it.
         lengths: tokens of each example; the batches are grouped by length when ``config.group_by_length``.
-        checkpointer: where to save and resume; None disables both.
+        checkpointer: where to save (rank 0) and resume (every rank); None disables both.
         progress: show a tqdm bar.
         scaler_step: a mixed-precision loss scaler's step (see :class:`FiniteGuard`); None: no scaler.
             The steps it skips are counted (``{prefix}/skipped_steps``), not fatal.
@@ -218,14 +226,14 @@ def supervised_loop(
         # computes exactly what eval mode does (tests/test_levers.py)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
-    for step in tqdm(range(start, steps), desc=prefix, initial=start, total=steps, disable=not progress):
+    shown = progress and runtime.ranks.main  # one bar, however many processes
+    for step in tqdm(range(start, steps), desc=prefix, initial=start, total=steps, disable=not shown):
         where = f"step {step + 1} of {steps}"
-        with runtime.autocast():
-            loss, metrics = step_fn(minibatch_indices(step, num_examples, config.batch_size, seed, grouping))
+        batch = minibatch_indices(step, num_examples, config.batch_size, seed, grouping)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        figures = batch_gradients(model, step_fn, batch, config.micro_batch_size, prefix, runtime)
         grad_norm = guard.clip(model, config.max_grad_norm)
-        row = to_host({f"{prefix}/loss": loss, **metrics, f"{prefix}/grad_norm": grad_norm})
+        row = to_host({**figures, f"{prefix}/grad_norm": grad_norm})
         try:
             guard.check_loss(f"{prefix}/loss", row[f"{prefix}/loss"], where)
             guard.step(optimizer, schedule, row[f"{prefix}/grad_norm"], f"{prefix}/grad_norm", where)
@@ -246,7 +254,8 @@ def supervised_loop(
                 "losses": losses,
                 "skipped_steps": guard.skipped,
             }
-            checkpointer.save(step + 1, {"model": model}, state)
+            if runtime.ranks.main:
+                checkpointer.save(step + 1, {"model": model}, state)
     check_finite_weights(model, prefix, f"after step {steps} of {steps}")
     tail = losses[-10:]
     return {
@@ -255,6 +264,45 @@ def supervised_loop(
         f"{prefix}/steps": float(steps),
         f"{prefix}/skipped_steps": float(guard.skipped),
     }
+
+
+def batch_gradients(
+    model: torch.nn.Module,
+    step_fn: Callable[[list[int], list[int]], tuple[torch.Tensor, dict[str, torch.Tensor]]],
+    batch: list[int],
+    micro_batch_size: int | None,
+    prefix: str,
+    runtime: Runtime,
+) -> dict[str, torch.Tensor]:
+    """Accumulate into ``model``'s ``.grad`` the gradient of the whole ``batch``'s loss, however it is split.
+
+    This rank's rows of ``batch`` (:meth:`rlhf.distributed.Ranks.shard`) go through ``step_fn(part, batch)``
+    in passes of ``micro_batch_size``, each backward adding its share; the gradients are then summed over
+    ranks. The caller zeroes the gradients before and steps the optimiser after.
+
+    Returns:
+        ``{prefix}/loss`` and ``step_fn``'s figures: each the sum of its shares over passes and ranks, a 0-dim
+        tensor on ``runtime.device``, the same on every rank.
+    """
+    figures: dict[str, torch.Tensor] = {}
+    for part in micro_batches(runtime.ranks.shard(batch), micro_batch_size):
+        with runtime.autocast():
+            loss, metrics = step_fn(part, batch)
+        loss.backward()
+        for key, value in {f"{prefix}/loss": loss, **metrics}.items():
+            figures[key] = figures.get(key, 0.0) + value.detach().float()
+    runtime.ranks.sum_gradients(model)
+    return summed_over_ranks(figures, runtime.ranks, runtime.device)
+
+
+def summed_over_ranks(
+    figures: dict[str, torch.Tensor | float], ranks: Ranks, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """Each figure (a 0-dim share) summed over ranks in one all-reduce; a rank that ran no pass (its share of a
+    short batch was empty) adds 0 to each."""
+    keys = ranks.union(figures)
+    stacked = torch.stack([torch.as_tensor(figures.get(key, 0.0), dtype=torch.float32, device=device) for key in keys])
+    return dict(zip(keys, ranks.sum(stacked).unbind(), strict=True))
 
 
 def config_from_params(cls: type, params: dict[str, Any], section: str) -> Any:

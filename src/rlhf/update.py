@@ -19,11 +19,12 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from rlhf import losses
 from rlhf.chat import pad
 from rlhf.device import PhaseTimer, Runtime
+from rlhf.distributed import micro_batches
 from rlhf.finite import FiniteGuard, NonFiniteError, ScalerStep, to_host
 from rlhf.models import position_ids_from_mask, response_logprobs
 from rlhf.ppo_config import PPOConfig
 from rlhf.rollout import Experience, value_predictions
-from rlhf.training import make_optimizer, make_scheduler, minibatch_indices
+from rlhf.training import make_optimizer, make_scheduler, minibatch_indices, summed_over_ranks
 
 
 @dataclass
@@ -86,7 +87,9 @@ def ppo_update(
     Args:
         policy, value_model: trained in place.
         optimisers: :class:`Optimisers`.
-        experience: from :func:`rlhf.rollout.make_experience`.
+        experience: from :func:`rlhf.rollout.make_experience`: this rank's rollouts (global rollout ``r + k W``
+            is row ``k`` of rank ``r``). The minibatches are drawn from all ranks' rollouts together, and each
+            step's gradient is the whole minibatch's (:mod:`rlhf.distributed`).
         config: :class:`PPOConfig`.
         temperature: the sampling temperature (logprobs are those of the sampled distribution).
         order_seed: seeds the minibatch order (one per iteration, so a resumed run repeats it).
@@ -105,14 +108,15 @@ def ppo_update(
     """
     totals: dict[str, float] = {}
     count = 0
-    n = experience.input_ids.shape[0]
+    ranks = runtime.ranks
+    n = ranks.total(experience.input_ids.shape[0], runtime.device)  # all ranks' rollouts (rank r: r, r + W, ..)
     ptx_iter = iter(ptx_batches or [])
     rng, timer = random.Random(order_seed), PhaseTimer(runtime)
     with timer("update"):
         for epoch in range(config.ppo_epochs):
             order = rng.sample(range(n), n)  # host-side bookkeeping: no tensor, no device
             for number, start in enumerate(range(0, n, config.minibatch_size), 1):
-                idx = order[start : start + config.minibatch_size]
+                idx = [g // ranks.world_size for g in ranks.shard_of(order[start : start + config.minibatch_size])]
                 where = f"iteration {iteration}, PPO epoch {epoch + 1}, minibatch {number}"
                 stats: dict[str, float] = {}
                 try:
@@ -153,32 +157,45 @@ def policy_step(
         NonFiniteError: the PPO-clip loss, the ptx loss, their sum or the gradient norm is not finite.
     """
     stats = {} if stats is None else stats
-    guard = optimisers.policy_guard
-    ids, attn, mask = experience.input_ids[idx], experience.attention_mask[idx], experience.mask[idx]
+    guard, ranks = optimisers.policy_guard, runtime.ranks
+    mask = experience.mask[idx]
+    count = ranks.sum(mask.sum().float())  # response tokens of the whole minibatch, every rank's rows
     advantages = experience.advantages[idx]
     if config.advantage_normalize:
-        advantages = losses.masked_whiten(advantages, mask)
+        advantages = losses.masked_whiten(advantages, mask, across=ranks.sum)
     if config.advantage_clip is not None:
         advantages = advantages.clamp(-config.advantage_clip, config.advantage_clip)
     with_logits = config.entropy_coef > 0
     figures: dict[str, torch.Tensor] = {}
-    with runtime.autocast():
-        logprobs, logits = response_logprobs(policy, ids, attn, experience.response_start, temperature, with_logits)
-        loss, clip_stats = losses.ppo_clip_loss(logprobs, experience.logprobs[idx], advantages, mask, config.clip)
-        figures["ppo/loss/policy"] = loss
-        figures.update({f"ppo/policy/{key}": value for key, value in clip_stats.items()})
-        if config.entropy_coef > 0:
-            loss = loss - config.entropy_coef * losses.masked_mean(losses.entropy_from_logits(logits), mask)
-        if config.ptx_coef > 0 and ptx_batch is not None:
-            ptx_ids, ptx_attn = ptx_batch
-            position_ids = position_ids_from_mask(ptx_attn)
-            ptx_logits = policy(input_ids=ptx_ids, attention_mask=ptx_attn, position_ids=position_ids).logits
-            ptx_loss = losses.language_model_loss(ptx_logits, ptx_ids, ptx_attn.bool())
-            loss = losses.ppo_ptx_loss(loss, ptx_loss, config.ptx_coef)
-            figures["ppo/loss/ptx"] = ptx_loss
-    figures["ppo/loss/policy_total"] = loss  # with the entropy bonus and ptx term
     optimisers.policy.zero_grad(set_to_none=True)
-    loss.backward()
+    for part in micro_batches(list(range(len(idx))), config.micro_batch_size):
+        rows = [idx[i] for i in part]
+        ids, attn, part_mask = experience.input_ids[rows], experience.attention_mask[rows], mask[part]
+        with runtime.autocast():
+            logprobs, logits = response_logprobs(policy, ids, attn, experience.response_start, temperature, with_logits)
+            loss, clip_stats = losses.ppo_clip_loss(
+                logprobs, experience.logprobs[rows], advantages[part], part_mask, config.clip, count
+            )
+            shares = {"ppo/loss/policy": loss, **{f"ppo/policy/{key}": value for key, value in clip_stats.items()}}
+            if config.entropy_coef > 0:
+                entropy = losses.masked_mean(losses.entropy_from_logits(logits), part_mask, count=count)
+                loss = loss - config.entropy_coef * entropy
+        loss.backward()
+        _add(figures, {**shares, "ppo/loss/policy_total": loss})
+    if config.ptx_coef > 0 and ptx_batch is not None:
+        ptx_ids, ptx_attn = ptx_batch  # the whole ptx minibatch, on every rank; each takes its share of the rows
+        ptx_count = ptx_attn[:, 1:].sum()  # the tokens language_model_loss scores, all rows
+        for rows in micro_batches(ranks.shard(list(range(ptx_ids.shape[0]))), config.micro_batch_size):
+            with runtime.autocast():
+                ids, attn = ptx_ids[rows], ptx_attn[rows]
+                position_ids = position_ids_from_mask(attn)
+                ptx_logits = policy(input_ids=ids, attention_mask=attn, position_ids=position_ids).logits
+                ptx_loss = losses.language_model_loss(ptx_logits, ids, attn.bool(), ptx_count)
+                loss = losses.ppo_ptx_loss(torch.zeros_like(ptx_loss), ptx_loss, config.ptx_coef)
+            loss.backward()
+            _add(figures, {"ppo/loss/ptx": ptx_loss, "ppo/loss/policy_total": loss})
+    ranks.sum_gradients(policy)
+    figures = summed_over_ranks(figures, ranks, runtime.device)
     figures["ppo/policy/grad_norm"] = guard.clip(policy, config.max_grad_norm)
     host = to_host(figures)
     stats.update({k: v for k, v in host.items() if k != "ppo/loss/policy_total"})
@@ -190,6 +207,12 @@ def policy_step(
     )
     optimisers.policy.zero_grad(set_to_none=True)  # the gradients' memory is free for the value step
     return stats
+
+
+def _add(totals: dict[str, torch.Tensor], shares: dict[str, torch.Tensor]) -> None:
+    """Add each detached share (one micro-batch's part of a minibatch figure) into ``totals``."""
+    for key, value in shares.items():
+        totals[key] = totals.get(key, 0.0) + value.detach().float()
 
 
 def value_step(
@@ -211,18 +234,22 @@ def value_step(
         NonFiniteError: the value loss or the gradient norm is not finite.
     """
     stats = {} if stats is None else stats
-    guard = optimisers.value_guard
-    ids, attn, mask = experience.input_ids[idx], experience.attention_mask[idx], experience.mask[idx]
-    with runtime.autocast():
-        values = value_predictions(value_model, ids, attn, experience.response_start)
-        old_values, returns = experience.values[idx], experience.returns[idx]
-        loss, value_stats = losses.clipped_value_loss(values, old_values, returns, mask, config.value_clip)
+    guard, ranks = optimisers.value_guard, runtime.ranks
+    count = ranks.sum(experience.mask[idx].sum().float())  # response tokens of the whole minibatch
+    figures: dict[str, torch.Tensor] = {}
     optimisers.value.zero_grad(set_to_none=True)
-    loss.backward()
-    grad_norm = guard.clip(value_model, config.max_grad_norm)
-    host = to_host(
-        {"ppo/loss/value": loss, "ppo/value/clipfrac": value_stats["clipfrac"], "ppo/value/grad_norm": grad_norm}
-    )
+    for part in micro_batches(idx, config.micro_batch_size):
+        ids, attn, mask = experience.input_ids[part], experience.attention_mask[part], experience.mask[part]
+        with runtime.autocast():
+            values = value_predictions(value_model, ids, attn, experience.response_start)
+            old_values, returns = experience.values[part], experience.returns[part]
+            loss, value_stats = losses.clipped_value_loss(values, old_values, returns, mask, config.value_clip, count)
+        loss.backward()
+        _add(figures, {"ppo/loss/value": loss, "ppo/value/clipfrac": value_stats["clipfrac"]})
+    ranks.sum_gradients(value_model)
+    figures = summed_over_ranks(figures, ranks, runtime.device)
+    figures["ppo/value/grad_norm"] = guard.clip(value_model, config.max_grad_norm)
+    host = to_host(figures)
     stats.update(host)
     guard.check_loss("ppo/loss/value", host["ppo/loss/value"], where)
     guard.step(optimisers.value, optimisers.value_schedule, host["ppo/value/grad_norm"], "ppo/value/grad_norm", where)
