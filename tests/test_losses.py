@@ -109,14 +109,6 @@ def test_adaptive_kl_controller_by_hand():
     assert losses.adaptive_kl_coef(0.1, kl=5.4, target=6.0, horizon=1000, steps=100) == pytest.approx(0.099)
 
 
-def test_explained_variance_by_hand():
-    returns = torch.tensor([[1.0, 3.0]])
-    mask = torch.ones(1, 2, dtype=torch.bool)
-    assert losses.explained_variance(returns, returns, mask) == pytest.approx(1.0)
-    # values constant 2: residual [-1, 1] has the variance of the returns -> 0
-    assert losses.explained_variance(torch.full((1, 2), 2.0), returns, mask) == pytest.approx(0.0)
-
-
 def test_next_token_logprobs_selects_only_response_token():
     # tokens [10, 11, 12, 13], only token 12 in the response: the one selected value is the
     # model's score of token 12 at index 1 of the shifted logprobs.

@@ -169,3 +169,24 @@ def test_make_experience_penalises_each_token_by_k1_and_adds_the_score_once(tiny
     expected = experience.raw_scores - beta * k1
     assert experience.returns[:, 0] == pytest.approx(expected, abs=1e-4)
     assert stats["ppo/kl"] == pytest.approx(float(k1.mean()), abs=1e-5)
+
+
+def test_rollout_stats_explained_variance_and_token_means_by_hand():
+    from rlhf.rollout_stats import COLUMNS, rollout_stats
+
+    def table(values):  # two one-token responses with returns 1 and 3 and these values
+        rows = []
+        for ret, value in zip((1.0, 3.0), values, strict=True):
+            row = dict.fromkeys(COLUMNS, 0.0) | {"length": 1.0, "ended": 1.0, "returns": ret, "returns_sq": ret**2}
+            row |= {"residual": ret - value, "residual_sq": (ret - value) ** 2, "logprobs": -1.0, "raw": ret}
+            rows.append([row[name] for name in COLUMNS])
+        return torch.tensor(rows, dtype=torch.float64)
+
+    perfect = rollout_stats(table((1.0, 3.0)))
+    assert perfect["ppo/value/explained_variance"] == pytest.approx(1.0)
+    # values constant 2: residual -1 and 1 has the variance of the returns (1): 1 - 1 / 1 = 0
+    constant = rollout_stats(table((2.0, 2.0)))
+    assert constant["ppo/value/explained_variance"] == pytest.approx(0.0)
+    # token means: returns (1 + 3) / 2 tokens = 2; perplexity exp(2 / 2) = e; raw score mean 2, std 1
+    assert constant["ppo/returns/mean"] == pytest.approx(2.0) and constant["ppo/perplexity"] == pytest.approx(2.71828)
+    assert constant["ppo/reward/mean"] == pytest.approx(2.0) and constant["ppo/reward/std"] == pytest.approx(1.0)

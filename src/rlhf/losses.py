@@ -413,22 +413,6 @@ def normalize_and_clip(
     return normalized.clamp(-clip, clip) if clip is not None else normalized
 
 
-def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
-    """``1 - Var[returns - values] / Var[returns]`` over the masked positions (1 is perfect, <= 0 is useless).
-
-    Args:
-        values, returns: ``(B, R)`` float.
-        mask: ``(B, R)`` bool.
-
-    Returns:
-        A float; NaN when the returns have zero variance.
-    """
-    var_returns = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
-    residual = returns - values
-    var_residual = masked_mean((residual - masked_mean(residual, mask)) ** 2, mask)
-    return float(1 - var_residual / var_returns) if var_returns > 0 else float("nan")
-
-
 def adaptive_kl_coef(kl_coef: float, kl: float, target: float, horizon: int, steps: int) -> float:
     """Adaptive KL controller of Ziegler et al. (2019).
 
