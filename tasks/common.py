@@ -29,12 +29,15 @@ def other_rank(device: dict[str, Any], module: str, train) -> bool:
 
     Raises:
         ValueError: ``num_processes`` is not an integer of at least 1.
+        FileNotFoundError: ``accelerate_config`` names no file.
     """
     processes = device.get("num_processes", 1)
     if not isinstance(processes, int) or isinstance(processes, bool) or processes < 1:
         raise ValueError(f"params.yaml: device.num_processes must be an integer of at least 1, got {processes!r}")
+    config = device.get("accelerate_config")
+    if config and not os.path.isfile(config):
+        raise FileNotFoundError(f"params.yaml: device.accelerate_config {config}: no such file (see infra/accelerate/)")
     if processes > 1 and "LOCAL_RANK" not in os.environ:
-        config = device.get("accelerate_config")
         command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes)]
         command += ["--config_file", config] if config else ["--multi_gpu", "--num_machines", "1"]
         command += ["--mixed_precision", device["mixed_precision"], "--dynamo_backend", "no", "-m", module]

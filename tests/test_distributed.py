@@ -111,6 +111,8 @@ def test_bad_process_and_pass_sizes_are_refused_with_one_line():
         SFTConfig(micro_batch_size=0)
     with pytest.raises(ValueError, match=r"ppo.micro_batch_size must be at least 1 or null, got -1"):
         PPOConfig(micro_batch_size=-1)
+    with pytest.raises(FileNotFoundError, match=r"device.accelerate_config infra/none.yaml: no such file"):
+        other_rank({"num_processes": 2, "accelerate_config": "infra/none.yaml", "mixed_precision": "no"}, "m", None)
     for bad in (0, "2", True, 1.5):
         with pytest.raises(ValueError, match=r"device.num_processes must be an integer of at least 1"):
             other_rank({"num_processes": bad, "mixed_precision": "no"}, "tasks.sft", lambda: None)
