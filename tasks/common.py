@@ -17,38 +17,6 @@ def setup_torch(seed: int) -> None:
     torch.set_num_threads(max(os.cpu_count() or 1, 1))
 
 
-def other_rank(device: dict[str, Any], module: str, train) -> bool:
-    """Run a training stage on ``device.num_processes`` processes; True in every process but rank 0.
-
-    With ``num_processes`` above 1 and no process group yet, this process is replaced by
-    ``accelerate launch`` of ``python -m <module>`` on that many processes (``device.accelerate_config``: an
-    accelerate config file, e.g. infra/accelerate/ddp.yaml; null: ``--multi_gpu`` on this machine, which
-    starts gloo processes on a CPU-only one). Under the launcher, rank 0 goes on as the stage (MLflow run,
-    outputs) and every other rank runs ``train()`` (the training, whose gradients and batch statistics it
-    shares) and stops: this function then returns True.
-
-    Raises:
-        ValueError: ``num_processes`` is not an integer of at least 1.
-        FileNotFoundError: ``accelerate_config`` names no file.
-    """
-    processes = device.get("num_processes", 1)
-    if not isinstance(processes, int) or isinstance(processes, bool) or processes < 1:
-        raise ValueError(f"params.yaml: device.num_processes must be an integer of at least 1, got {processes!r}")
-    config = device.get("accelerate_config")
-    if config and not os.path.isfile(config):
-        raise FileNotFoundError(f"params.yaml: device.accelerate_config {config}: no such file (see infra/accelerate/)")
-    if processes > 1 and "LOCAL_RANK" not in os.environ:
-        command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes)]
-        command += ["--config_file", config] if config else ["--multi_gpu", "--num_machines", "1"]
-        command += ["--mixed_precision", device["mixed_precision"], "--dynamo_backend", "no", "-m", module]
-        sys.stdout.flush()
-        os.execv(sys.executable, command)
-    if int(os.environ.get("RANK", "0")) == 0:
-        return False
-    train()
-    return True
-
-
 def stage_runtime(stage: str, device: dict[str, Any] | None = None):
     """The stage's :class:`rlhf.device.Runtime` from accelerate and the ``device`` section; prints it in one line.
 

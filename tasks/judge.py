@@ -16,9 +16,11 @@ from __future__ import annotations
 import tempfile
 from typing import Any
 
-from rlhf.training import no_log
+from rlhf.reward import RewardConfig
+from rlhf.training import config_from_params, no_log
 from tasks import reward
-from tasks.common import cli, other_rank
+from tasks.common import cli
+from tasks.launch import other_rank
 from tasks.outputs import StagedOutputs
 from tasks.params import stage_params
 from tasks.runs import StageRun
@@ -70,7 +72,11 @@ def summary_lines(metrics: dict[str, float]) -> list[str]:
 def main() -> None:
     """DVC stage command."""
     params, device = stage_params("judge"), stage_params("device")
-    if other_rank(device, "tasks.judge", lambda: run(params, no_log, None, device)):
+
+    def check() -> None:  # the params, one line each, before any process starts
+        config_from_params(RewardConfig, {k: v for k, v in params.items() if k != "source"}, "judge")
+
+    if other_rank(device, "tasks.judge", lambda: run(params, no_log, None, device), check):
         return
     with StageRun("judge", {**params, "device": device}) as stage, StagedOutputs() as outputs:
         metrics, figure = run(params, stage.log, outputs, device)

@@ -27,7 +27,8 @@ from rlhf.ppo_config import PPOConfig
 from rlhf.rollout import GenerationSettings
 from rlhf.training import config_from_params, no_log
 from tasks.champion import require_champion
-from tasks.common import cli, other_rank, setup_torch, stage_runtime
+from tasks.common import cli, setup_torch, stage_runtime
+from tasks.launch import other_rank
 from tasks.outputs import StagedOutputs, write_metrics
 from tasks.params import stage_params
 from tasks.resume import run_checkpointer
@@ -138,7 +139,12 @@ def main() -> None:
     import mlflow
 
     params, generation, device = stage_params("ppo"), stage_params("generation"), stage_params("device")
-    if other_rank(device, "tasks.ppo", lambda: run(params, generation, no_log, device=device)):
+
+    def check() -> None:  # the params, one line each, before any process starts
+        config_from_params(PPOConfig, params, "ppo")
+        config_from_params(GenerationSettings, generation, "generation")
+
+    if other_rank(device, "tasks.ppo", lambda: run(params, generation, no_log, device=device), check):
         return
     with StageRun("ppo", {**params, "generation": generation, "device": device}) as stage, StagedOutputs() as outputs:
         result = run(params, generation, stage.log, outputs=outputs, device=device)

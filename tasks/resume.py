@@ -125,6 +125,8 @@ def run_checkpointer(stage: str, params: dict[str, Any], inputs: list[str]):
     run), so a killed stage resumes only with the same params and inputs. Its
     :func:`fingerprint_manifest` is written to ``<fp>/manifest.json``.
 
+    A checkpoint there is resumed from, and one line says so: ``[ppo] resuming from
+    checkpoints/ppo/0123456789abcdef/step-00000004 (same params and inputs)``.
     Every other folder under ``checkpoints/<stage>/`` is stale and is removed;
     when it held a checkpoint, one line says why the stage starts fresh, e.g.
     ``[ppo] stale checkpoint checkpoints/ppo/0123456789abcdef (step-00000020)
@@ -161,4 +163,8 @@ def run_checkpointer(stage: str, params: dict[str, Any], inputs: list[str]):
             )
         shutil.rmtree(folder, ignore_errors=True)
     atomic_write_text(os.path.join(current, MANIFEST), json.dumps(manifest, indent=1, sort_keys=True) + "\n")
-    return Checkpointer(current)
+    checkpointer = Checkpointer(current)
+    latest = checkpointer.latest()
+    if latest and int(os.environ.get("RANK", "0")) == 0:  # one line, however many training processes
+        print(f"[{stage}] resuming from {os.path.relpath(latest)} (same params and inputs)", flush=True)
+    return checkpointer

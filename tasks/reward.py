@@ -22,7 +22,8 @@ from rlhf.models import load_scalar_model, load_tokenizer
 from rlhf.reward import RewardConfig, center_rewards, encode_pairs, evaluate_reward_model, train_reward_model
 from rlhf.stats import chance_warning
 from rlhf.training import config_from_params, no_log
-from tasks.common import cli, other_rank, setup_torch, stage_runtime
+from tasks.common import cli, setup_torch, stage_runtime
+from tasks.launch import other_rank
 from tasks.outputs import StagedOutputs, write_metrics
 from tasks.params import stage_params
 from tasks.resume import run_checkpointer
@@ -152,7 +153,11 @@ def write_outputs(stage, outputs: StagedOutputs, metrics: dict[str, float], step
 def main() -> None:
     """DVC stage command."""
     params, device = stage_params("reward"), stage_params("device")
-    if other_rank(device, "tasks.reward", lambda: run(params, no_log, None, device)):
+
+    def check() -> None:  # the params, one line each, before any process starts
+        config_from_params(RewardConfig, params, "reward")
+
+    if other_rank(device, "tasks.reward", lambda: run(params, no_log, None, device), check):
         return
     with StageRun("reward", {**params, "device": device}) as stage, StagedOutputs() as outputs:
         metrics, figure = run(params, stage.log, outputs, device)

@@ -12,7 +12,8 @@ from rlhf.data import load_jsonl
 from rlhf.models import load_causal_lm, load_tokenizer
 from rlhf.sft import SFTConfig, train_sft
 from rlhf.training import config_from_params, no_log
-from tasks.common import cli, other_rank, setup_torch, stage_runtime
+from tasks.common import cli, setup_torch, stage_runtime
+from tasks.launch import other_rank
 from tasks.outputs import StagedOutputs, write_metrics
 from tasks.params import stage_params
 from tasks.resume import run_checkpointer
@@ -57,7 +58,11 @@ def run(
 def main() -> None:
     """DVC stage command."""
     params, device = stage_params("sft"), stage_params("device")
-    if other_rank(device, "tasks.sft", lambda: run(params, no_log, None, device)):
+
+    def check() -> None:  # the params, one line each, before any process starts
+        config_from_params(SFTConfig, params, "sft")
+
+    if other_rank(device, "tasks.sft", lambda: run(params, no_log, None, device), check):
         return
     with StageRun("sft", {**params, "device": device}) as stage, StagedOutputs() as outputs:
         metrics = run(params, stage.log, outputs, device)

@@ -102,29 +102,53 @@ def test_gumbel_max_sampling_draws_from_the_softmax():
     assert alone.item() == in_batch.item()
 
 
-def test_bad_process_and_pass_sizes_are_refused_with_one_line():
+def test_bad_process_and_pass_sizes_are_refused_with_one_line(tmp_path):
     from rlhf.ppo_config import PPOConfig
     from rlhf.sft import SFTConfig
-    from tasks.common import other_rank
+    from tasks.launch import other_rank
 
     with pytest.raises(ValueError, match=r"sft.micro_batch_size must be at least 1 or null, got 0"):
         SFTConfig(micro_batch_size=0)
     with pytest.raises(ValueError, match=r"ppo.micro_batch_size must be at least 1 or null, got -1"):
         PPOConfig(micro_batch_size=-1)
     with pytest.raises(FileNotFoundError, match=r"device.accelerate_config infra/none.yaml: no such file"):
-        other_rank({"num_processes": 2, "accelerate_config": "infra/none.yaml", "mixed_precision": "no"}, "m", None)
+        other_rank({"num_processes": 2, "accelerate_config": "infra/none.yaml", "mixed_precision": "no"}, "m", id, id)
+    fsdp = tmp_path / "fsdp.yaml"
+    fsdp.write_text("distributed_type: FSDP\nnum_processes: 2\n")
+    with pytest.raises(ValueError, match=r"distributed_type FSDP is not supported: the trainers run data parallel"):
+        other_rank({"num_processes": 2, "accelerate_config": str(fsdp), "mixed_precision": "no"}, "m", None, None)
     for bad in (0, "2", True, 1.5):
         with pytest.raises(ValueError, match=r"device.num_processes must be an integer of at least 1"):
-            other_rank({"num_processes": bad, "mixed_precision": "no"}, "tasks.sft", lambda: None)
+            other_rank({"num_processes": bad, "mixed_precision": "no"}, "tasks.sft", lambda: None, lambda: None)
+
+    def bad_params():
+        raise ValueError("sft.micro_batch_size must be at least 1 or null, got 0")
+
+    with pytest.raises(ValueError, match=r"micro_batch_size"):  # checked before any process starts
+        other_rank({"num_processes": 2, "mixed_precision": "no"}, "tasks.sft", lambda: None, bad_params)
 
 
 def test_one_process_runs_the_stage_itself(monkeypatch):
-    from tasks.common import other_rank
+    from tasks.launch import other_rank
 
     monkeypatch.delenv("RANK", raising=False)
     trained = []
-    assert other_rank({"num_processes": 1, "mixed_precision": "no"}, "tasks.sft", lambda: trained.append(1)) is False
+    one = {"num_processes": 1, "mixed_precision": "no"}
+    assert other_rank(one, "tasks.sft", lambda: trained.append(1), lambda: None) is False
     monkeypatch.setenv("LOCAL_RANK", "1")  # under the launcher, rank 1 trains and stops
     monkeypatch.setenv("RANK", "1")
-    assert other_rank({"num_processes": 2, "mixed_precision": "no"}, "tasks.sft", lambda: trained.append(1)) is True
+    two = {"num_processes": 2, "mixed_precision": "no"}
+    assert other_rank(two, "tasks.sft", lambda: trained.append(1), lambda: None) is True
     assert trained == [1]
+
+
+@pytest.mark.integration
+def test_a_failing_rank_ends_the_launch_with_its_one_line():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.path.dirname(HERE)])}
+    env.pop("LOCAL_RANK", None)
+    result = subprocess.run([sys.executable, "-m", "launch_probe"], capture_output=True, text=True, timeout=120,
+                            cwd=HERE, env=env)  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    assert output.count("[launch_probe] error: ValueError: launch_probe: rank 0 refuses") == 1, output
+    assert "Traceback" not in output and "ChildFailedError" not in output, output

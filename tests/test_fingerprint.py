@@ -59,12 +59,13 @@ def test_same_sizes_different_weights_give_different_fingerprints(tmp_path):
         fingerprint_manifest(params, [str(tmp_path / "missing")])
 
 
-def test_same_inputs_resume_without_a_message(workdir, capsys):
+def test_same_inputs_resume_and_say_so_in_one_line(workdir, capsys):
     first = run_checkpointer("ppo", {"lr": 0.1}, ["prompts.jsonl", "reward"])
     _save_step(first, 5)
     again = run_checkpointer("ppo", {"lr": 0.1}, ["prompts.jsonl", "reward"])
     assert again.root == first.root and again.latest() == os.path.join(first.root, "step-00000005")
-    assert capsys.readouterr().out == ""
+    step = os.path.relpath(again.latest())
+    assert capsys.readouterr().out == f"[ppo] resuming from {step} (same params and inputs)\n"
     manifest = load_json(os.path.join(first.root, MANIFEST))
     assert manifest["fingerprint"] == os.path.basename(first.root)
     assert set(manifest["inputs"]) == {"prompts.jsonl", "reward"}

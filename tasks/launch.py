@@ -1,0 +1,96 @@
+"""A training stage on several processes: ``device.num_processes`` launches it under accelerate, in this process.
+
+The stage checks its params first, then this process becomes the launcher (accelerate's ``launch_command``,
+torch's elastic agent) of ``python -m <stage>`` on N processes and waits for them. A failure then reads as
+with one process: the rank that failed prints its one line, and the launcher's own report (a traceback of
+``ChildFailedError``, the elastic agent's log lines) is left out; the exit status is rank 0's (1 for an
+error, 128 + the signal's number for a stop), or the first failed rank's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+SHARDED = ("FSDP", "DEEPSPEED", "MEGATRON_LM")  # the trainers hold the whole model on every process
+
+
+def other_rank(device: dict[str, Any], module: str, train: Callable[[], object], check: Callable[[], object]) -> bool:
+    """Run a training stage on ``device.num_processes`` processes; True in every process but rank 0.
+
+    With ``num_processes`` above 1 and no process group yet, ``check()`` (the stage's params, so a bad one
+    is one line before anything starts) runs, then :func:`launch` runs ``python -m <module>`` on that many
+    processes and this process exits with their status (``device.accelerate_config``: an accelerate config
+    file, e.g. infra/accelerate/ddp.yaml; null: ``--multi_gpu`` on this machine, which starts gloo processes
+    on a CPU-only one). Under the launcher, rank 0 goes on as the stage (MLflow run, outputs) and every
+    other rank runs ``train()`` (the training, whose gradients and batch statistics it shares) and stops:
+    this function then returns True.
+
+    Raises:
+        ValueError: ``num_processes`` is not an integer of at least 1, or the config launches FSDP or
+            DeepSpeed; whatever ``check()`` raises.
+        FileNotFoundError: ``accelerate_config`` names no file.
+    """
+    processes = device.get("num_processes", 1)
+    if not isinstance(processes, int) or isinstance(processes, bool) or processes < 1:
+        raise ValueError(f"params.yaml: device.num_processes must be an integer of at least 1, got {processes!r}")
+    config = device.get("accelerate_config")
+    if config:
+        check_accelerate_config(config)
+    if processes > 1 and "LOCAL_RANK" not in os.environ:
+        check()
+        raise SystemExit(launch(module, processes, config, device["mixed_precision"]))
+    if int(os.environ.get("RANK", "0")) == 0:
+        return False
+    train()
+    return True
+
+
+def check_accelerate_config(path: str) -> None:
+    """Refuse an accelerate config file that does not exist or shards the model.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: its ``distributed_type`` is FSDP, DeepSpeed or Megatron-LM (README: running at scale).
+    """
+    import yaml
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"params.yaml: device.accelerate_config {path}: no such file (see infra/accelerate/)")
+    with open(path, encoding="utf-8") as handle:
+        kind = str((yaml.safe_load(handle) or {}).get("distributed_type", "")).upper()
+    if kind in SHARDED:
+        raise ValueError(
+            f"params.yaml: device.accelerate_config {path}: distributed_type {kind} is not supported: the trainers "
+            "run data parallel only (every process holds the whole model); use infra/accelerate/ddp.yaml"
+        )
+
+
+def launch(module: str, processes: int, config: str | None, mixed_precision: str) -> int:
+    """Run ``python -m <module>`` on ``processes`` processes with accelerate's launcher; their exit status.
+
+    Returns:
+        0 when every process succeeded; else rank 0's status, or the first failed rank's; 128 + the signal's
+        number when the launcher itself is stopped (SIGTERM, SIGINT).
+    """
+    from accelerate.commands.launch import launch_command, launch_command_parser
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    argv = ["--num_processes", str(processes)]
+    argv += ["--config_file", config] if config else ["--multi_gpu", "--num_machines", "1"]
+    argv += ["--mixed_precision", mixed_precision, "--dynamo_backend", "no", "-m", module]
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # the ranks say what failed
+    sys.stdout.flush()
+    try:
+        launch_command(launch_command_parser().parse_args(argv))
+    except ChildFailedError as err:
+        failures = err.failures
+        first = failures.get(0) or failures[min(failures)]
+        return first.exitcode if first.exitcode > 0 else 128 - first.exitcode  # a negative code is a signal
+    except SignalException as err:
+        return 128 + int(err.sigval)
+    return 0
