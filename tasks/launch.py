@@ -15,8 +15,6 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-SHARDED = ("FSDP", "DEEPSPEED", "MEGATRON_LM")  # the trainers hold the whole model on every process
-
 
 def other_rank(device: dict[str, Any], module: str, train: Callable[[], object], check: Callable[[], object]) -> bool:
     """Run a training stage on ``device.num_processes`` processes; True in every process but rank 0.
@@ -57,6 +55,8 @@ def check_accelerate_config(path: str) -> None:
         ValueError: its ``distributed_type`` is FSDP, DeepSpeed or Megatron-LM (README: running at scale).
     """
     import yaml
+
+    from rlhf.distributed import SHARDED
 
     if not os.path.isfile(path):
         raise FileNotFoundError(f"params.yaml: device.accelerate_config {path}: no such file (see infra/accelerate/)")

@@ -47,7 +47,7 @@ EXAMPLES = [
 SETTINGS = GenerationSettings(max_new_tokens=6, temperature=0.9, no_eos="score", no_eos_value=None)
 PPO = {
     "rollout_batch_size": len(TEXTS),
-    "minibatch_size": len(TEXTS),
+    "minibatch_size": 3,  # minibatches of 3, 3 and 1 rollouts: on two ranks some hold 1 of 3, one holds none
     "ppo_epochs": 1,
     "reward_normalize": True,  # running statistics over every rank's scores
     "advantage_normalize": True,  # whitened over every rank's tokens

@@ -82,6 +82,23 @@ def test_the_shares_of_a_batch_sum_to_its_mean():
     assert share.item() == pytest.approx(0.693147 / 2, abs=1e-6)
 
 
+def test_target_tokens_counts_the_masked_tokens_after_the_first():
+    from rlhf.losses import target_tokens
+
+    # the first position has no logits predicting it: [T, T, F, T] scores 2 tokens, [F, T, T] scores 2
+    assert target_tokens([True, True, False, True]) == 2 and target_tokens([0, 1, 1]) == 2 and target_tokens([]) == 0
+
+
+def test_a_sharded_launch_done_by_hand_is_refused_too(monkeypatch):
+    from rlhf.device import runtime_from_params
+
+    for name in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):
+        monkeypatch.setenv(f"ACCELERATE_USE_{name}", "true")
+        with pytest.raises(ValueError, match=f"accelerate launched with {name}: the trainers run data parallel only"):
+            runtime_from_params({"mixed_precision": "no", "cpu": True, "frozen_bf16": False})
+        monkeypatch.delenv(f"ACCELERATE_USE_{name}")
+
+
 def test_ranks_shard_rows_and_split_passes():
     rows = list(range(7))
     assert Ranks(0, 2).shard(rows) == [0, 2, 4, 6] and Ranks(1, 2).shard(rows) == [1, 3, 5]

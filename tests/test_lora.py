@@ -135,7 +135,10 @@ def test_ppo_with_a_lora_policy_trains_the_adapters_and_ships_the_best(tiny_dir,
     prompts = [encode_prompt(tokenizer, p, 24) for p in PROMPTS]
     config = small_config(lora_rank=RANK, lora_alpha=ALPHA, policy_lr=1e-2, validate_every=1)
     logged: dict[int, dict[str, float]] = {}
-    log = lambda metrics, step: logged.setdefault(step, {}).update(metrics)  # noqa: E731
+
+    def log(metrics: dict[str, float], step: int) -> None:
+        logged.setdefault(step, {}).update(metrics)
+
     result = train_ppo(
         models, tokenizer, prompts[:5], prompts[5:], [], config, SETTINGS, log, Checkpointer(str(tmp_path)), Runtime(),
         False,

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from rlhf.distributed import Ranks
+from rlhf.distributed import SHARDED, Ranks
 
 MIXED_PRECISION = ("no", "bf16")
 
@@ -104,15 +104,17 @@ def runtime_from_params(params: dict[str, Any]) -> Runtime:
 
     Raises:
         ValueError: an unknown mixed precision (checked before accelerate is asked, whose own
-            error would be a traceback), or a launch with FSDP or DeepSpeed, which the trainers do not
-            implement (each process holds the whole model; README: running at scale).
+            error would be a traceback), or a launch with FSDP, DeepSpeed or Megatron-LM
+            (:data:`rlhf.distributed.SHARDED`), which the trainers do not implement (each process holds the whole
+            model; README: running at scale). :func:`tasks.launch.check_accelerate_config` refuses those configs
+            before launching; this catches ``accelerate launch --config_file ...`` by hand.
     """
     import os
 
     from accelerate import Accelerator
 
     Runtime(mixed_precision=params["mixed_precision"])  # the clear refusal first
-    sharded = [name for name in ("FSDP", "DEEPSPEED") if os.environ.get(f"ACCELERATE_USE_{name}") == "true"]
+    sharded = [name for name in SHARDED if os.environ.get(f"ACCELERATE_USE_{name}", "").lower() == "true"]
     if sharded:
         raise ValueError(
             f"accelerate launched with {sharded[0]}: the trainers run data parallel only (every process holds "

@@ -24,6 +24,9 @@ from typing import Any
 
 import torch
 
+# accelerate's distributed types that shard the model: the trainers hold the whole model on every process
+SHARDED = ("FSDP", "DEEPSPEED", "MEGATRON_LM")
+
 
 @dataclass(frozen=True)
 class Ranks:

@@ -37,7 +37,10 @@ def sequence_table(
     """One row of :data:`COLUMNS` per response, float64: what :func:`rollout_stats` needs, in a form
     that the ranks' rows simply concatenate into, on the responses' device (:meth:`rlhf.distributed.Ranks.gather`)."""
     mask = experience.mask
-    masked = lambda values: torch.where(mask, values.double(), 0.0)  # noqa: E731
+
+    def masked(values: torch.Tensor) -> torch.Tensor:  # float64, 0 outside the response
+        return torch.where(mask, values.double(), 0.0)
+
     residual = experience.returns - experience.values
     columns = {
         "raw": scored.raw_scores,
