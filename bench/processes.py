@@ -1,11 +1,13 @@
-"""Seconds per optimiser step on one process against several (data parallel), for SFT and the reward model.
+"""Seconds per optimiser step and trained-state memory per process: one process, data parallel and FSDP.
 
-``python -m bench.processes [--processes 2] [--steps 6] [--model models/base]`` runs the same global batch
-(the demo's: SFT 4 examples, reward model 8 pairs, bf16, the demo's trainable blocks) on one process with
-every core, then under ``accelerate launch --multi_gpu --num_processes N`` (gloo on a CPU-only machine;
-NCCL, one GPU each, on a GPU host) with the cores shared out. It prints one line per trainer and setting:
-the median seconds per step after one warm-up step, and the speed-up. A benchmark, not a test (README:
-running at scale has the figures measured here).
+``python -m bench.processes [--processes 2] [--steps 6] [--model models/base] [--trainable-layers 12]`` runs
+the same global batch (the demo's: SFT 4 examples, reward model 8 pairs, bf16) on one process with every
+core, then on N processes with the cores shared out, under ``infra/accelerate/ddp.yaml`` (every process holds
+the whole model) and ``infra/accelerate/fsdp.yaml`` (the trained model sharded, :mod:`rlhf.sharding`): gloo
+on a CPU-only machine, NCCL with one GPU each on a GPU host. It prints one line per trainer and launch: the
+median seconds per step after one warm-up step, the speed-up, and the megabytes one process holds of the
+trained model's weights, gradients and AdamW moments. A benchmark, not a test (README: running at scale has
+the figures measured here).
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ import time
 DATA = "data/validated/rm_train.jsonl"
 
 
-def worker(model: str, steps: int) -> None:
+def worker(model: str, steps: int, layers: int | None) -> None:
     """One process of a measurement: time ``steps`` optimiser steps of each trainer; rank 0 prints JSON."""
     import torch
     from accelerate import PartialState
+    from torch.distributed.tensor import DTensor
 
     from rlhf.chat import encode_chat
     from rlhf.data import load_jsonl
@@ -33,28 +36,33 @@ def worker(model: str, steps: int) -> None:
     from rlhf.models import load_causal_lm, load_scalar_model, load_tokenizer
     from rlhf.reward import RewardConfig, encode_pairs, reward_step
     from rlhf.sft import sft_step
+    from rlhf.sharding import shard, sharding_from_environ
     from rlhf.training import batch_gradients, freeze_lower_layers, make_optimizer, minibatch_indices
 
     state = PartialState(cpu=not torch.cuda.is_available())
     torch.set_num_threads(max((os.cpu_count() or 1) // state.num_processes, 1))
     ranks = Ranks(state.process_index, state.num_processes)
-    runtime = Runtime(device=state.device, mixed_precision="bf16", ranks=ranks)
+    runtime = Runtime(device=state.device, mixed_precision="bf16", ranks=ranks, sharding=sharding_from_environ())
     tokenizer, rows = load_tokenizer(model), load_jsonl(DATA)[:64]
     encoded = [encode_chat(tokenizer, row["prompt"], row["chosen"], 256) for row in rows]
     trainers = {
-        "sft": (lambda: load_causal_lm(model), lambda m: sft_step(m, tokenizer, encoded, runtime), 4, 12),
+        "sft": (lambda: load_causal_lm(model), lambda m: sft_step(m, tokenizer, encoded, runtime), 4),
         "reward": (
             lambda: load_scalar_model(model),
             lambda m: reward_step(m, tokenizer, encode_pairs(tokenizer, rows, 256), RewardConfig(), runtime),
             8,
-            8,
         ),
     }
+
+    def megabytes(tensors) -> float:  # of this process: a sharded tensor's local shard
+        return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors if t is not None) / 1e6
+
     seconds = {}
-    for name, (build, make_step, batch_size, layers) in trainers.items():
+    for name, (build, make_step, batch_size) in trainers.items():
         torch.manual_seed(0)
         model_ = runtime.place(build().eval())
         freeze_lower_layers(model_, layers)
+        shard(model_, runtime.sharding)
         step_fn, optimizer, times = make_step(model_), make_optimizer(model_, 1e-5), []
         for step in range(steps + 1):
             batch = minibatch_indices(step, len(rows), batch_size, 0)
@@ -65,22 +73,26 @@ def worker(model: str, steps: int) -> None:
             runtime.synchronize()
             times.append(time.perf_counter() - start)
         seconds[name] = statistics.median(times[1:])
+        trained = [p for p in model_.parameters() if p.requires_grad]
+        moments = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
+        seconds[f"{name}_mb"] = megabytes(trained) + megabytes(p.grad for p in trained) + megabytes(moments)
     if runtime.ranks.main:
         print(json.dumps({"processes": state.num_processes, **seconds}), flush=True)
 
 
-def measure(processes: int, model: str, steps: int) -> dict[str, float]:
-    """Run :func:`worker` on ``processes`` processes; its JSON line."""
-    args = [__file__, "worker", "--model", model, "--steps", str(steps)]
+def measure(processes: int, config: str | None, model: str, steps: int, layers: int | None) -> dict[str, float]:
+    """Run :func:`worker` on ``processes`` processes with accelerate config ``config`` (infra/accelerate/); its
+    JSON line."""
+    args = [__file__, "worker", "--model", model, "--steps", str(steps), "--trainable-layers", str(layers)]
     if processes == 1:
         command = [sys.executable, *args]
     else:
-        command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
-                   str(processes), "--num_machines", "1", "--mixed_precision", "bf16", "--dynamo_backend", "no",
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"infra/accelerate/{config}",
+                   "--num_processes", str(processes), "--mixed_precision", "bf16", "--dynamo_backend", "no",
                    *args]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode != 0:
-        raise SystemExit(f"bench.processes: {processes} processes failed: {result.stderr.strip()[-2000:]}")
+        raise SystemExit(f"bench.processes: {processes} processes ({config}) failed: {result.stderr.strip()[-2000:]}")
     return json.loads([line for line in result.stdout.splitlines() if line.startswith("{")][-1])
 
 
@@ -91,14 +103,19 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--model", default="models/base")
+    parser.add_argument("--trainable-layers", type=lambda v: None if v == "None" else int(v), default=12)
     args = parser.parse_args()
     if args.mode == "worker":
-        worker(args.model, args.steps)
+        worker(args.model, args.steps, args.trainable_layers)
         return
-    one, many = measure(1, args.model, args.steps), measure(args.processes, args.model, args.steps)
-    for name in ("sft", "reward"):
-        print(f"{name}: {one[name]:.2f} s/step on 1 process, {many[name]:.2f} s/step on {args.processes} "
-              f"(speed-up {one[name] / many[name]:.2f}x; the same global batch)")  # fmt: skip
+    one = measure(1, None, args.model, args.steps, args.trainable_layers)
+    for config in ("ddp.yaml", "fsdp.yaml"):
+        many = measure(args.processes, config, args.model, args.steps, args.trainable_layers)
+        for name in ("sft", "reward"):
+            mb = f"{one[name + '_mb']:.0f} MB against {many[name + '_mb']:.0f} MB per process"
+            print(f"{name}: {one[name]:.2f} s/step on 1 process, {many[name]:.2f} s/step on {args.processes} with "
+                  f"{config} (speed-up {one[name] / many[name]:.2f}x; the same global batch); trained state {mb}",
+                  flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -32,11 +32,12 @@ def stage_runtime(stage: str, device: dict[str, Any] | None = None):
 
     runtime = runtime_from_params(device if device is not None else stage_params("device"))
     processes = runtime.ranks.world_size
+    kind = "data parallel" if runtime.sharding is None else "FSDP: trained models sharded"
     if runtime.ranks.main:
         print(
             f"[{stage}] device {runtime.device}, mixed precision {runtime.mixed_precision}"
             f"{', frozen models in bf16' if runtime.frozen_bf16 else ''}"
-            f"{f', {processes} processes (data parallel)' if processes > 1 else ''}",
+            f"{f', {processes} processes ({kind})' if processes > 1 else ''}",
             flush=True,
         )
     return runtime

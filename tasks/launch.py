@@ -28,8 +28,8 @@ def other_rank(device: dict[str, Any], module: str, train: Callable[[], object],
     this function then returns True.
 
     Raises:
-        ValueError: ``num_processes`` is not an integer of at least 1, or the config launches FSDP or
-            DeepSpeed; whatever ``check()`` raises.
+        ValueError: ``num_processes`` is not an integer of at least 1, or the config asks for what the
+            trainers do not implement (:func:`check_accelerate_config`); whatever ``check()`` raises.
         FileNotFoundError: ``accelerate_config`` names no file.
     """
     processes = device.get("num_processes", 1)
@@ -48,25 +48,48 @@ def other_rank(device: dict[str, Any], module: str, train: Callable[[], object],
 
 
 def check_accelerate_config(path: str) -> None:
-    """Refuse an accelerate config file that does not exist or shards the model.
+    """Refuse an accelerate config file that does not exist or asks for what the trainers do not implement.
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: its ``distributed_type`` is FSDP, DeepSpeed or Megatron-LM (README: running at scale).
+        ValueError: its ``distributed_type`` is DeepSpeed or Megatron-LM, or its ``fsdp_config`` lacks
+            ``fsdp_version: 2`` or ``fsdp_cpu_ram_efficient_loading: false``, or sets anything else but
+            ``fsdp_reshard_after_forward`` (the trainers shard each decoder block themselves, :mod:`rlhf.sharding`;
+            README: running at scale).
     """
     import yaml
 
-    from rlhf.distributed import SHARDED
+    from rlhf.distributed import UNSUPPORTED
 
     if not os.path.isfile(path):
         raise FileNotFoundError(f"params.yaml: device.accelerate_config {path}: no such file (see infra/accelerate/)")
     with open(path, encoding="utf-8") as handle:
-        kind = str((yaml.safe_load(handle) or {}).get("distributed_type", "")).upper()
-    if kind in SHARDED:
+        config = yaml.safe_load(handle) or {}
+    kind = str(config.get("distributed_type", "")).upper()
+    where = f"params.yaml: device.accelerate_config {path}"
+    if kind in UNSUPPORTED:
         raise ValueError(
-            f"params.yaml: device.accelerate_config {path}: distributed_type {kind} is not supported: the trainers "
-            "run data parallel only (every process holds the whole model); use infra/accelerate/ddp.yaml"
+            f"{where}: distributed_type {kind} is not supported: the trainers run data parallel or FSDP; use "
+            "infra/accelerate/ddp.yaml or infra/accelerate/fsdp.yaml"
         )
+    fsdp = config.get("fsdp_config") or {}
+    for key in ("fsdp_version", "fsdp_cpu_ram_efficient_loading") if kind == "FSDP" else ():
+        if key not in fsdp:  # accelerate's defaults (1, true) are what the trainers do not implement
+            raise ValueError(f"{where}: fsdp_config.{key} must be set (see infra/accelerate/fsdp.yaml)")
+    for key, value in sorted(fsdp.items()) if kind == "FSDP" else []:
+        if key not in FSDP_KEYS or value not in FSDP_KEYS[key]:
+            raise ValueError(
+                f"{where}: fsdp_config.{key}: {value!r} is not implemented: the trainers shard each decoder block "
+                "with FSDP2 themselves (infra/accelerate/fsdp.yaml)"
+            )
+
+
+# what rlhf.sharding reads; every process must load the weights (transformers loads them on rank 0 alone otherwise)
+FSDP_KEYS = {
+    "fsdp_version": (2,),
+    "fsdp_reshard_after_forward": (True, False),
+    "fsdp_cpu_ram_efficient_loading": (False,),
+}
 
 
 def launch(module: str, processes: int, config: str | None, mixed_precision: str) -> int:

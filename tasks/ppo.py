@@ -25,6 +25,7 @@ from rlhf.plots import reward_histograms, signal_figures
 from rlhf.ppo import PPOModels, train_ppo
 from rlhf.ppo_config import PPOConfig
 from rlhf.rollout import GenerationSettings
+from rlhf.sharding import whole_model
 from rlhf.training import config_from_params, no_log
 from tasks.champion import require_champion
 from tasks.common import cli, setup_torch, stage_runtime
@@ -89,10 +90,11 @@ def run(
         [ptx_token_ids(tokenizer, row, config.ptx_max_length) for row in load_jsonl(PTX)] if config.ptx_coef > 0 else []
     )
     checkpointer = run_checkpointer(
-        checkpoint_name, {"ppo": params, "generation": generation}, [PROMPTS, PTX, SFT, REWARD]
+        checkpoint_name, {"ppo": params, "generation": generation}, [PROMPTS, PTX, SFT, REWARD], runtime
     )
     result = train_ppo(models, tokenizer, train_prompts, validation, ptx, config, settings, log, checkpointer, runtime)
     result.summary["ppo/reward_model_version"] = float(champion["version"])
+    models.policy = whole_model(models.policy, runtime.ranks.main)  # FSDP: gathered on rank 0
     if not runtime.ranks.main:
         return result  # rank 0 writes the policy
     with contextlib.nullcontext(outputs) if outputs is not None else StagedOutputs() as staged:

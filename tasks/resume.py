@@ -116,7 +116,7 @@ def stale_changes(old: dict[str, Any] | None, new: dict[str, Any]) -> list[str]:
     return changes or ["fingerprint scheme"]
 
 
-def run_checkpointer(stage: str, params: dict[str, Any], inputs: list[str]):
+def run_checkpointer(stage: str, params: dict[str, Any], inputs: list[str], runtime: Any = None):
     """A :class:`rlhf.checkpoint.Checkpointer` for this stage, params and inputs, in ``checkpoints/<stage>/<fp>/``.
 
     The fingerprint ``<fp>`` hashes the stage's params and the *content* of
@@ -137,13 +137,17 @@ def run_checkpointer(stage: str, params: dict[str, Any], inputs: list[str]):
         stage: checkpoint name (the stage, or e.g. ``ablation-vanilla``).
         params: the stage's params.
         inputs: files and folders the stage reads.
+        runtime: the stage's :class:`rlhf.device.Runtime` (None: one process). Its ranks decide who writes
+            (rank 0); under FSDP the fingerprint counts ``fsdp`` as a param (its optimiser states are keyed by
+            parameter name, so neither kind of run resumes the other's checkpoint).
 
     Raises:
         FileNotFoundError: an input does not exist.
     """
     from rlhf.checkpoint import Checkpointer, atomic_write_text
 
-    manifest = fingerprint_manifest(params, inputs)
+    sharded = runtime is not None and runtime.sharding is not None
+    manifest = fingerprint_manifest({**params, "fsdp": True} if sharded else params, inputs)
     root = checkpoint_root(stage)
     current = os.path.join(root, manifest["fingerprint"])
     for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
@@ -163,7 +167,7 @@ def run_checkpointer(stage: str, params: dict[str, Any], inputs: list[str]):
             )
         shutil.rmtree(folder, ignore_errors=True)
     atomic_write_text(os.path.join(current, MANIFEST), json.dumps(manifest, indent=1, sort_keys=True) + "\n")
-    checkpointer = Checkpointer(current)
+    checkpointer = Checkpointer(current, ranks=runtime.ranks if runtime is not None else None)
     latest = checkpointer.latest()
     if latest and int(os.environ.get("RANK", "0")) == 0:  # one line, however many training processes
         print(f"[{stage}] resuming from {os.path.relpath(latest)} (same params and inputs)", flush=True)

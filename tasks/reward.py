@@ -20,6 +20,7 @@ import torch
 from rlhf.data import load_jsonl
 from rlhf.models import load_scalar_model, load_tokenizer
 from rlhf.reward import RewardConfig, center_rewards, encode_pairs, evaluate_reward_model, train_reward_model
+from rlhf.sharding import whole_model
 from rlhf.stats import chance_warning
 from rlhf.training import config_from_params, no_log
 from tasks.common import cli, setup_torch, stage_runtime
@@ -62,8 +63,9 @@ def run(
     runtime = stage_runtime(stage, device)
     model = runtime.place(model)
     train = load_jsonl(splits[0])
-    checkpointer = run_checkpointer(stage, params, [splits[0], init])
+    checkpointer = run_checkpointer(stage, params, [splits[0], init], runtime)
     metrics = train_reward_model(model, tokenizer, train, config, log, runtime, checkpointer)
+    model = whole_model(model, runtime.ranks.main)  # FSDP: gathered on rank 0
     if not runtime.ranks.main:
         return metrics, None  # rank 0 centres, measures and writes the model
     demonstrations = [

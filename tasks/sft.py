@@ -11,6 +11,7 @@ from typing import Any
 from rlhf.data import load_jsonl
 from rlhf.models import load_causal_lm, load_tokenizer
 from rlhf.sft import SFTConfig, train_sft
+from rlhf.sharding import whole_model
 from rlhf.training import config_from_params, no_log
 from tasks.common import cli, setup_torch, stage_runtime
 from tasks.launch import other_rank
@@ -44,8 +45,9 @@ def run(
     tokenizer, model = load_tokenizer(BASE), load_causal_lm(BASE)
     runtime = stage_runtime("sft", device)
     model = runtime.place(model)
-    checkpointer = run_checkpointer("sft", params, [DATA, BASE])
+    checkpointer = run_checkpointer("sft", params, [DATA, BASE], runtime)
     metrics = train_sft(model, tokenizer, load_jsonl(DATA), config, log, runtime, checkpointer)
+    model = whole_model(model, runtime.ranks.main)  # FSDP: gathered on rank 0
     if not runtime.ranks.main:
         return metrics  # rank 0 writes the model
     folder = outputs.folder(OUT_DIR)

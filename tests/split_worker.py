@@ -1,8 +1,9 @@
 """One SFT, reward-model and PPO step on fixed data, through the product's code, under any number of processes.
 
 tests/test_distributed.py calls :func:`measure` in its own process (the whole batch in one pass, and in
-micro-batches) and runs this file under ``accelerate launch --multi_gpu --num_processes 2`` (gloo on CPU):
-``python split_worker.py <tiny model folder> <out.pt> <micro_batch_size or none>``. Rank 0 writes what it
+micro-batches) and runs this file under ``accelerate launch --multi_gpu --num_processes 2`` (gloo on CPU),
+and under ``--config_file infra/accelerate/fsdp.yaml`` (the trained models sharded, :mod:`rlhf.sharding`):
+``python split_worker.py <tiny model folder> <micro_batch_size or none> <out.pt>``. Rank 0 writes what it
 measured; every tensor is keyed so that the runs can be compared key by key.
 
 Not a test module (no ``test_`` prefix).
@@ -14,6 +15,7 @@ import copy
 import sys
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from rlhf.chat import encode_chat, encode_prompt, pad
 from rlhf.device import Runtime
@@ -24,6 +26,7 @@ from rlhf.reward import RewardConfig, encode_pairs, reward_step
 from rlhf.rollout import GenerationSettings, RunningMoments, make_experience
 from rlhf.sampling import prompt_seed
 from rlhf.sft import sft_step
+from rlhf.sharding import shard, sharding_from_environ
 from rlhf.training import batch_gradients, make_optimizer
 from rlhf.update import Optimisers, make_optimisers, ppo_update
 
@@ -60,25 +63,30 @@ PPO = {
 }
 
 
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor``, gathered from every process when it is sharded (collective)."""
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
+
+
 def trainable(model: torch.nn.Module, prefix: str) -> dict[str, torch.Tensor]:
     """``{prefix/name: a copy}`` of each trainable parameter's value."""
-    return {f"{prefix}/{n}": p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    return {f"{prefix}/{n}": whole(p) for n, p in model.named_parameters() if p.requires_grad}
 
 
 def gradients(model: torch.nn.Module, prefix: str) -> dict[str, torch.Tensor]:
     """``{prefix/name: a copy}`` of each trainable parameter's gradient."""
-    return {f"{prefix}/{n}": p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    return {f"{prefix}/{n}": whole(p.grad) for n, p in model.named_parameters() if p.requires_grad}
 
 
 def supervised(name: str, build, make_step, micro: int | None, runtime: Runtime) -> dict[str, torch.Tensor]:
     """The gradient of the whole batch, the weights after one SGD step (lr 1) and after one AdamW step."""
-    model = build()
+    model = shard(build(), runtime.sharding)
     batch = list(range(len(EXAMPLES)))
     batch_gradients(model, make_step(model), batch, micro, name, runtime)
     out = gradients(model, f"{name}/grad")
     torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0).step()
     out |= trainable(model, f"{name}/sgd")
-    model = build()
+    model = shard(build(), runtime.sharding)
     optimizer = make_optimizer(model, lr=1e-3)  # the trainers' own AdamW
     batch_gradients(model, make_step(model), batch, micro, name, runtime)
     optimizer.step()
@@ -95,6 +103,7 @@ def rollout_and_update(folder: str, tokenizer, micro: int | None, runtime: Runti
     reward_model, value_model = load_scalar_model(folder), load_scalar_model(folder)
     torch.nn.init.normal_(reward_model.score.weight, std=1.0)
     models = [m.eval() for m in (policy, reference, reward_model, value_model)]
+    policy, value_model = shard(policy, runtime.sharding), shard(value_model, runtime.sharding)
     prompts = [encode_prompt(tokenizer, e["prompt"], 32) for e in EXAMPLES]
     seeds = [prompt_seed(0, 0, j) for j in range(len(prompts))]
     experience, stats = make_experience(
@@ -163,7 +172,8 @@ if __name__ == "__main__":
 
     state = PartialState(cpu=True)  # gloo on CPU (accelerate launch --multi_gpu --num_processes 2)
     torch.set_num_threads(1)
-    here = Runtime(ranks=Ranks(state.process_index, state.num_processes))
-    results = measure(sys.argv[1], None if sys.argv[3] == "none" else int(sys.argv[3]), here)
+    here = Runtime(ranks=Ranks(state.process_index, state.num_processes), sharding=sharding_from_environ())
+    results = measure(sys.argv[1], None if sys.argv[2] == "none" else int(sys.argv[2]), here)
     if here.ranks.main:
-        torch.save({"world_size": torch.tensor(here.ranks.world_size), **results}, sys.argv[2])
+        launch = {"world_size": torch.tensor(here.ranks.world_size), "sharded": torch.tensor(here.sharding is not None)}
+        torch.save({**launch, **results}, sys.argv[3])

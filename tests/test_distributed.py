@@ -1,8 +1,11 @@
-"""The result does not depend on how a batch is split: one pass, micro-batches, or two processes (gloo on CPU).
+"""The result does not depend on how a batch is split: one pass, micro-batches, or two processes (gloo on CPU),
+each holding the whole model (data parallel, infra/accelerate/ddp.yaml) or half of it (FSDP2,
+infra/accelerate/fsdp.yaml).
 
 tests/split_worker.py measures one SFT step, one reward-model step, one sharded rollout and one PPO update
 through the product's code; these tests compare what it measures under each split with the whole batch
-in one process. Tolerances: gradients, and weights after one SGD step, 1e-6 (fp32; measured up to 1.3e-7);
+in one process. tests/fsdp_worker.py measures a sharded SFT run, its resume and the gathered model.
+Tolerances: gradients, and weights after one SGD step, 1e-6 (fp32; measured up to 1.3e-7);
 the rollout buffer (logprobs, values, advantages, returns, scores) and its statistics 1e-5, its sampled
 tokens exactly; weights after one AdamW step 1e-4 (measured up to 1.2e-5): Adam's first step is
 ``lr * g / (|g| + eps)``, which turns a gradient difference of 1e-7 on a gradient near ``eps`` into a
@@ -15,6 +18,7 @@ import os
 import subprocess
 import sys
 
+import fsdp_worker
 import pytest
 import split_worker
 import torch
@@ -23,8 +27,10 @@ from rlhf.device import Runtime
 from rlhf.distributed import Ranks, micro_batches
 from rlhf.losses import bradley_terry_loss, masked_mean
 from rlhf.sampling import PerPromptSampling
+from rlhf.sharding import Sharding, sharding_from_environ
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+INFRA = os.path.join(os.path.dirname(HERE), "infra", "accelerate")
 TOLERANCE = {"grad": 1e-6, "sgd": 1e-6, "adam": 1e-4, "buffer": 1e-5}
 
 
@@ -56,19 +62,42 @@ def test_micro_batches_give_the_whole_batch_result(tiny_dir, whole):
     assert_same(whole, split_worker.measure(tiny_dir, 2, Runtime()))
 
 
-@pytest.mark.integration
-def test_two_processes_give_the_whole_batch_result(tiny_dir, whole, tmp_path):
-    out = tmp_path / "two.pt"
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]  # fmt: skip
+def launch(worker: str, config: str, *args: str) -> dict[str, torch.Tensor]:
+    """Run ``tests/<worker>`` on two gloo processes with ``infra/accelerate/<config>``; what rank 0 saved."""
+    out = args[-1]
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(INFRA, config),
+               "--num_processes", "2", "--mixed_precision", "no", "--dynamo_backend", "no"]  # fmt: skip
     result = subprocess.run(
-        [*launch, os.path.join(HERE, "split_worker.py"), tiny_dir, str(out), "none"],
-        capture_output=True, text=True, timeout=300, cwd=HERE,
-    )  # fmt: skip
+        [*command, os.path.join(HERE, worker), *args], capture_output=True, text=True, timeout=300, cwd=HERE
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     measured = torch.load(out, weights_only=True)
     assert int(measured.pop("world_size")) == 2  # two gloo processes, not one
-    assert_same(whole, measured)
+    assert bool(measured.pop("sharded")) == (config == "fsdp.yaml")
+    return measured
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(
+    "config, micro",
+    # FSDP in passes of 1: the ranks hold 4 and 3 rows, so one runs a pass that counts zero (rlhf.sharding)
+    [("ddp.yaml", "none"), ("fsdp.yaml", "1")],
+)
+def test_two_processes_give_the_whole_batch_result(tiny_dir, whole, tmp_path, config, micro):
+    assert_same(whole, launch("split_worker.py", config, tiny_dir, micro, str(tmp_path / "two.pt")))
+
+
+@pytest.mark.integration
+def test_sharded_training_resumes_and_gathers_the_whole_model(tiny_dir, tmp_path):
+    one = fsdp_worker.measure(tiny_dir, str(tmp_path / "one"), Runtime())
+    sharded = launch("fsdp_worker.py", "fsdp.yaml", tiny_dir, str(tmp_path / "two"), str(tmp_path / "two.pt"))
+    assert set(sharded) == set(one) and any(key.startswith("resumed/") for key in one)
+    for key in sorted(one):
+        # 4 AdamW steps (lr 1e-3) on two processes against one: measured 1.1e-6
+        torch.testing.assert_close(sharded[key], one[key], rtol=0, atol=TOLERANCE["adam"], msg=key)
+        name = key.split("/", 1)[1]
+        # a resumed run, and the kept policy, are the uninterrupted run's weights exactly
+        assert torch.equal(sharded[key], sharded[f"uninterrupted/{name}"]), key
 
 
 def test_the_shares_of_a_batch_sum_to_its_mean():
@@ -89,14 +118,62 @@ def test_target_tokens_counts_the_masked_tokens_after_the_first():
     assert target_tokens([True, True, False, True]) == 2 and target_tokens([0, 1, 1]) == 2 and target_tokens([]) == 0
 
 
-def test_a_sharded_launch_done_by_hand_is_refused_too(monkeypatch):
+def test_a_launch_done_by_hand_is_checked_too(monkeypatch):
     from rlhf.device import runtime_from_params
 
-    for name in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):
+    device = {"mixed_precision": "no", "cpu": True, "frozen_bf16": False}
+    for name in ("DEEPSPEED", "MEGATRON_LM"):
         monkeypatch.setenv(f"ACCELERATE_USE_{name}", "true")
-        with pytest.raises(ValueError, match=f"accelerate launched with {name}: the trainers run data parallel only"):
-            runtime_from_params({"mixed_precision": "no", "cpu": True, "frozen_bf16": False})
+        with pytest.raises(ValueError, match=f"accelerate launched with {name}: the trainers run data parallel or"):
+            runtime_from_params(device)
         monkeypatch.delenv(f"ACCELERATE_USE_{name}")
+    # what runtime_from_params reads (an Accelerator made here would fix accelerate's state for the session)
+    assert sharding_from_environ() is None
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    assert sharding_from_environ() == Sharding(reshard_after_forward=True)
+    monkeypatch.setenv("FSDP_RESHARD_AFTER_FORWARD", "false")
+    assert sharding_from_environ() == Sharding(reshard_after_forward=False)
+    for name, value in [("FSDP_VERSION", "1"), ("FSDP_OFFLOAD_PARAMS", "true"), ("FSDP_ACTIVATION_CHECKPOINTING",
+                        "true"), ("FSDP_CPU_RAM_EFFICIENT_LOADING", "true")]:  # fmt: skip
+        monkeypatch.setenv(name, value)
+        with pytest.raises(ValueError, match=f"accelerate FSDP setting {name}={value} is not implemented"):
+            sharding_from_environ()
+        monkeypatch.delenv(name)
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        ({"fsdp_version": 1}, r"fsdp_config.fsdp_version: 1 is not implemented"),
+        ({"fsdp_version": None}, r"fsdp_config.fsdp_version must be set"),
+        ({"fsdp_cpu_ram_efficient_loading": None}, r"fsdp_config.fsdp_cpu_ram_efficient_loading must be set"),
+        ({"fsdp_cpu_ram_efficient_loading": True}, r"fsdp_cpu_ram_efficient_loading: True is not implemented"),
+        ({"fsdp_offload_params": True}, r"fsdp_config.fsdp_offload_params: True is not implemented"),
+        ({"fsdp_auto_wrap_policy": "SIZE_BASED_WRAP"}, r"fsdp_auto_wrap_policy: 'SIZE_BASED_WRAP' is not impl"),
+    ],
+)
+def test_fsdp_settings_the_trainers_do_not_implement_are_refused_before_launch(tmp_path, edit, message):
+    import yaml
+
+    from tasks.launch import check_accelerate_config
+
+    shipped = os.path.join(INFRA, "fsdp.yaml")
+    check_accelerate_config(shipped)  # the shipped file passes
+    with open(shipped) as handle:
+        config = yaml.safe_load(handle)
+    for key, value in edit.items():
+        config["fsdp_config"].pop(key) if value is None else config["fsdp_config"].__setitem__(key, value)
+    path = tmp_path / "fsdp.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with pytest.raises(ValueError, match=message):
+        check_accelerate_config(str(path))
+
+
+def test_passes_pad_a_rank_to_the_busiest_only_for_a_sharded_model():
+    one = Ranks()
+    assert one.passes([4, 6, 8], 2, [4], None) == [([4, 6], True), ([8], True)]
+    assert one.passes([], 2, [0], torch.device("cpu")) == []  # one process: nobody to wait for
+    assert one.passes([4, 6, 8], None, [4], torch.device("cpu")) == [([4, 6, 8], True)]
 
 
 def test_ranks_shard_rows_and_split_passes():
@@ -130,10 +207,10 @@ def test_bad_process_and_pass_sizes_are_refused_with_one_line(tmp_path):
         PPOConfig(micro_batch_size=-1)
     with pytest.raises(FileNotFoundError, match=r"device.accelerate_config infra/none.yaml: no such file"):
         other_rank({"num_processes": 2, "accelerate_config": "infra/none.yaml", "mixed_precision": "no"}, "m", id, id)
-    fsdp = tmp_path / "fsdp.yaml"
-    fsdp.write_text("distributed_type: FSDP\nnum_processes: 2\n")
-    with pytest.raises(ValueError, match=r"distributed_type FSDP is not supported: the trainers run data parallel"):
-        other_rank({"num_processes": 2, "accelerate_config": str(fsdp), "mixed_precision": "no"}, "m", None, None)
+    deepspeed = tmp_path / "deepspeed.yaml"
+    deepspeed.write_text("distributed_type: DEEPSPEED\nnum_processes: 2\n")
+    with pytest.raises(ValueError, match=r"distributed_type DEEPSPEED is not supported: the trainers run data par"):
+        other_rank({"num_processes": 2, "accelerate_config": str(deepspeed), "mixed_precision": "no"}, "m", None, None)
     for bad in (0, "2", True, 1.5):
         with pytest.raises(ValueError, match=r"device.num_processes must be an integer of at least 1"):
             other_rank({"num_processes": bad, "mixed_precision": "no"}, "tasks.sft", lambda: None, lambda: None)

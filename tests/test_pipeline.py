@@ -167,15 +167,17 @@ def test_dvc_repro_runs_everything_then_only_what_a_ppo_param_touches(tmp_path):
         assert handle.read() == metrics_before
 
 
-def test_prefect_flow_runs_the_stages_on_two_processes_and_groups_mlflow_runs(tmp_path):
+def test_prefect_flow_runs_the_stages_on_two_sharded_processes_and_groups_mlflow_runs(tmp_path):
     project = make_project(tmp_path)
-    # the training stages on two gloo processes through the tested accelerate config (README: running at scale)
+    # the training stages on two gloo processes through the tested FSDP config (README: running at scale;
+    # infra/accelerate/ddp.yaml is tested by tests/test_distributed.py)
     set_param(project, "num_processes: 1 ", "num_processes: 2 ")
-    set_param(project, "accelerate_config: null", "accelerate_config: infra/accelerate/ddp.yaml")
+    set_param(project, "accelerate_config: null", "accelerate_config: infra/accelerate/fsdp.yaml")
     output = run(project, "flows.pipeline")
     assert ran_stages(output) == STAGES
+    line = "device cpu:0, mixed precision bf16, 2 processes (FSDP: trained models sharded)"
     for stage in ("sft", "reward", "judge", "ppo"):  # rank 0 alone prints, logs and writes
-        assert output.count(f"[{stage}] device cpu:0, mixed precision bf16, 2 processes (data parallel)") == 1
+        assert output.count(f"[{stage}] {line}") == 1
         assert output.count(f"[{stage}] started (MLflow run") == 1
     assert "RLHF pipeline" in output  # the summary table
     assert_outputs(project)

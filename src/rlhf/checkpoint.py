@@ -17,7 +17,9 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from rlhf.distributed import Ranks
 from rlhf.lora import is_lora, load_adapter_weights
+from rlhf.sharding import full_state_dict, load_full_state_dict, model_class
 
 
 def atomic_write_text(path: str, text: str) -> None:
@@ -57,11 +59,15 @@ class Checkpointer:
     into a temporary folder and renamed into place, and ``latest`` is replaced
     atomically after it, so a crash while writing leaves the previous checkpoint
     intact. Only the newest ``keep`` are kept.
+
+    With several processes every one of them calls :meth:`save` (a sharded model is gathered first,
+    :mod:`rlhf.sharding`) and rank 0 of ``ranks`` writes; every one may read.
     """
 
-    def __init__(self, root: str, keep: int = 1):
+    def __init__(self, root: str, keep: int = 1, ranks: Ranks | None = None):
         self.root = root
         self.keep = keep
+        self.ranks = ranks or Ranks()
 
     def latest(self) -> str | None:
         """Path of the newest complete checkpoint, or None."""
@@ -82,14 +88,17 @@ class Checkpointer:
                 (tensors, numbers, strings, lists, dicts; optimiser ``state_dict()`` s).
 
         Returns:
-            The checkpoint folder.
+            The checkpoint folder (written by rank 0 only).
         """
+        final = os.path.join(self.root, f"step-{step:08d}")
+        weights = {name: full_state_dict(model) for name, model in models.items()}  # None: not sharded
+        if not self.ranks.main:
+            return final
         os.makedirs(self.root, exist_ok=True)
         tmp = tempfile.mkdtemp(dir=self.root, prefix=".tmp-")
         for name, model in models.items():
-            model.save_pretrained(os.path.join(tmp, name), safe_serialization=True)
+            model.save_pretrained(os.path.join(tmp, name), state_dict=weights[name], safe_serialization=True)
         torch.save(state, os.path.join(tmp, "state.pt"))
-        final = os.path.join(self.root, f"step-{step:08d}")
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -115,10 +124,10 @@ class Checkpointer:
         if is_lora(model):
             load_adapter_weights(model, os.path.join(path, name))
             return
-        saved = type(model).from_pretrained(
+        saved = model_class(model).from_pretrained(
             os.path.join(path, name), dtype=torch.float32, use_safetensors=True, trust_remote_code=False
         )
-        model.load_state_dict(saved.state_dict())
+        load_full_state_dict(model, saved.state_dict())  # a sharded model: each process keeps its shards
 
     def clear(self) -> None:
         """Delete every checkpoint (after the stage's final outputs are written)."""
@@ -133,23 +142,30 @@ def write_json(path: str, payload: dict[str, Any]) -> None:
 KEPT_WEIGHTS, KEPT_META = "trained.safetensors", "kept.json"
 
 
-def save_kept_policy(policy: PreTrainedModel, folder: str, meta: dict[str, Any]) -> None:
+def save_kept_policy(policy: PreTrainedModel, folder: str, meta: dict[str, Any], ranks: Ranks | None = None) -> None:
     """Keep a policy of a PPO run as what it adds to the SFT model: the weights that train, nothing else.
 
     A plain policy stores its trainable parameters (``requires_grad``; with ``ppo.trainable_layers: 8`` of
     SmolLM2-135M, 28 M of 135 M) as ``trained.safetensors``; a LoRA policy its adapters (``save_pretrained``).
     ``meta`` (JSON: the iteration, ``lora_rank``, ``lora_alpha``) goes to ``kept.json``. Written into a
-    temporary folder and renamed, so a folder that exists is complete.
+    temporary folder and renamed, so a folder that exists is complete. Every process calls it (a sharded
+    policy is gathered first); rank 0 of ``ranks`` writes.
     """
     from safetensors.torch import save_file
 
+    whole = full_state_dict(policy)  # None: not sharded
+    if ranks is not None and not ranks.main:
+        return
     parent = os.path.dirname(os.path.abspath(folder))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=parent, prefix=".kept-")
     if is_lora(policy):
         policy.save_pretrained(tmp, safe_serialization=True)
     else:
-        trained = {name: p.detach().cpu().contiguous() for name, p in policy.named_parameters() if p.requires_grad}
+        values = whole if whole is not None else dict(policy.named_parameters())
+        trained = {
+            name: values[name].detach().cpu().contiguous() for name, p in policy.named_parameters() if p.requires_grad
+        }
         save_file(trained, os.path.join(tmp, KEPT_WEIGHTS))
     atomic_write_text(os.path.join(tmp, KEPT_META), json.dumps(meta, sort_keys=True) + "\n")
     if os.path.exists(folder):

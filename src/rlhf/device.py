@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from rlhf.distributed import SHARDED, Ranks
+from rlhf.distributed import UNSUPPORTED, Ranks
+from rlhf.sharding import Sharding, sharding_from_environ
 
 MIXED_PRECISION = ("no", "bf16")
 
@@ -37,12 +38,15 @@ class Runtime:
         mixed_precision: ``"no"`` (float32 everywhere) or ``"bf16"`` (see the module docstring).
         frozen_bf16: models that are never trained are stored in bfloat16.
         ranks: this process among the training processes (``accelerate launch``; one by default).
+        sharding: how the trainers shard the models they train (FSDP, :mod:`rlhf.sharding`); None: each
+            process holds them whole.
     """
 
     device: torch.device = torch.device("cpu")
     mixed_precision: str = "no"
     frozen_bf16: bool = False
     ranks: Ranks = Ranks()
+    sharding: Sharding | None = None
 
     def __post_init__(self) -> None:
         """Refuse a precision the trainers do not implement.
@@ -104,25 +108,28 @@ def runtime_from_params(params: dict[str, Any]) -> Runtime:
 
     Raises:
         ValueError: an unknown mixed precision (checked before accelerate is asked, whose own
-            error would be a traceback), or a launch with FSDP, DeepSpeed or Megatron-LM
-            (:data:`rlhf.distributed.SHARDED`), which the trainers do not implement (each process holds the whole
-            model; README: running at scale). :func:`tasks.launch.check_accelerate_config` refuses those configs
-            before launching; this catches ``accelerate launch --config_file ...`` by hand.
+            error would be a traceback); a launch with DeepSpeed or Megatron-LM
+            (:data:`rlhf.distributed.UNSUPPORTED`), which the trainers do not implement, or with an FSDP setting
+            they do not implement (:func:`rlhf.sharding.sharding_from_environ`).
+            :func:`tasks.launch.check_accelerate_config` refuses those configs before launching; this catches
+            ``accelerate launch --config_file ...`` by hand.
     """
     import os
 
     from accelerate import Accelerator
 
     Runtime(mixed_precision=params["mixed_precision"])  # the clear refusal first
-    sharded = [name for name in SHARDED if os.environ.get(f"ACCELERATE_USE_{name}", "").lower() == "true"]
-    if sharded:
+    unsupported = [name for name in UNSUPPORTED if os.environ.get(f"ACCELERATE_USE_{name}", "").lower() == "true"]
+    if unsupported:
         raise ValueError(
-            f"accelerate launched with {sharded[0]}: the trainers run data parallel only (every process holds "
-            "the whole model and gradients are summed across them); use infra/accelerate/ddp.yaml"
+            f"accelerate launched with {unsupported[0]}: the trainers run data parallel or FSDP only; use "
+            "infra/accelerate/ddp.yaml or infra/accelerate/fsdp.yaml"
         )
+    sharding = sharding_from_environ()
     cpu = bool(params["cpu"]) or not torch.cuda.is_available()
     accelerator = Accelerator(mixed_precision=params["mixed_precision"], cpu=cpu)
-    return dataclasses.replace(runtime_from_accelerator(accelerator), frozen_bf16=bool(params["frozen_bf16"]))
+    runtime = runtime_from_accelerator(accelerator)
+    return dataclasses.replace(runtime, frozen_bf16=bool(params["frozen_bf16"]), sharding=sharding)
 
 
 class PhaseTimer:

@@ -14,6 +14,10 @@ DDP *averages* over ranks (right only when every rank holds as many loss terms a
 every other, which token-mean losses never do), and it needs each forward pass to
 go through its wrapper, while the reward and value models are called as backbone
 plus head. With one process every method here is a no-op.
+
+Under FSDP (:mod:`rlhf.sharding`) the same rows and shares apply; FSDP's reduce-scatter sums a sharded
+model's gradients instead of :meth:`Ranks.sum_gradients`, and :meth:`Ranks.passes` gives every rank as many
+passes as the busiest one.
 """
 
 from __future__ import annotations
@@ -24,8 +28,8 @@ from typing import Any
 
 import torch
 
-# accelerate's distributed types that shard the model: the trainers hold the whole model on every process
-SHARDED = ("FSDP", "DEEPSPEED", "MEGATRON_LM")
+# accelerate's distributed types the trainers do not implement (FSDP is rlhf.sharding)
+UNSUPPORTED = ("DEEPSPEED", "MEGATRON_LM")
 
 
 @dataclass(frozen=True)
@@ -94,14 +98,40 @@ class Ranks:
             merged[rank :: self.world_size] = part
         return merged.to(rows.device)
 
+    def most(self, count: int, device: torch.device) -> int:
+        """The largest ``count`` of any rank (e.g. the passes of the busiest rank)."""
+        if self.world_size == 1:
+            return count
+        most = torch.tensor(count, device=device)
+        torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
+        return int(most)
+
+    def passes(
+        self, rows: list[Any], size: int | None, filler: list[Any], together: torch.device | None
+    ) -> list[tuple[list, bool]]:
+        """This rank's forward/backward passes over ``rows`` (its own rows): ``(part, counted)`` pairs.
+
+        ``rows`` in passes of at most ``size`` (:func:`micro_batches`), each counted. With ``together``, the
+        device of a sharded model whose gathers every rank must join (None: not sharded), as many passes as the
+        busiest rank runs: the extra ones go over ``filler`` (a row this rank can forward) and are not counted,
+        so their loss must be multiplied by 0 and their figures left out.
+        """
+        mine = [(part, True) for part in micro_batches(rows, size)]
+        if together is None:
+            return mine
+        return mine + [(filler, False)] * (self.most(len(mine), together) - len(mine))
+
     def sum_gradients(self, model: torch.nn.Module) -> None:
         """Sum the gradients of ``model``'s trainable parameters over ranks, in place (one all-reduce).
 
-        A parameter without a gradient on this rank (its rows never reached it) counts as zeros.
+        A parameter without a gradient on this rank (its rows never reached it) counts as zeros. A sharded
+        parameter (:mod:`rlhf.sharding`) is left alone: FSDP summed its gradient in the backward pass.
         """
-        if self.world_size == 1:
+        from torch.distributed.tensor import DTensor
+
+        params = [p for p in model.parameters() if p.requires_grad and not isinstance(p, DTensor)]
+        if self.world_size == 1 or not params:
             return
-        params = [p for p in model.parameters() if p.requires_grad]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])
         torch.distributed.all_reduce(flat)

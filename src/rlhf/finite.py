@@ -17,8 +17,11 @@ def clip_gradients(model: torch.nn.Module, max_norm: float | None) -> torch.Tens
     ``max_norm=None`` measures the norm without clipping. No host round trip: the
     norm stays on the model's device until the step's figures are gathered.
     """
+    from torch.distributed.tensor import DTensor
+
     params = [p for p in model.parameters() if p.grad is not None]
-    return torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf"))
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf"))
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm  # a sharded model's: over every shard
 
 
 ScalerStep = Callable[[torch.optim.Optimizer], bool]
@@ -122,12 +125,21 @@ def to_host(values: dict[str, torch.Tensor | float]) -> dict[str, float]:
 
 
 def non_finite_weights(model: torch.nn.Module) -> list[str]:
-    """Names of the floating-point parameters and buffers of ``model`` that hold a NaN or an infinity."""
+    """Names of the floating-point parameters and buffers of ``model`` that hold a NaN or an infinity.
+
+    For a sharded model (:mod:`rlhf.sharding`) each process checks its shards and the answers are combined
+    (collective: every process calls it).
+    """
+    from torch.distributed.tensor import DTensor
+
     tensors = [(name, t) for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_floating_point()]
     if not tensors:
         return []
-    finite = torch.stack([torch.isfinite(t).all() for _, t in tensors]).tolist()  # one host round trip
-    return [name for (name, _), ok in zip(tensors, finite, strict=True) if not ok]
+    finite = torch.stack([torch.isfinite(t.to_local() if isinstance(t, DTensor) else t).all() for _, t in tensors])
+    if any(isinstance(t, DTensor) for _, t in tensors):
+        finite = finite.int()
+        torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)  # one bad shard: a bad tensor
+    return [name for (name, _), ok in zip(tensors, finite.tolist(), strict=True) if not ok]  # one host round trip
 
 
 def check_finite_weights(model: torch.nn.Module, stage: str, where: str) -> None:

@@ -32,6 +32,7 @@ from rlhf.chat import pad
 from rlhf.finite import non_finite_weights
 from rlhf.losses import last_token_index, logprobs_from_logits
 from rlhf.sampling import PerPromptSampling
+from rlhf.sharding import is_sharded
 
 PAD_TOKEN = "<|endoftext|>"
 """A pad token distinct from EOS (``<|im_end|>``), so a mask never hides a real end token."""
@@ -375,7 +376,11 @@ def sample(
     )
     processors = LogitsProcessorList([PerPromptSampling(seeds, temperature, model.device)] if per_prompt else [])
     sequences = model.generate(
-        input_ids=input_ids, attention_mask=attention_mask, generation_config=config, logits_processor=processors
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        generation_config=config,
+        logits_processor=processors,
+        synced_gpus=is_sharded(model),  # FSDP: a process that has finished keeps stepping until all have
     )
     start = input_ids.shape[1]
     mask, ended = response_mask_from_tokens(sequences[:, start:], tokenizer.eos_token_id)

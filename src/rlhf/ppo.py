@@ -24,9 +24,10 @@ from rlhf.device import Runtime
 from rlhf.distributed import Ranks
 from rlhf.finite import NonFiniteError, ScalerStep, check_finite_weights
 from rlhf.guard import act_on_collapse, detect_collapse, window_signals
-from rlhf.ppo_config import PPOConfig
+from rlhf.ppo_config import PPOConfig, check_sharded_batches
 from rlhf.rollout import GenerationSettings, RunningMoments, make_experience, validation_stats
 from rlhf.sampling import prompt_seed
+from rlhf.sharding import load_optimizer_state, optimizer_state, shard
 from rlhf.training import LogFn, freeze_lower_layers, minibatch_indices
 from rlhf.update import Optimisers, make_optimisers, ppo_update, ptx_batches
 
@@ -64,8 +65,8 @@ def _save(checkpointer: Checkpointer, step: int, models: PPOModels, opt: Optimis
         step,
         {"policy": models.policy, "value": models.value_model},
         {
-            "policy_optimizer": opt.policy.state_dict(),
-            "value_optimizer": opt.value.state_dict(),
+            "policy_optimizer": optimizer_state(models.policy, opt.policy),
+            "value_optimizer": optimizer_state(models.value_model, opt.value),
             "policy_schedule": opt.policy_schedule.state_dict(),
             "value_schedule": opt.value_schedule.state_dict(),
             "moments": moments.state_dict(),
@@ -81,8 +82,8 @@ def _restore(checkpointer: Checkpointer, path: str, models: PPOModels, opt: Opti
     saved = checkpointer.load_state(path)
     checkpointer.load_model_weights(path, "policy", models.policy)
     checkpointer.load_model_weights(path, "value", models.value_model)
-    opt.policy.load_state_dict(saved["policy_optimizer"])
-    opt.value.load_state_dict(saved["value_optimizer"])
+    load_optimizer_state(models.policy, opt.policy, saved["policy_optimizer"])
+    load_optimizer_state(models.value_model, opt.value, saved["value_optimizer"])
     opt.policy_schedule.load_state_dict(saved["policy_schedule"])
     opt.value_schedule.load_state_dict(saved["value_schedule"])
     moments.load_state_dict(saved["moments"])
@@ -154,12 +155,14 @@ def train_ppo(
 
     if not prompts:
         raise ValueError("no PPO prompts")
+    check_sharded_batches(config, len(validation) if config.validate_every else None, runtime.ranks, runtime.sharding)
     for model in models.as_tuple():
         model.eval()  # dropout off everywhere; gradients still flow into policy and value
     models.reference.requires_grad_(False)
     models.reward_model.requires_grad_(False)
     for model in (models.policy, models.value_model):
         freeze_lower_layers(model, config.trainable_layers)
+        shard(model, runtime.sharding)  # FSDP: before the optimisers (rlhf.sharding)
     opt = make_optimisers(models.policy, models.value_model, config, scaler_step)
     moments = RunningMoments()
     best_dir, kept_dir = os.path.join(checkpointer.root, "best"), os.path.join(checkpointer.root, "kept")
@@ -222,15 +225,14 @@ def train_ppo(
             # named by the rollout step, as the curves, the checkpoints and ppo/shipped_iteration count
             meta = {"iteration": step, "policy_iteration": state["policy_iterations"]}
             meta |= {"lora_rank": config.lora_rank, "lora_alpha": config.lora_alpha}
-            if runtime.ranks.main:
-                save_kept_policy(models.policy, os.path.join(kept_dir, f"iteration-{step:04d}"), meta)
+            save_kept_policy(models.policy, os.path.join(kept_dir, f"iteration-{step:04d}"), meta, runtime.ranks)
         log(stats, step)
         state["history"][step] = stats
         bar.update(int(stats.get("ppo/updated_policy", 0.0)))
         bar.set_postfix(reward=f"{stats['ppo/reward/mean']:.3f}", kl=f"{stats['ppo/kl']:.3f}")
         finished = state["policy_iterations"] >= config.iterations
         checkpoint_now = config.checkpoint_every and (step % config.checkpoint_every == 0 or state["stopped_by"])
-        if checkpoint_now and not finished and runtime.ranks.main:
+        if checkpoint_now and not finished:  # every rank: a sharded model is gathered, rank 0 writes
             _save(checkpointer, step, models, opt, moments, state)
     bar.close()
     if validate or state["stopped_by"]:
@@ -382,8 +384,7 @@ def _keep_best(models, tokenizer, validation, settings, runtime, state, best_dir
     reward = stats.get("ppo/validation/reward", -math.inf)
     if step == 0 or reward > state["best"]["reward"]:
         state["best"] = {"iteration": step, "reward": reward, "stats": stats}
-        if runtime.ranks.main:
-            Checkpointer(best_dir, keep=1).save(step, {"policy": models.policy}, {"iteration": step})
+        Checkpointer(best_dir, keep=1, ranks=runtime.ranks).save(step, {"policy": models.policy}, {"iteration": step})
         runtime.ranks.barrier()  # a rollback on any rank may read it next
     return stats
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from rlhf.distributed import Ranks
+from rlhf.sharding import Sharding
 from rlhf.training import check_schedule
 
 
@@ -152,3 +154,20 @@ class PPOConfig:
     def steps_per_iteration(self) -> int:
         """Optimiser steps per PPO iteration: ``ppo_epochs x ceil(rollout_batch_size / minibatch_size)``."""
         return self.ppo_epochs * -(-self.rollout_batch_size // self.minibatch_size)
+
+
+def check_sharded_batches(
+    config: PPOConfig, validation_prompts: int | None, ranks: Ranks, sharding: Sharding | None
+) -> None:
+    """Under FSDP every process generates for some prompts (its gathers are collective): refuse fewer rollouts or
+    validation prompts than processes.
+
+    Raises:
+        ValueError: ``ppo.rollout_batch_size`` or the validation prompts below the number of processes.
+    """
+    world = ranks.world_size
+    if sharding is None or world == 1:
+        return
+    for name, value in (("rollout_batch_size", config.rollout_batch_size), ("validation_prompts", validation_prompts)):
+        if value is not None and value < world:
+            raise ValueError(f"ppo.{name} is {value}: under FSDP each of the {world} processes needs one at least")

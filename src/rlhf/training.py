@@ -17,8 +17,9 @@ from transformers.trainer_pt_utils import get_length_grouped_indices
 
 from rlhf.checkpoint import Checkpointer
 from rlhf.device import Runtime
-from rlhf.distributed import Ranks, micro_batches
+from rlhf.distributed import Ranks
 from rlhf.finite import FiniteGuard, NonFiniteError, ScalerStep, check_finite_weights, to_host
+from rlhf.sharding import is_sharded, load_optimizer_state, optimizer_state, shard
 
 LogFn = Callable[[dict[str, float], int], None]
 
@@ -168,8 +169,10 @@ def supervised_loop(
     divided by the whole batch's count: ``count=`` of :mod:`rlhf.losses`) as tensors on the device. The batch
     is split over the processes (:meth:`rlhf.distributed.Ranks.shard`) and each process's rows into passes of
     ``micro_batch_size``; the shares' gradients and figures are summed over passes and processes, so a step's
-    gradient is the whole batch's however it was split. The figures (loss, gradient norm and the rest) reach
-    the host in one round trip per optimiser step (:func:`rlhf.finite.to_host`).
+    gradient is the whole batch's however it was split. Under FSDP (``runtime.sharding``) the model is sharded
+    here (:func:`rlhf.sharding.shard`) and stays sharded: the caller gathers it (:func:`rlhf.sharding.whole_model`).
+    The figures (loss, gradient norm and the rest) reach the host in one round trip per optimiser step
+    (:func:`rlhf.finite.to_host`).
 
     The first non-finite loss or gradient norm stops the run (:class:`FiniteGuard`)
     before its optimiser step, after logging that step's figures (the NaN or inf
@@ -186,7 +189,7 @@ def supervised_loop(
         log: ``log(metrics, step)`` callback.
         runtime: device and precision (:class:`rlhf.device.Runtime`); ``model`` already placed on it.
         lengths: tokens of each example; the batches are grouped by length when ``config.group_by_length``.
-        checkpointer: where to save (rank 0) and resume (every rank); None disables both.
+        checkpointer: where to save (every rank calls it; rank 0 writes) and resume (every rank); None: neither.
         progress: show a tqdm bar.
         scaler_step: a mixed-precision loss scaler's step (see :class:`FiniteGuard`); None: no scaler.
             The steps it skips are counted (``{prefix}/skipped_steps``), not fatal.
@@ -207,15 +210,17 @@ def supervised_loop(
 
     steps, seed, checkpoint_every = config.steps, config.seed, config.checkpoint_every
     torch.manual_seed(seed)
+    resume = checkpointer.latest() if checkpointer else None
+    if resume:
+        checkpointer.load_model_weights(resume, "model", model)
+    shard(model, runtime.sharding)  # FSDP: after the resume weights, before the optimiser
     optimizer = make_optimizer(model, config.lr)
     schedule = make_scheduler(optimizer, config.scheduler, config.warmup_steps, steps)
     guard = FiniteGuard(prefix, scaler_step)
     start, losses = 0, []
-    resume = checkpointer.latest() if checkpointer else None
     if resume:
         state = checkpointer.load_state(resume)
-        checkpointer.load_model_weights(resume, "model", model)
-        optimizer.load_state_dict(state["optimizer"])
+        load_optimizer_state(model, optimizer, state["optimizer"])
         schedule.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"])
         start, losses = state["step"], list(state["losses"])
@@ -247,15 +252,14 @@ def supervised_loop(
         log(row, step + 1)
         if checkpointer and checkpoint_every and (step + 1) % checkpoint_every == 0 and step + 1 < steps:
             state = {
-                "optimizer": optimizer.state_dict(),
+                "optimizer": optimizer_state(model, optimizer),
                 "scheduler": schedule.state_dict(),
                 "rng": torch.get_rng_state(),
                 "step": step + 1,
                 "losses": losses,
                 "skipped_steps": guard.skipped,
             }
-            if runtime.ranks.main:
-                checkpointer.save(step + 1, {"model": model}, state)
+            checkpointer.save(step + 1, {"model": model}, state)  # every rank: a sharded model is gathered
     check_finite_weights(model, prefix, f"after step {steps} of {steps}")
     tail = losses[-10:]
     return {
@@ -285,9 +289,14 @@ def batch_gradients(
         tensor on ``runtime.device``, the same on every rank.
     """
     figures: dict[str, torch.Tensor] = {}
-    for part in micro_batches(runtime.ranks.shard(batch), micro_batch_size):
+    together = runtime.device if is_sharded(model) else None  # FSDP: every rank runs as many passes
+    passes = runtime.ranks.passes(runtime.ranks.shard(batch), micro_batch_size, batch[:1], together)
+    for part, counted in passes:
         with runtime.autocast():
             loss, metrics = step_fn(part, batch)
+        if not counted:  # FSDP: a pass every rank joins, this rank's rows already done
+            (loss * 0.0).backward()
+            continue
         loss.backward()
         for key, value in {f"{prefix}/loss": loss, **metrics}.items():
             figures[key] = figures.get(key, 0.0) + value.detach().float()

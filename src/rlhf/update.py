@@ -19,11 +19,11 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from rlhf import losses
 from rlhf.chat import pad
 from rlhf.device import PhaseTimer, Runtime
-from rlhf.distributed import micro_batches
 from rlhf.finite import FiniteGuard, NonFiniteError, ScalerStep, to_host
 from rlhf.models import position_ids_from_mask, response_logprobs
 from rlhf.ppo_config import PPOConfig
 from rlhf.rollout import Experience, value_predictions
+from rlhf.sharding import is_sharded
 from rlhf.training import make_optimizer, make_scheduler, minibatch_indices, summed_over_ranks
 
 
@@ -158,42 +158,45 @@ def policy_step(
     """
     stats = {} if stats is None else stats
     guard, ranks = optimisers.policy_guard, runtime.ranks
-    mask = experience.mask[idx]
-    count = ranks.sum(mask.sum().float())  # response tokens of the whole minibatch, every rank's rows
-    advantages = experience.advantages[idx]
+    mask = experience.mask
+    count = ranks.sum(mask[idx].sum().float())  # response tokens of the whole minibatch, every rank's rows
+    advantages = experience.advantages.clone()  # rows idx whitened over the minibatch (every rank's rows)
     if config.advantage_normalize:
-        advantages = losses.masked_whiten(advantages, mask, across=ranks.sum)
+        advantages[idx] = losses.masked_whiten(advantages[idx], mask[idx], across=ranks.sum)
     if config.advantage_clip is not None:
         advantages = advantages.clamp(-config.advantage_clip, config.advantage_clip)
     with_logits = config.entropy_coef > 0
+    together = runtime.device if is_sharded(policy) else None  # FSDP: every rank runs as many passes
     figures: dict[str, torch.Tensor] = {}
     optimisers.policy.zero_grad(set_to_none=True)
-    for part in micro_batches(list(range(len(idx))), config.micro_batch_size):
-        rows = [idx[i] for i in part]
-        ids, attn, part_mask = experience.input_ids[rows], experience.attention_mask[rows], mask[part]
+    for rows, counted in ranks.passes(idx, config.micro_batch_size, [0], together):
+        ids, attn, part_mask = experience.input_ids[rows], experience.attention_mask[rows], mask[rows]
         with runtime.autocast():
             logprobs, logits = response_logprobs(policy, ids, attn, experience.response_start, temperature, with_logits)
             loss, clip_stats = losses.ppo_clip_loss(
-                logprobs, experience.logprobs[rows], advantages[part], part_mask, config.clip, count
+                logprobs, experience.logprobs[rows], advantages[rows], part_mask, config.clip, count
             )
             shares = {"ppo/loss/policy": loss, **{f"ppo/policy/{key}": value for key, value in clip_stats.items()}}
             if config.entropy_coef > 0:
                 entropy = losses.masked_mean(losses.entropy_from_logits(logits), part_mask, count=count)
                 loss = loss - config.entropy_coef * entropy
-        loss.backward()
-        _add(figures, {**shares, "ppo/loss/policy_total": loss})
+        (loss if counted else loss * 0.0).backward()
+        if counted:
+            _add(figures, {**shares, "ppo/loss/policy_total": loss})
     if config.ptx_coef > 0 and ptx_batch is not None:
         ptx_ids, ptx_attn = ptx_batch  # the whole ptx minibatch, on every rank; each takes its share of the rows
         ptx_count = ptx_attn[:, 1:].sum()  # the tokens language_model_loss scores, all rows
-        for rows in micro_batches(ranks.shard(list(range(ptx_ids.shape[0]))), config.micro_batch_size):
+        mine = ranks.shard(list(range(ptx_ids.shape[0])))
+        for rows, counted in ranks.passes(mine, config.micro_batch_size, [0], together):
             with runtime.autocast():
                 ids, attn = ptx_ids[rows], ptx_attn[rows]
                 position_ids = position_ids_from_mask(attn)
                 ptx_logits = policy(input_ids=ids, attention_mask=attn, position_ids=position_ids).logits
                 ptx_loss = losses.language_model_loss(ptx_logits, ids, attn.bool(), ptx_count)
                 loss = losses.ppo_ptx_loss(torch.zeros_like(ptx_loss), ptx_loss, config.ptx_coef)
-            loss.backward()
-            _add(figures, {"ppo/loss/ptx": ptx_loss, "ppo/loss/policy_total": loss})
+            (loss if counted else loss * 0.0).backward()
+            if counted:
+                _add(figures, {"ppo/loss/ptx": ptx_loss, "ppo/loss/policy_total": loss})
     ranks.sum_gradients(policy)
     figures = summed_over_ranks(figures, ranks, runtime.device)
     figures["ppo/policy/grad_norm"] = guard.clip(policy, config.max_grad_norm)
@@ -238,14 +241,16 @@ def value_step(
     count = ranks.sum(experience.mask[idx].sum().float())  # response tokens of the whole minibatch
     figures: dict[str, torch.Tensor] = {}
     optimisers.value.zero_grad(set_to_none=True)
-    for part in micro_batches(idx, config.micro_batch_size):
+    together = runtime.device if is_sharded(value_model) else None  # FSDP: every rank runs as many passes
+    for part, counted in ranks.passes(idx, config.micro_batch_size, [0], together):
         ids, attn, mask = experience.input_ids[part], experience.attention_mask[part], experience.mask[part]
         with runtime.autocast():
             values = value_predictions(value_model, ids, attn, experience.response_start)
             old_values, returns = experience.values[part], experience.returns[part]
             loss, value_stats = losses.clipped_value_loss(values, old_values, returns, mask, config.value_clip, count)
-        loss.backward()
-        _add(figures, {"ppo/loss/value": loss, "ppo/value/clipfrac": value_stats["clipfrac"]})
+        (loss if counted else loss * 0.0).backward()  # FSDP: a pass every rank joins (rlhf.sharding)
+        if counted:
+            _add(figures, {"ppo/loss/value": loss, "ppo/value/clipfrac": value_stats["clipfrac"]})
     ranks.sum_gradients(value_model)
     figures = summed_over_ranks(figures, ranks, runtime.device)
     figures["ppo/value/grad_norm"] = guard.clip(value_model, config.max_grad_norm)

@@ -1,0 +1,184 @@
+"""Fully sharded data parallel (FSDP2): each process holds 1/W of every model it trains.
+
+Under accelerate's ``distributed_type: FSDP`` (infra/accelerate/fsdp.yaml) the trainers shard the models
+they train (the SFT model, the reward model, PPO's policy and value model) with torch's ``fully_shard``
+(:func:`shard`): one unit per decoder block and one for the rest, so each process keeps 1/W of the float32
+weights, gradients and AdamW moments (16 of every 16 bytes per parameter become 16/W) and gathers one
+block's weights at a time for a forward or backward pass. Nothing else changes: a process takes the same
+rows as in plain data parallel (:mod:`rlhf.distributed`) and each pass's loss is its share of the whole
+batch's mean, so FSDP's reduce-scatter *sums* the gradients (divide factor 1, sum-only collectives, which
+gloo runs too) and the gradient is the whole batch's however it was split (tests/test_distributed.py).
+The models PPO never trains (reference, reward model) stay whole on every process.
+
+Gathers are collective, so under FSDP every process must make the same calls in the same order:
+
+- every process runs as many forward passes per step as the busiest one
+  (:meth:`rlhf.distributed.Ranks.passes`: the extra ones count zero);
+- generation runs with ``synced_gpus`` (:func:`rlhf.models.sample`): a process that has finished keeps
+  stepping until all have;
+- whole-model reads and writes go through the functions here on every process: :func:`full_state_dict`,
+  :func:`load_full_state_dict`, :func:`optimizer_state`, :func:`load_optimizer_state`, :func:`whole_model`.
+
+With one process, or without FSDP, each function here does what the plain model or optimiser does.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# accelerate's FSDP settings (FSDP_* variables, from the config's fsdp_config) and the only values the
+# trainers implement; anything else is refused by name rather than ignored
+HONOURED = {
+    "FSDP_VERSION": ("2",),
+    "FSDP_OFFLOAD_PARAMS": ("false",),
+    "FSDP_ACTIVATION_CHECKPOINTING": ("false",),
+    "FSDP_CPU_RAM_EFFICIENT_LOADING": ("false",),  # true: transformers loads real weights on rank 0 alone
+}
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How trained models are sharded (accelerate's ``fsdp_config``).
+
+    Attributes:
+        reshard_after_forward: free each block's gathered weights after its forward pass (ZeRO-3; less memory)
+            rather than keeping them for the backward pass (ZeRO-2-like; one gather fewer per step).
+    """
+
+    reshard_after_forward: bool = True
+
+
+def sharding_from_environ() -> Sharding | None:
+    """The :class:`Sharding` of an ``accelerate launch`` with FSDP (``ACCELERATE_USE_FSDP``), or None.
+
+    Raises:
+        ValueError: an FSDP setting the trainers do not implement (FSDP version 1, parameter offload,
+            accelerate's activation checkpointing: use ``<stage>.gradient_checkpointing``; weights loaded on
+            rank 0 alone, which the trainers would have to broadcast).
+    """
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() != "true":
+        return None
+    for name, allowed in HONOURED.items():
+        value = os.environ.get(name, allowed[0]).lower()
+        if value not in allowed:
+            raise ValueError(
+                f"accelerate FSDP setting {name}={value} is not implemented: the trainers shard with FSDP2 "
+                f"(fully_shard) and need {name}={allowed[0]} (see infra/accelerate/fsdp.yaml)"
+            )
+    return Sharding(os.environ.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower() == "true")
+
+
+def shard(model: torch.nn.Module, sharding: Sharding | None) -> torch.nn.Module:
+    """Shard a model that will be trained, in place, across the process group; returns it (as is without FSDP).
+
+    Call it after the model is placed, its lower layers frozen and any resume weights loaded, and before its
+    optimiser is built (the optimiser must hold the sharded parameters). A model with a scalar head is called as
+    backbone plus head (:func:`rlhf.models.token_scores`), so its backbone and its head are units of their own.
+
+    Raises:
+        ValueError: a LoRA model (its adapters would be sharded with their frozen base; not implemented).
+    """
+    if sharding is None:
+        return model
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    if hasattr(model, "peft_config"):
+        raise ValueError("ppo.lora_rank with FSDP is not implemented: use data parallel (infra/accelerate/ddp.yaml)")
+    backbone = getattr(model, model.base_model_prefix)
+    for block in backbone.layers:
+        fully_shard(block, reshard_after_forward=sharding.reshard_after_forward)
+    # the outer units are roots, which keep their weights from the forward to the backward pass (None: FSDP's
+    # choice for a root): the reward model's LM term reads the embeddings after the backbone's forward
+    for unit in (backbone, model.score) if hasattr(model, "score") else (model,):
+        fully_shard(unit, reshard_after_forward=None if sharding.reshard_after_forward else False)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)  # the losses are whole-batch shares already: sum them
+            module.set_force_sum_reduction_for_comms(True)  # SUM, not NCCL's PREMUL_SUM (gloo has none)
+    return model
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """True when ``model``'s parameters are sharded across processes (:func:`shard`)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def model_class(model: torch.nn.Module) -> type:
+    """``model``'s own class (e.g. ``LlamaForCausalLM``), not the subclass ``fully_shard`` gives a sharded one."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(cls for cls in type(model).__mro__ if not issubclass(cls, FSDPModule))
+
+
+def _full_options(**kwargs: Any):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, **kwargs)
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """A sharded model's whole ``state_dict`` on rank 0 (on the CPU; ``{}`` elsewhere); None for a model that is
+    not sharded (its own ``state_dict()`` is whole). Collective: every process calls it."""
+    if not is_sharded(model):
+        return None
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(model, options=_full_options(cpu_offload=True))
+
+
+def load_full_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load a whole ``state_dict`` (every process holds it, e.g. read from a checkpoint) into ``model``,
+    sharded or not. Collective for a sharded model."""
+    if not is_sharded(model):
+        model.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    set_model_state_dict(model, state, options=_full_options())
+
+
+def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimiser's state to checkpoint: ``optimizer.state_dict()``, or for a sharded model the whole state keyed
+    by parameter name (on rank 0, on the CPU). Collective for a sharded model."""
+    if not is_sharded(model):
+        return optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer, options=_full_options(cpu_offload=True))
+
+
+def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Restore :func:`optimizer_state` (every process holds ``state``). Collective for a sharded model."""
+    if not is_sharded(model):
+        optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, state, options=_full_options())
+
+
+def whole_model(model: torch.nn.Module, main: bool) -> torch.nn.Module | None:
+    """After training: ``model`` itself when it is not sharded; else, on rank 0 (``main``), a new unsharded model
+    with its weights on its device (float32), and None on the other processes. Collective for a sharded model.
+
+    Rank 0 then scores, evaluates and writes the trained model alone, as with one process.
+    """
+    if not is_sharded(model):
+        return model
+    state = full_state_dict(model)
+    if not main:
+        return None
+    with torch.device("meta"):
+        copy = model_class(model)(model.config)
+    copy = copy.to_empty(device=next(model.parameters()).device)  # a shard's device
+    copy.load_state_dict(state, strict=True)
+    for name, buffer in model.named_buffers():  # rotary frequencies and other buffers: never sharded
+        copy.get_buffer(name).copy_(buffer)
+    copy.tie_weights()
+    return copy.eval()
