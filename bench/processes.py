@@ -6,8 +6,8 @@ core, then on N processes with the cores shared out, under ``infra/accelerate/dd
 the whole model) and ``infra/accelerate/fsdp.yaml`` (the trained model sharded, :mod:`rlhf.sharding`): gloo
 on a CPU-only machine, NCCL with one GPU each on a GPU host. It prints one line per trainer and launch: the
 median seconds per step after one warm-up step, the speed-up, and the megabytes one process holds of the
-trained model's weights, gradients and AdamW moments. A benchmark, not a test (README: running at scale has
-the figures measured here).
+model's weights (frozen blocks included), gradients and AdamW moments. A benchmark, not a test (README:
+running at scale has the figures measured here).
 """
 
 from __future__ import annotations
@@ -73,9 +73,9 @@ def worker(model: str, steps: int, layers: int | None) -> None:
             runtime.synchronize()
             times.append(time.perf_counter() - start)
         seconds[name] = statistics.median(times[1:])
-        trained = [p for p in model_.parameters() if p.requires_grad]
+        grads = [p.grad for p in model_.parameters()]
         moments = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
-        seconds[f"{name}_mb"] = megabytes(trained) + megabytes(p.grad for p in trained) + megabytes(moments)
+        seconds[f"{name}_mb"] = megabytes(model_.parameters()) + megabytes(grads) + megabytes(moments)
     if runtime.ranks.main:
         print(json.dumps({"processes": state.num_processes, **seconds}), flush=True)
 
@@ -114,7 +114,8 @@ def main() -> None:
         for name in ("sft", "reward"):
             mb = f"{one[name + '_mb']:.0f} MB against {many[name + '_mb']:.0f} MB per process"
             print(f"{name}: {one[name]:.2f} s/step on 1 process, {many[name]:.2f} s/step on {args.processes} with "
-                  f"{config} (speed-up {one[name] / many[name]:.2f}x; the same global batch); trained state {mb}",
+                  f"{config} (speed-up {one[name] / many[name]:.2f}x; the same global batch); weights, gradients and "
+                  f"AdamW moments {mb}",
                   flush=True)  # fmt: skip
 
 

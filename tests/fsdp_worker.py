@@ -9,7 +9,10 @@ file under ``accelerate launch --config_file infra/accelerate/fsdp.yaml --num_pr
   :func:`rlhf.sharding.whole_model`;
 - ``resumed/*``: the same run started again from that checkpoint (model, optimiser state, schedule);
 - ``kept/*``: the trained weights :func:`rlhf.checkpoint.save_kept_policy` wrote, read back by
-  :func:`rlhf.checkpoint.load_kept_policy`.
+  :func:`rlhf.checkpoint.load_kept_policy`;
+- ``ppo/uninterrupted/*`` and ``ppo/resumed/*``: the policy after 2 iterations of :func:`rlhf.ppo.train_ppo`
+  (policy and value model sharded, a checkpoint after iteration 1 with both optimisers' states), and after the
+  same run resumed from that checkpoint.
 
 Not a test module (no ``test_`` prefix).
 """
@@ -20,17 +23,23 @@ import os
 import sys
 
 import torch
-from split_worker import EXAMPLES
+from split_worker import EXAMPLES, SETTINGS, TEXTS
 
+from rlhf.chat import encode_prompt
 from rlhf.checkpoint import Checkpointer, load_kept_policy, save_kept_policy
 from rlhf.device import Runtime
 from rlhf.distributed import Ranks
-from rlhf.models import load_causal_lm, load_tokenizer
+from rlhf.models import load_causal_lm, load_scalar_model, load_tokenizer
+from rlhf.ppo import PPOModels, train_ppo
+from rlhf.ppo_config import PPOConfig
 from rlhf.sft import SFTConfig, train_sft
 from rlhf.sharding import sharding_from_environ, whole_model
 from rlhf.training import no_log
 
 CONFIG = SFTConfig(steps=4, batch_size=3, micro_batch_size=1, lr=1e-3, warmup_steps=0, checkpoint_every=2)
+PPO = {"iterations": 2, "rollout_batch_size": 3, "minibatch_size": 2, "value_pretrain_iterations": 0,
+       "validate_every": 0, "checkpoint_every": 1, "ptx_coef": 0.0, "reward_normalize": True, "policy_lr": 1e-3,
+       "value_lr": 1e-3, "collapse_reward_skew": None, "collapse_truncated_share": None}  # fmt: skip
 
 
 def train(folder: str, root: str, runtime: Runtime) -> torch.nn.Module | None:
@@ -41,13 +50,36 @@ def train(folder: str, root: str, runtime: Runtime) -> torch.nn.Module | None:
     return whole_model(model, runtime.ranks.main)
 
 
+def ppo(folder: str, root: str, runtime: Runtime) -> torch.nn.Module | None:
+    """PPO from the tiny model with resume checkpoints in ``root``; the whole policy on rank 0."""
+    tokenizer = load_tokenizer(folder)
+    torch.manual_seed(0)
+    reward_model = load_scalar_model(folder)
+    torch.nn.init.normal_(reward_model.score.weight, std=1.0)
+    models = PPOModels(
+        runtime.place(load_causal_lm(folder)),
+        load_causal_lm(folder),
+        reward_model,
+        runtime.place(load_scalar_model(folder)),
+    )
+    prompts = [encode_prompt(tokenizer, [{"role": "user", "content": text}], 32) for text, _, _ in TEXTS]
+    train_ppo(models, tokenizer, prompts, [], [], PPOConfig(**PPO), SETTINGS, no_log,
+              Checkpointer(root, ranks=runtime.ranks), runtime, progress=False)  # fmt: skip
+    return whole_model(models.policy, runtime.ranks.main)
+
+
+def step_of(checkpoint: str | None) -> torch.Tensor:
+    """The step of a checkpoint folder (``.../step-00000002``: 2), -1 for none."""
+    return torch.tensor(int(checkpoint.rsplit("-", 1)[1]) if checkpoint else -1)
+
+
 def measure(folder: str, work: str, runtime: Runtime) -> dict[str, torch.Tensor]:
     """Everything the test compares (rank 0; ``{}`` elsewhere)."""
     root = os.path.join(work, "checkpoints")
     model = train(folder, root, runtime)
     runtime.ranks.barrier()
+    out = {"resumed_from/sft": step_of(Checkpointer(root).latest())}
     resumed = train(folder, root, runtime)  # from step 2, the checkpoint the first run left
-    out = {}
     if runtime.ranks.main:
         out |= {f"uninterrupted/{name}": value for name, value in model.state_dict().items()}
         out |= {f"resumed/{name}": value for name, value in resumed.state_dict().items()}
@@ -57,6 +89,13 @@ def measure(folder: str, work: str, runtime: Runtime) -> dict[str, torch.Tensor]
     save_kept_policy(policy, kept, {"iteration": 4}, runtime.ranks)
     if runtime.ranks.main:
         out |= {f"kept/{name}": value for name, value in load_kept_policy(folder, kept).state_dict().items()}
+    for run in ("uninterrupted", "resumed"):  # the second resumes from the first's checkpoint after iteration 1
+        if run == "resumed":
+            out["resumed_from/ppo"] = step_of(Checkpointer(os.path.join(work, "ppo")).latest())
+        policy = ppo(folder, os.path.join(work, "ppo"), runtime)
+        runtime.ranks.barrier()
+        if runtime.ranks.main:
+            out |= {f"ppo/{run}/{name}": value for name, value in policy.state_dict().items()}
     return out
 
 
