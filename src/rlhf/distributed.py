@@ -129,8 +129,10 @@ class Ranks:
         """
         from torch.distributed.tensor import DTensor
 
+        if self.world_size == 1:
+            return
         params = [p for p in model.parameters() if p.requires_grad and not isinstance(p, DTensor)]
-        if self.world_size == 1 or not params:
+        if not params:
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])

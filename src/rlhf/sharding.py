@@ -2,8 +2,8 @@
 
 Under accelerate's ``distributed_type: FSDP`` (infra/accelerate/fsdp.yaml) the trainers shard the models
 they train (the SFT model, the reward model, PPO's policy and value model) with torch's ``fully_shard``
-(:func:`shard`): one unit per decoder block and one for the rest, so each process keeps 1/W of the float32
-weights, gradients and AdamW moments (16 of every 16 bytes per parameter become 16/W) and gathers one
+(:func:`shard`): one unit per decoder block and one for the rest, so each process keeps 1/W of their float32
+weights, gradients and AdamW moments (16 bytes per trained parameter; 16/W per process) and gathers one
 block's weights at a time for a forward or backward pass. Nothing else changes: a process takes the same
 rows as in plain data parallel (:mod:`rlhf.distributed`) and each pass's loss is its share of the whole
 batch's mean, so FSDP's reduce-scatter *sums* the gradients (divide factor 1, sum-only collectives, which
@@ -17,7 +17,8 @@ Gathers are collective, so under FSDP every process must make the same calls in 
 - generation runs with ``synced_gpus`` (:func:`rlhf.models.sample`): a process that has finished keeps
   stepping until all have;
 - whole-model reads and writes go through the functions here on every process: :func:`full_state_dict`,
-  :func:`load_full_state_dict`, :func:`optimizer_state`, :func:`load_optimizer_state`, :func:`whole_model`.
+  :func:`load_full_state_dict`, :func:`optimizer_state`, :func:`load_optimizer_state`, :func:`whole_model`;
+  so do the gradient norm and the check for non-finite weights (:mod:`rlhf.finite`).
 
 With one process, or without FSDP, each function here does what the plain model or optimiser does.
 """

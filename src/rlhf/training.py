@@ -294,11 +294,8 @@ def batch_gradients(
     for part, counted in passes:
         with runtime.autocast():
             loss, metrics = step_fn(part, batch)
-        if not counted:  # FSDP: a pass every rank joins, this rank's rows already done
-            (loss * 0.0).backward()
-            continue
-        loss.backward()
-        for key, value in {f"{prefix}/loss": loss, **metrics}.items():
+        (loss if counted else loss * 0.0).backward()  # not counted: FSDP's pass for the busiest rank's sake
+        for key, value in {f"{prefix}/loss": loss, **metrics}.items() if counted else ():
             figures[key] = figures.get(key, 0.0) + value.detach().float()
     runtime.ranks.sum_gradients(model)
     return summed_over_ranks(figures, runtime.ranks, runtime.device)
