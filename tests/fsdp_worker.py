@@ -10,9 +10,10 @@ file under ``accelerate launch --config_file infra/accelerate/fsdp.yaml --num_pr
 - ``resumed/*``: the same run started again from that checkpoint (model, optimiser state, schedule);
 - ``kept/*``: the trained weights :func:`rlhf.checkpoint.save_kept_policy` wrote, read back by
   :func:`rlhf.checkpoint.load_kept_policy`;
-- ``ppo/uninterrupted/*`` and ``ppo/resumed/*``: the policy after 2 iterations of :func:`rlhf.ppo.train_ppo`
-  (policy and value model sharded, a checkpoint after iteration 1 with both optimisers' states), and after the
-  same run resumed from that checkpoint.
+- ``ppo/uninterrupted/*`` and ``ppo/resumed/*``: the policy after a critic pre-training iteration and 2 policy
+  iterations of :func:`rlhf.ppo.train_ppo` (policy and value model sharded, a checkpoint after each rollout
+  with both optimisers' states, the first while the policy's has none), and after the same run resumed from
+  its last checkpoint (after rollout 2).
 
 Not a test module (no ``test_`` prefix).
 """
@@ -37,7 +38,7 @@ from rlhf.sharding import sharding_from_environ, whole_model
 from rlhf.training import no_log
 
 CONFIG = SFTConfig(steps=4, batch_size=3, micro_batch_size=1, lr=1e-3, warmup_steps=0, checkpoint_every=2)
-PPO = {"iterations": 2, "rollout_batch_size": 3, "minibatch_size": 2, "value_pretrain_iterations": 0,
+PPO = {"iterations": 2, "rollout_batch_size": 3, "minibatch_size": 2, "value_pretrain_iterations": 1,
        "validate_every": 0, "checkpoint_every": 1, "ptx_coef": 0.0, "reward_normalize": True, "policy_lr": 1e-3,
        "value_lr": 1e-3, "collapse_reward_skew": None, "collapse_truncated_share": None}  # fmt: skip
 
@@ -89,7 +90,7 @@ def measure(folder: str, work: str, runtime: Runtime) -> dict[str, torch.Tensor]
     save_kept_policy(policy, kept, {"iteration": 4}, runtime.ranks)
     if runtime.ranks.main:
         out |= {f"kept/{name}": value for name, value in load_kept_policy(folder, kept).state_dict().items()}
-    for run in ("uninterrupted", "resumed"):  # the second resumes from the first's checkpoint after iteration 1
+    for run in ("uninterrupted", "resumed"):  # the second resumes from the first's checkpoint after rollout 2
         if run == "resumed":
             out["resumed_from/ppo"] = step_of(Checkpointer(os.path.join(work, "ppo")).latest())
         policy = ppo(folder, os.path.join(work, "ppo"), runtime)

@@ -62,11 +62,21 @@ def test_micro_batches_give_the_whole_batch_result(tiny_dir, whole):
     assert_same(whole, split_worker.measure(tiny_dir, 2, Runtime()))
 
 
-def launch(worker: str, config: str, *args: str) -> dict[str, torch.Tensor]:
-    """Run ``tests/<worker>`` on two gloo processes with ``infra/accelerate/<config>``; what rank 0 saved."""
-    out = args[-1]
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(INFRA, config),
-               "--num_processes", "2", "--mixed_precision", "no", "--dynamo_backend", "no"]  # fmt: skip
+def launch(worker: str, config: str, *args: str, reshard: bool = True) -> dict[str, torch.Tensor]:
+    """Run ``tests/<worker>`` on two gloo processes with ``infra/accelerate/<config>`` (``fsdp.yaml`` with
+    ``fsdp_reshard_after_forward: <reshard>``); what rank 0 saved in the file ``args[-1]``."""
+    import yaml
+
+    out, path = args[-1], os.path.join(INFRA, config)
+    if not reshard:
+        with open(path) as handle:
+            settings = yaml.safe_load(handle)
+        settings["fsdp_config"]["fsdp_reshard_after_forward"] = False
+        path = os.path.join(os.path.dirname(out), "keep-gathered.yaml")
+        with open(path, "w") as handle:
+            yaml.safe_dump(settings, handle)
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", path, "--num_processes", "2",
+               "--mixed_precision", "no", "--dynamo_backend", "no"]  # fmt: skip
     result = subprocess.run(
         [*command, os.path.join(HERE, worker), *args], capture_output=True, text=True, timeout=300, cwd=HERE
     )
@@ -79,21 +89,31 @@ def launch(worker: str, config: str, *args: str) -> dict[str, torch.Tensor]:
 
 @pytest.mark.integration
 @pytest.mark.parametrize(
-    "config, micro",
-    # FSDP in passes of 1: the ranks hold 4 and 3 rows, so one runs a pass that counts zero (rlhf.sharding)
-    [("ddp.yaml", "none"), ("fsdp.yaml", "1")],
+    "config, micro, reshard",
+    # FSDP in passes of 1: the ranks hold 4 and 3 rows, so one runs a pass that counts zero (rlhf.sharding);
+    # reshard False: each block keeps its gathered weights from the forward to the backward pass
+    [("ddp.yaml", "none", True), ("fsdp.yaml", "1", True), ("fsdp.yaml", "none", False)],
 )
-def test_two_processes_give_the_whole_batch_result(tiny_dir, whole, tmp_path, config, micro):
-    assert_same(whole, launch("split_worker.py", config, tiny_dir, micro, str(tmp_path / "two.pt")))
+def test_two_processes_give_the_whole_batch_result(tiny_dir, whole, tmp_path, config, micro, reshard):
+    measured = launch("split_worker.py", config, tiny_dir, micro, str(tmp_path / "two.pt"), reshard=reshard)
+    assert_same(whole, measured)
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny_dir, tmp_path_factory) -> dict[str, torch.Tensor]:
+    """What tests/fsdp_worker.py measures on one process."""
+    return fsdp_worker.measure(tiny_dir, str(tmp_path_factory.mktemp("one")), Runtime())
 
 
 @pytest.mark.integration
-def test_sharded_training_resumes_and_gathers_the_whole_model(tiny_dir, tmp_path):
-    one = fsdp_worker.measure(tiny_dir, str(tmp_path / "one"), Runtime())
-    sharded = launch("fsdp_worker.py", "fsdp.yaml", tiny_dir, str(tmp_path / "two"), str(tmp_path / "two.pt"))
+@pytest.mark.parametrize("reshard", [True, False])
+def test_sharded_training_resumes_and_gathers_the_whole_model(tiny_dir, one_process, tmp_path, reshard):
+    one = dict(one_process)  # popped below
+    out = str(tmp_path / "two.pt")
+    sharded = launch("fsdp_worker.py", "fsdp.yaml", tiny_dir, str(tmp_path / "two"), out, reshard=reshard)
     assert set(sharded) == set(one)
     for measured in (one, sharded):  # the second runs started from the checkpoints the first left
-        assert int(measured.pop("resumed_from/sft")) == 2 and int(measured.pop("resumed_from/ppo")) == 1
+        assert int(measured.pop("resumed_from/sft")) == 2 and int(measured.pop("resumed_from/ppo")) == 2
     assert {key.split("/")[0] for key in one} == {"uninterrupted", "resumed", "kept", "ppo"}
     for key in sorted(one):
         ppo = key.startswith("ppo/")

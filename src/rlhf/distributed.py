@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from rlhf.sharding import is_sharded
+
 # accelerate's distributed types the trainers do not implement (FSDP is rlhf.sharding)
 UNSUPPORTED = ("DEEPSPEED", "MEGATRON_LM")
 
@@ -125,15 +127,11 @@ class Ranks:
         """Sum the gradients of ``model``'s trainable parameters over ranks, in place (one all-reduce).
 
         A parameter without a gradient on this rank (its rows never reached it) counts as zeros. A sharded
-        parameter (:mod:`rlhf.sharding`) is left alone: FSDP summed its gradient in the backward pass.
+        model (:mod:`rlhf.sharding`) is left alone: FSDP summed its gradients in the backward pass.
         """
-        from torch.distributed.tensor import DTensor
-
-        if self.world_size == 1:
+        if self.world_size == 1 or is_sharded(model):
             return
-        params = [p for p in model.parameters() if p.requires_grad and not isinstance(p, DTensor)]
-        if not params:
-            return
+        params = [p for p in model.parameters() if p.requires_grad]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])
         torch.distributed.all_reduce(flat)

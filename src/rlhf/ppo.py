@@ -65,8 +65,8 @@ def _save(checkpointer: Checkpointer, step: int, models: PPOModels, opt: Optimis
         step,
         {"policy": models.policy, "value": models.value_model},
         {
-            "policy_optimizer": optimizer_state(models.policy, opt.policy),
-            "value_optimizer": optimizer_state(models.value_model, opt.value),
+            "policy_optimizer": optimizer_state(models.policy, opt.policy, checkpointer.ranks.main),
+            "value_optimizer": optimizer_state(models.value_model, opt.value, checkpointer.ranks.main),
             "policy_schedule": opt.policy_schedule.state_dict(),
             "value_schedule": opt.value_schedule.state_dict(),
             "moments": moments.state_dict(),

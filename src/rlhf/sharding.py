@@ -104,10 +104,11 @@ def shard(model: torch.nn.Module, sharding: Sharding | None) -> torch.nn.Module:
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
-    """True when ``model``'s parameters are sharded across processes (:func:`shard`)."""
-    from torch.distributed.tensor import DTensor
+    """True when ``model`` was sharded across processes (:func:`shard`), whether its units hold their shards
+    or, gathered, their whole weights at the moment."""
+    from torch.distributed.fsdp import FSDPModule
 
-    return any(isinstance(p, DTensor) for p in model.parameters())
+    return any(isinstance(module, FSDPModule) for module in model.modules())
 
 
 def model_class(model: torch.nn.Module) -> type:
@@ -130,6 +131,7 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
         return None
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+    _reshard(model)
     return get_model_state_dict(model, options=_full_options(cpu_offload=True))
 
 
@@ -141,27 +143,71 @@ def load_full_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor])
         return
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
+    _reshard(model)
     set_model_state_dict(model, state, options=_full_options())
 
 
-def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimiser's state to checkpoint: ``optimizer.state_dict()``, or for a sharded model the whole state keyed
-    by parameter name (on rank 0, on the CPU). Collective for a sharded model."""
+def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, main: bool) -> dict[str, Any]:
+    """The optimiser's state to checkpoint: ``optimizer.state_dict()``; for a sharded model, on rank 0 (``main``),
+    ``{"state": {parameter name: {"step": ..., "exp_avg": whole tensor, ...}}, "param_groups": [...]}`` on the
+    CPU (``{}`` of state elsewhere). Collective for a sharded model: each state tensor is gathered in turn."""
     if not is_sharded(model):
         return optimizer.state_dict()
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    from torch.distributed.tensor import DTensor
 
-    return get_optimizer_state_dict(model, optimizer, options=_full_options(cpu_offload=True))
+    _reshard(model)
+    names = {id(param): name for name, param in model.named_parameters()}
+    state: dict[str, dict[str, Any]] = {}
+    for group in optimizer.param_groups:
+        for param in group["params"]:  # the same order on every process
+            for key, value in optimizer.state.get(param, {}).items():
+                whole = value.full_tensor() if isinstance(value, DTensor) else value
+                if main:
+                    state.setdefault(names[id(param)], {})[key] = whole.cpu() if torch.is_tensor(whole) else whole
+    groups = [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
+    return {"state": state, "param_groups": groups}
 
 
 def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    """Restore :func:`optimizer_state` (every process holds ``state``). Collective for a sharded model."""
+    """Restore :func:`optimizer_state` (every process holds ``state``, read from the checkpoint): each process
+    takes its shard of each tensor.
+
+    Raises:
+        KeyError: the state names a parameter ``model`` does not have.
+    """
     if not is_sharded(model):
         optimizer.load_state_dict(state)
         return
-    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+    _reshard(model)
+    names = {id(param): name for name, param in model.named_parameters()}
+    for group, saved in zip(optimizer.param_groups, state["param_groups"], strict=True):
+        group.update(saved)
+        on_device = group.get("fused") or group.get("capturable")  # else torch keeps Adam's step count on the CPU
+        for param in group["params"]:
+            values = state["state"].get(names[id(param)], {})
+            optimizer.state[param] = {key: _like(value, param, on_device) for key, value in values.items()}
 
-    set_optimizer_state_dict(model, optimizer, state, options=_full_options())
+
+def _like(value: Any, param: torch.Tensor, on_device: bool) -> Any:
+    """An optimiser state value read back for ``param``: a whole tensor becomes this process's shard of it (each
+    process holds the whole, so no data moves), a 0-dim one (the step count) goes where torch keeps it."""
+    from torch.distributed.tensor import distribute_tensor
+
+    if not torch.is_tensor(value):
+        return value
+    if not value.dim():
+        return value.to(param.device if on_device else "cpu")
+    return distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+
+
+def _reshard(model: torch.nn.Module) -> None:
+    """Put back the sharded parameters of every unit (a unit that keeps its weights after a forward pass,
+    ``reshard_after_forward: false``, holds whole ones until its next backward)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def whole_model(model: torch.nn.Module, main: bool) -> torch.nn.Module | None:

@@ -252,7 +252,7 @@ def supervised_loop(
         log(row, step + 1)
         if checkpointer and checkpoint_every and (step + 1) % checkpoint_every == 0 and step + 1 < steps:
             state = {
-                "optimizer": optimizer_state(model, optimizer),
+                "optimizer": optimizer_state(model, optimizer, runtime.ranks.main),
                 "scheduler": schedule.state_dict(),
                 "rng": torch.get_rng_state(),
                 "step": step + 1,
