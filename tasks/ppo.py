@@ -23,13 +23,13 @@ from rlhf.lora import AdapterDisabledReference, add_lora, merged_copy
 from rlhf.models import load_causal_lm, load_scalar_model, load_tokenizer
 from rlhf.plots import reward_histograms, signal_figures
 from rlhf.ppo import PPOModels, train_ppo
-from rlhf.ppo_config import PPOConfig
+from rlhf.ppo_config import PPOConfig, check_processes
 from rlhf.rollout import GenerationSettings
 from rlhf.sharding import whole_model
 from rlhf.training import config_from_params, no_log
 from tasks.champion import require_champion
 from tasks.common import cli, setup_torch, stage_runtime
-from tasks.launch import other_rank
+from tasks.launch import distributed_type, other_rank
 from tasks.outputs import StagedOutputs, write_metrics
 from tasks.params import stage_params
 from tasks.resume import run_checkpointer
@@ -143,8 +143,10 @@ def main() -> None:
     params, generation, device = stage_params("ppo"), stage_params("generation"), stage_params("device")
 
     def check() -> None:  # the params, one line each, before any process starts
-        config_from_params(PPOConfig, params, "ppo")
+        config = config_from_params(PPOConfig, params, "ppo")
         config_from_params(GenerationSettings, generation, "generation")
+        validation_prompts = config.validation_prompts if config.validate_every else None
+        check_processes(config, validation_prompts, device["num_processes"], distributed_type(device) == "FSDP")
 
     if other_rank(device, "tasks.ppo", lambda: run(params, generation, no_log, device=device), check):
         return

@@ -171,8 +171,9 @@ def test_a_launch_done_by_hand_is_checked_too(monkeypatch):
     "edit, message",
     [
         ({"fsdp_version": 1}, r"fsdp_config.fsdp_version: 1 is not implemented"),
-        ({"fsdp_version": None}, r"fsdp_config.fsdp_version must be set"),
-        ({"fsdp_cpu_ram_efficient_loading": None}, r"fsdp_config.fsdp_cpu_ram_efficient_loading must be set"),
+        ({"fsdp_version": None}, r"fsdp_config.fsdp_version must be set to 2"),
+        ({"fsdp_cpu_ram_efficient_loading": None}, r"fsdp_cpu_ram_efficient_loading must be set to false"),
+        ({"fsdp_activation_checkpointing": True}, r"set <stage>.gradient_checkpointing in params.yaml instead"),
         ({"fsdp_cpu_ram_efficient_loading": True}, r"fsdp_cpu_ram_efficient_loading: True is not implemented"),
         ({"fsdp_offload_params": True}, r"fsdp_config.fsdp_offload_params: True is not implemented"),
         ({"fsdp_auto_wrap_policy": "SIZE_BASED_WRAP"}, r"fsdp_auto_wrap_policy: 'SIZE_BASED_WRAP' is not impl"),
@@ -193,6 +194,26 @@ def test_fsdp_settings_the_trainers_do_not_implement_are_refused_before_launch(t
     path.write_text(yaml.safe_dump(config))
     with pytest.raises(ValueError, match=message):
         check_accelerate_config(str(path))
+
+
+def test_what_a_launch_cannot_run_is_refused_before_it_starts(tmp_path):
+    from rlhf.device import mixed_precision
+    from rlhf.ppo_config import PPOConfig, check_processes
+    from tasks.launch import distributed_type
+
+    assert mixed_precision({"mixed_precision": False}) == "no"  # YAML reads an unquoted no as false
+    with pytest.raises(ValueError, match=r"device.mixed_precision 'fp16': use one of no, bf16"):
+        mixed_precision({"mixed_precision": "fp16"})
+    assert distributed_type({"accelerate_config": None}) == "MULTI_GPU"
+    assert distributed_type({"accelerate_config": os.path.join(INFRA, "fsdp.yaml")}) == "FSDP"
+    config = PPOConfig(rollout_batch_size=3, minibatch_size=3, lora_rank=4)
+    check_processes(config, 3, 3, False)  # one prompt each; LoRA data parallel
+    with pytest.raises(ValueError, match=r"ppo.rollout_batch_size is 3: each of the 4 training processes needs"):
+        check_processes(config, None, 4, False)
+    with pytest.raises(ValueError, match=r"ppo.validation_prompts is 2: each of the 3 training processes needs"):
+        check_processes(config, 2, 3, False)
+    with pytest.raises(ValueError, match=r"ppo.lora_rank with FSDP is not implemented"):
+        check_processes(config, None, 2, True)
 
 
 def test_passes_pad_a_rank_to_the_busiest_only_for_a_sharded_model():
@@ -262,13 +283,48 @@ def test_one_process_runs_the_stage_itself(monkeypatch):
     assert trained == [1]
 
 
-@pytest.mark.integration
-def test_a_failing_rank_ends_the_launch_with_its_one_line():
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.path.dirname(HERE)])}
+def probe(mode: str, **env: str) -> subprocess.Popen:
+    """``python -m launch_probe`` in ``mode`` (tests/launch_probe.py), on two processes, output captured."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.path.dirname(HERE)]), "LAUNCH_PROBE": mode, **env}
     env.pop("LOCAL_RANK", None)
-    result = subprocess.run([sys.executable, "-m", "launch_probe"], capture_output=True, text=True, timeout=120,
-                            cwd=HERE, env=env)  # fmt: skip
-    output = result.stdout + result.stderr
-    assert result.returncode == 1, output
-    assert output.count("[launch_probe] error: ValueError: launch_probe: rank 0 refuses") == 1, output
+    return subprocess.Popen([sys.executable, "-m", "launch_probe"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=HERE, env=env)  # fmt: skip
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_failing_rank_ends_the_launch_with_its_one_line(rank):
+    # rank 1 failing: the launcher then stops rank 0 with SIGTERM, but the status is rank 1's error, not 143
+    process = probe(f"rank{rank}")
+    output = process.communicate(timeout=120)[0]
+    assert process.returncode == 1, output
+    assert output.count(f"[launch_probe] error: ValueError: launch_probe: rank {rank} refuses") == 1, output
     assert "Traceback" not in output and "ChildFailedError" not in output, output
+
+
+@pytest.mark.integration
+def test_ranks_do_not_outlive_a_launcher_killed_with_sigkill(tmp_path):
+    import signal
+    import time
+
+    process = probe("hang", LAUNCH_PROBE_PIDS=str(tmp_path))
+    deadline = time.time() + 60
+    while len(os.listdir(tmp_path)) < 2 and time.time() < deadline:
+        time.sleep(0.2)
+    pids = [int((tmp_path / name).read_text()) for name in sorted(os.listdir(tmp_path))]
+    assert len(pids) == 2, process.communicate(timeout=10)[0]
+    process.send_signal(signal.SIGKILL)  # cannot be forwarded: the kernel kills the ranks (PR_SET_PDEATHSIG)
+    process.wait()
+    deadline = time.time() + 30
+    while any(os.path.exists(f"/proc/{pid}") and "Z" not in state(pid) for pid in pids) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not [pid for pid in pids if os.path.exists(f"/proc/{pid}") and "Z" not in state(pid)]
+
+
+def state(pid: int) -> str:
+    """The state letter of process ``pid`` (``Z``: a zombie, gone but not reaped), or ``""`` if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return ""

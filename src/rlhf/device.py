@@ -83,6 +83,17 @@ class Runtime:
             torch.cuda.synchronize(self.device)
 
 
+def mixed_precision(params: dict[str, Any]) -> str:
+    """The params.yaml ``device.mixed_precision``, checked: YAML reads an unquoted ``no`` as false, which means
+    ``"no"`` here.
+
+    Raises:
+        ValueError: not one of ``no``, ``bf16`` (:class:`Runtime`).
+    """
+    value = "no" if params["mixed_precision"] is False else params["mixed_precision"]
+    return Runtime(mixed_precision=value).mixed_precision
+
+
 def runtime_from_accelerator(accelerator: Any) -> Runtime:
     """The :class:`Runtime` of an ``accelerate.Accelerator`` (its device, ``mixed_precision`` and processes).
 
@@ -118,7 +129,7 @@ def runtime_from_params(params: dict[str, Any]) -> Runtime:
 
     from accelerate import Accelerator
 
-    Runtime(mixed_precision=params["mixed_precision"])  # the clear refusal first
+    precision = mixed_precision(params)  # the clear refusal first
     unsupported = [name for name in UNSUPPORTED if os.environ.get(f"ACCELERATE_USE_{name}", "").lower() == "true"]
     if unsupported:
         raise ValueError(
@@ -127,7 +138,7 @@ def runtime_from_params(params: dict[str, Any]) -> Runtime:
         )
     sharding = sharding_from_environ()
     cpu = bool(params["cpu"]) or not torch.cuda.is_available()
-    accelerator = Accelerator(mixed_precision=params["mixed_precision"], cpu=cpu)
+    accelerator = Accelerator(mixed_precision=precision, cpu=cpu)
     runtime = runtime_from_accelerator(accelerator)
     return dataclasses.replace(runtime, frozen_bf16=bool(params["frozen_bf16"]), sharding=sharding)
 

@@ -24,7 +24,7 @@ from rlhf.device import Runtime
 from rlhf.distributed import Ranks
 from rlhf.finite import NonFiniteError, ScalerStep, check_finite_weights
 from rlhf.guard import act_on_collapse, detect_collapse, window_signals
-from rlhf.ppo_config import PPOConfig, check_sharded_batches
+from rlhf.ppo_config import PPOConfig, check_processes
 from rlhf.rollout import GenerationSettings, RunningMoments, make_experience, validation_stats
 from rlhf.sampling import prompt_seed
 from rlhf.sharding import load_optimizer_state, optimizer_state, shard
@@ -155,7 +155,8 @@ def train_ppo(
 
     if not prompts:
         raise ValueError("no PPO prompts")
-    check_sharded_batches(config, len(validation) if config.validate_every else None, runtime.ranks, runtime.sharding)
+    validation_prompts = len(validation) if config.validate_every else None
+    check_processes(config, validation_prompts, runtime.ranks.world_size, runtime.sharding is not None)
     for model in models.as_tuple():
         model.eval()  # dropout off everywhere; gradients still flow into policy and value
     models.reference.requires_grad_(False)

@@ -10,8 +10,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from rlhf.distributed import Ranks
-from rlhf.sharding import Sharding
 from rlhf.training import check_schedule
 
 
@@ -156,18 +154,17 @@ class PPOConfig:
         return self.ppo_epochs * -(-self.rollout_batch_size // self.minibatch_size)
 
 
-def check_sharded_batches(
-    config: PPOConfig, validation_prompts: int | None, ranks: Ranks, sharding: Sharding | None
-) -> None:
-    """Under FSDP every process generates for some prompts (its gathers are collective): refuse fewer rollouts or
-    validation prompts than processes.
+def check_processes(config: PPOConfig, validation_prompts: int | None, processes: int, sharded: bool) -> None:
+    """Refuse what a launch on ``processes`` processes cannot run (checked before launching and by each rank).
+
+    Every process generates for its share of the prompts, and under FSDP (``sharded``) its gathers are collective.
 
     Raises:
-        ValueError: ``ppo.rollout_batch_size`` or the validation prompts below the number of processes.
+        ValueError: ``ppo.rollout_batch_size`` or the validation prompts (0 or None: no validation) below
+            ``processes`` (above 1); ``ppo.lora_rank`` under FSDP (not implemented).
     """
-    world = ranks.world_size
-    if sharding is None or world == 1:
-        return
     for name, value in (("rollout_batch_size", config.rollout_batch_size), ("validation_prompts", validation_prompts)):
-        if value is not None and value < world:
-            raise ValueError(f"ppo.{name} is {value}: under FSDP each of the {world} processes needs one at least")
+        if processes > 1 and value and value < processes:
+            raise ValueError(f"ppo.{name} is {value}: each of the {processes} training processes needs one at least")
+    if sharded and config.lora_rank:
+        raise ValueError("ppo.lora_rank with FSDP is not implemented: use data parallel (infra/accelerate/ddp.yaml)")

@@ -81,14 +81,15 @@ def shard(model: torch.nn.Module, sharding: Sharding | None) -> torch.nn.Module:
     backbone plus head (:func:`rlhf.models.token_scores`), so its backbone and its head are units of their own.
 
     Raises:
-        ValueError: a LoRA model (its adapters would be sharded with their frozen base; not implemented).
+        ValueError: a LoRA model (its adapters would be sharded with their frozen base; not implemented; PPO
+            refuses ``ppo.lora_rank`` under FSDP before this, :func:`rlhf.ppo_config.check_processes`).
     """
     if sharding is None:
         return model
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     if hasattr(model, "peft_config"):
-        raise ValueError("ppo.lora_rank with FSDP is not implemented: use data parallel (infra/accelerate/ddp.yaml)")
+        raise ValueError("a LoRA model cannot be sharded (not implemented): train it data parallel")
     backbone = getattr(model, model.base_model_prefix)
     for block in backbone.layers:
         fully_shard(block, reshard_after_forward=sharding.reshard_after_forward)
