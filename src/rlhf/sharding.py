@@ -174,13 +174,17 @@ def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
     takes its shard of each tensor.
 
     Raises:
-        KeyError: the state names a parameter ``model`` does not have.
+        ValueError: the state names parameters ``model`` does not have, or holds another number of parameter
+            groups than ``optimizer``.
     """
     if not is_sharded(model):
         optimizer.load_state_dict(state)
         return
     _reshard(model)
     names = {id(param): name for name, param in model.named_parameters()}
+    unknown = sorted(set(state["state"]) - set(names.values()))
+    if unknown:
+        raise ValueError(f"optimiser state for parameters the model does not have: {unknown[:3]}")
     for group, saved in zip(optimizer.param_groups, state["param_groups"], strict=True):
         group.update(saved)
         on_device = group.get("fused") or group.get("capturable")  # else torch keeps Adam's step count on the CPU
