@@ -1,5 +1,6 @@
 """``rlhf-model``: use the aligned policy. ``export`` writes a Hugging Face folder with a model card, ``chat`` talks
-to a model in the terminal, ``generate`` answers a file of prompts.
+to a model in the terminal, ``generate`` answers a file of prompts; ``score-pairs`` measures a reward model on
+any pairs file (:mod:`tasks.score_pairs`).
 
 A model is a folder (``save_pretrained`` safetensors and tokenizer) or a registered version, ``models:/<name>@<alias>``
 or ``models:/<name>/<version>``, downloaded from the project's MLflow registry and checked against its content hash.
@@ -19,7 +20,10 @@ from typing import Any
 
 import typer
 
-app = typer.Typer(help="Use the aligned policy: export it (with a model card), chat with it, generate responses.")
+app = typer.Typer(
+    help="Use the aligned policy: export it (with a model card), chat with it, generate responses; "
+    "score a reward model on a pairs file."
+)
 MODEL_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/@]+)|/(?P<version>\d+))$")
 
 
@@ -201,9 +205,10 @@ def read_prompts(path: str) -> list[dict[str, Any]]:
 def _fail(err: Exception) -> None:
     """End a command with one line on stderr and exit 1."""
     from tasks.registry import RegistryError
+    from tasks.score_pairs import PairsError
 
     text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    plain = isinstance(err, (UserError, RegistryError))  # their lines already say what and where
+    plain = isinstance(err, (UserError, RegistryError, PairsError))  # their lines already say what and where
     typer.echo(text if plain else f"error: {type(err).__name__}: {text}", err=True)
     raise typer.Exit(1)
 
@@ -374,6 +379,45 @@ def generate(
         ]  # fmt: skip
         atomic_write_text(out, "\n".join(lines) + "\n")
     typer.echo(f"wrote {len(rows)} responses to {out}")
+
+
+@app.command("score-pairs")
+def score_pairs(
+    model: str = typer.Argument(..., help="a reward-model folder, models:/<name>@<alias> or models:/<name>/<version>"),
+    pairs: str = typer.Argument(..., help="jsonl[.gz] of preference rows: any path or URL the prepare stage reads"),
+    fmt: str = typer.Option("auto", "--format", help="the rows' format: auto, hh, pairs, conversational, ranking"),
+    mapping: str = typer.Option(None, help='JSON renaming the rows\' keys first, e.g. \'{"question": "prompt"}\''),
+    max_length: int = typer.Option(
+        None,
+        min=1,
+        help="tokens per prompt + response (default: the model's reward_max_length, else 1024, "
+        "within the tokenizer's and the model's limits)",
+    ),
+    batch_size: int = typer.Option(8, min=1, help="sequences scored together"),
+    max_rows: int = typer.Option(None, min=1, help="read at most this many rows (default: all)"),
+    json_out: str = typer.Option(None, "--json", help="also write the metrics to this JSON file (atomically)"),
+    project: str = typer.Option(None, help="the project folder, for models:/ URIs (default: found from here)"),
+) -> None:
+    """Score a reward model on a pairs file with the reward stage's own measure and print every figure: accuracy
+    with its Wilson interval, the chosen-shorter/longer accuracies, calibration, margin, the empty-answer check.
+    Rows are checked before the model loads; a row that does not parse stops it with one line (file:line: rule)."""
+    from rlhf.checkpoint import write_json
+    from tasks import score_pairs as scoring
+
+    if json_out is not None:
+        json_out = os.path.abspath(json_out)  # a models:/ URI makes the project folder current
+    with _one_line():
+        examples, rows = scoring.read_pairs(pairs, fmt, scoring.parse_mapping(mapping), max_rows)
+        with model_folder(model, project) as folder:
+            reward_model, tokenizer, length = scoring.load_reward_model(folder, max_length)
+        metrics = scoring.score(reward_model, tokenizer, examples, length, batch_size)
+        if json_out is not None:
+            write_json(json_out, scoring.json_metrics(metrics))
+    typer.echo(f"{model} on {pairs}: {len(examples)} pairs from {rows} rows, max length {length} tokens")
+    for line in scoring.metric_lines(metrics):
+        typer.echo(line)
+    if json_out is not None:
+        typer.echo(f"wrote the metrics to {json_out}")
 
 
 if __name__ == "__main__":
