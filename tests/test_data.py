@@ -13,6 +13,7 @@ import threading
 import pytest
 import yaml
 
+import rlhf.data
 import tasks.prepare
 from rlhf.data import Source, assign_split, conversation_root, prepare_rows, prompt_key, ptx_token_ids, read_jsonl
 from rlhf.formats import RowError, to_examples
@@ -165,7 +166,9 @@ def test_one_conversation_cut_at_different_turns_lands_in_one_split():
         for row in split_rows:
             root = (row.get("prompt") or row.get("messages"))[0]["content"]
             split_of.setdefault(root, set()).add(split)
-    assert len(split_of) == 40 and all(len(splits) == 1 for splits in split_of.values())
+    # one split a conversation; an eval_prompts one's pairs are also judge_eval's (rlhf.data.HELD_OUT_FOR_JUDGE)
+    assert len(split_of) == 40
+    assert all(len(splits) == 1 or splits == {"eval_prompts", "judge_eval"} for splits in split_of.values())
     assert len({next(iter(splits)) for splits in split_of.values()}) >= 4  # the roots do spread over the splits
 
 
@@ -194,11 +197,18 @@ def test_real_data_parses():
         for row in rows:
             key = json.dumps(row.get("prompt"))
             if "prompt" in row:
-                assert prompts.setdefault(key, split) == split
+                prompts.setdefault(key, set()).add(split)
+    # one split a prompt, but for the eval_prompts conversations' pairs, also in judge_eval on purpose
+    assert all(len(splits) == 1 or splits == {"eval_prompts", "judge_eval"} for splits in prompts.values())
 
 
-def test_judge_splits_share_no_conversation_with_any_other_split():
-    """The judge's own conversations (params.yaml's fractions): none reaches the RM, PPO, SFT, ptx or eval splits."""
+TRAINING_SPLITS = ("sft", "rm_train", "judge_train", "ppo_prompts", "ptx_text")
+
+
+def test_judge_splits_share_no_conversation_with_any_other_split_but_eval_prompts():
+    """The judge's own conversations (params.yaml's fractions): none reaches the RM, PPO, SFT, ptx or eval splits.
+    judge_eval also holds the eval_prompts conversations' pairs, on purpose: the judge never trains on judge_eval
+    and evaluation reads only the prompts of eval_prompts, so no split that trains sees either."""
     with open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "params.yaml"), encoding="utf-8") as handle:
         fractions = yaml.safe_load(handle)["data"]["fractions"]
     prepared = prepare_rows([Source(SHARED, read_jsonl(SHARED))], fractions)
@@ -206,31 +216,82 @@ def test_judge_splits_share_no_conversation_with_any_other_split():
         split: {conversation_root(row.get("prompt") or row["messages"]) for row in rows}
         for split, rows in prepared.splits.items()
     }
-    judge = roots["judge_train"] | roots["judge_eval"]
-    assert len(roots["judge_train"]) > 200 and len(roots["judge_eval"]) > 100
+    assert roots["eval_prompts"] < roots["judge_eval"]  # every eval conversation's pairs, and the judge's own
+    own = roots["judge_eval"] - roots["eval_prompts"]
+    assert len(roots["judge_train"]) > 200 and len(own) > 100 and len(roots["judge_eval"]) > 250
     assert not roots["judge_train"] & roots["judge_eval"]
-    for split in set(roots) - {"judge_train", "judge_eval"}:
-        assert roots[split] and not judge & roots[split], split
+    for split in set(roots) - {"judge_eval"}:
+        assert roots[split] and not own & roots[split], split  # the judge's own share is in no other split
+    held_out = roots["judge_eval"] | roots["eval_prompts"]
+    for split in TRAINING_SPLITS:
+        assert not held_out & roots[split], split
+        for other in set(TRAINING_SPLITS) - {split}:
+            assert not roots[split] & roots[other], (split, other)
+
+
+def test_eval_prompts_pairs_also_go_whole_to_judge_eval_and_nothing_else_changes(monkeypatch):
+    """On a small hand-made input: judge_eval gains exactly the pairs whose split is eval_prompts (two cuts of
+    one conversation and a repeated row included), with ids of the pair form and distinct from every other id;
+    eval_prompts and every other split are as they were."""
+    rows = []
+    for i in range(40):
+        question = f"Question number {i}: what should I do about problem {i}?"
+        rows.append({"chosen": hh(("Human", question), ("Assistant", f"Good answer {i}.")),
+                     "rejected": hh(("Human", question), ("Assistant", f"Bad answer {i}."))})  # fmt: skip
+        if i % 4 == 0:  # a second cut of the same conversation: same root, another prompt
+            longer = [("Human", question), ("Assistant", f"Good answer {i}."), ("Human", "And then?")]
+            rows.append(
+                {"chosen": hh(*longer, ("Assistant", "Then rest.")), "rejected": hh(*longer, ("Assistant", "No."))}
+            )
+    rows += rows  # each row twice: one eval_prompts row per prompt, one judge_eval row per pair
+    numbered = list(enumerate(rows, start=1))
+    after = prepare_rows([Source("mem", iter(numbered))], FRACTIONS)
+    monkeypatch.setattr(rlhf.data, "HELD_OUT_FOR_JUDGE", ())  # the split as it was before
+    before = prepare_rows([Source("mem", iter(numbered))], FRACTIONS)
+    eval_pairs = [
+        (line, example)
+        for line, row in numbered
+        for example in to_examples(row)
+        if assign_split(example["prompt"], FRACTIONS) == "eval_prompts"
+    ]
+    assert len(eval_pairs) > len(after.splits["eval_prompts"]) > 0  # some prompts repeat
+    counts = {split: len(rows) for split, rows in before.splits.items()}
+    counts["judge_eval"] += len(eval_pairs)
+    assert {split: len(rows) for split, rows in after.splits.items()} == counts
+    for split in set(after.splits) - {"judge_eval"}:
+        assert after.splits[split] == before.splits[split], split
+    added = [row for row in after.splits["judge_eval"] if row not in before.splits["judge_eval"]]
+    assert [(row["prompt"], row["chosen"], row["rejected"]) for row in added] == [
+        (e["prompt"], e["chosen"], e["rejected"]) for _, e in eval_pairs
+    ]
+    assert [row["id"] for row in added] == [f"{prompt_key(e['prompt'])[:16]}-{line}" for line, e in eval_pairs]
+    assert all(set(row) == {"id", "source", "prompt", "chosen", "rejected"} for row in after.splits["judge_eval"])
+    ids = [row["id"] for rows in after.splits.values() for row in rows]
+    assert len(ids) == len(set(ids))
 
 
 def test_real_data_no_conversation_in_two_splits():
-    """No prompt (or ptx conversation) of one split is a message-list prefix of, or equal to, one of another."""
+    """No prompt (or ptx conversation) of one split is a message-list prefix of, or equal to, one of another,
+    but for eval_prompts and judge_eval, which share their conversations on purpose."""
     prepared = prepare_rows([Source(SHARED, read_jsonl(SHARED))], FRACTIONS)
     by_first: dict[str, list[tuple[str, list]]] = {}  # a prefix shares the first message: compare within groups
     for split, rows in prepared.splits.items():
         for row in rows:
             messages = row.get("prompt") or row["messages"]
             by_first.setdefault(json.dumps(messages[0], sort_keys=True), []).append((split, messages))
-    relations = [
+    relations = {
         (split_a, split_b)
         for group in by_first.values()
         for split_a, a in group
         for split_b, b in group
         if split_a != split_b and b[: len(a)] == a
-    ]
-    assert relations == []
+    }
+    # on purpose: judge_eval also holds the eval_prompts conversations' pairs (the judge never trains on
+    # judge_eval, evaluation reads only the prompts; rlhf.data.HELD_OUT_FOR_JUDGE)
+    assert relations == {("eval_prompts", "judge_eval"), ("judge_eval", "eval_prompts")}
     ids = [row["id"] for rows in prepared.splits.values() for row in rows]
-    assert len(ids) == len(set(ids)) == 2000 - 3  # every parsed row once (no prompt repeats within a prompt split)
+    # every parsed row once (no prompt repeats within a prompt split), and each eval_prompts row's pair again
+    assert len(ids) == len(set(ids)) == 2000 - 3 + 168
     assert {split: len(rows) for split, rows in prepared.splits.items()} == {
         "sft": 156,
         "rm_train": 855,
@@ -240,7 +301,7 @@ def test_real_data_no_conversation_in_two_splits():
         "ptx_heldout": 12,
         "eval_prompts": 168,
         "judge_train": 242,
-        "judge_eval": 129,
+        "judge_eval": 129 + 168,  # its own share's pairs + the eval_prompts conversations' pairs
     }
 
 

@@ -5,7 +5,9 @@ A preference example is ``{"id", "source", "prompt", "chosen", "rejected"}`` whe
 messages (the conversational format of transformers' chat templates). The
 prompt ends with a user turn; each response is what follows it (usually one
 assistant message). Splits are made by a hash of the conversation's root (its
-first user turn), so one conversation, cut at any turn, never reaches two splits.
+first user turn), so one conversation, cut at any turn, never reaches two splits, with one exception made
+on purpose: the pairs of the ``eval_prompts`` conversations are also ``judge_eval``'s
+(:data:`HELD_OUT_FOR_JUDGE`; neither split trains anything).
 
 PPO-ptx rows (splits ``ptx_text`` and ``ptx_heldout``) are either
 ``{"id", "source", "messages": [{"role", "content"}, ...]}`` (a conversation,
@@ -36,6 +38,13 @@ SPLITS = (
 )  # fmt: skip
 """Files of data/processed and data/validated. ``data.fractions`` names every split but ``ptx_heldout``,
 which is a share (``data.ptx_heldout_fraction``) of the ptx rows."""
+
+HELD_OUT_FOR_JUDGE = ("eval_prompts",)
+"""Prompt splits whose whole pairs also go to ``judge_eval``. Evaluation reads only the prompts of
+``eval_prompts`` (the policy and SFT answer them; the judge scores those answers), never their chosen or
+rejected responses, and the judge never trains on ``judge_eval``: measuring the judge on these pairs too gives
+it more held-out pairs (the demo: 297 prepared instead of 129), and no split that trains sees them.
+``ppo_prompts`` is not one: PPO trains on its prompts."""
 
 
 _MAGIC = ((b"\x1f\x8b", "gzip"), (b"BZh", "bz2"), (b"\xfd7zXZ\x00", "xz"), (b"\x28\xb5\x2f\xfd", "zstd"))
@@ -301,7 +310,10 @@ def prepare_rows(
     Output rows: ``sft``, ``rm_train``, ``rm_eval``, ``judge_train``, ``judge_eval`` hold whole pairs
     ``{"id", "source", "prompt", "chosen", "rejected"}``; ``ppo_prompts`` and
     ``eval_prompts`` hold ``{"id", "source", "prompt"}`` (one row per distinct
-    prompt). The ptx share (``fractions["ptx_text"]``) of the preference data
+    prompt). ``judge_eval`` holds its own share's pairs and also every pair whose conversation is in
+    ``eval_prompts`` (:data:`HELD_OUT_FOR_JUDGE`): the judge is measured on them, evaluation reads only their
+    prompts, and no split that trains (``sft``, ``rm_train``, ``judge_train``, ``ppo_prompts``, ``ptx_text``)
+    shares a conversation root with either. The ptx share (``fractions["ptx_text"]``) of the preference data
     gives ``{"id", "source", "messages"}`` rows (prompt + chosen response); every
     row of ``ptx_sources`` (``{"messages"}`` or ``{"text"}``, see
     :func:`parse_ptx_row`) is added to them, unless its conversation root is in
@@ -309,7 +321,8 @@ def prepare_rows(
     Of all ptx rows, a hashed ``ptx_heldout_fraction`` (by :func:`ptx_key`) goes
     to ``ptx_heldout``, the rest to ``ptx_text``. Ids: pair and ptx rows
     ``<sha256[:16]>-<line>`` (``-<k>`` for the k-th pair of a ranking row,
-    ``-s<i>`` for the i-th source after the first); prompt rows ``<sha256[:16]>``.
+    ``-s<i>`` for the i-th source after the first; an eval_prompts pair in ``judge_eval`` too), so they are
+    unique; prompt rows ``<sha256[:16]>``.
     Quarantine rows are ``{"source", "line", "reason", "row"}``. ``sources`` counts, per
     source, the rows read and used (see :meth:`PreparedData.unusable_sources`).
 
@@ -363,6 +376,8 @@ def prepare_rows(
                     if (split, key) not in seen_prompts:
                         seen_prompts.add((split, key))
                         splits[split].append({**record, "id": key[:16], "prompt": example["prompt"]})
+                    if split in HELD_OUT_FOR_JUDGE:  # only its prompt is evaluated on: its pair is held out too
+                        splits["judge_eval"].append({**record, **example})
                 elif split == "ptx_text":
                     ptx({**record, "messages": example["prompt"] + example["chosen"]})
                 else:
