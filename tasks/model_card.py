@@ -147,6 +147,10 @@ def _metric_facts(found, client, registry: dict[str, Any], folder_sha: str) -> d
     rows = {
         "Judge win rate over SFT": "eval/judge/win_rate",
         "Proxy (trained-against RM) win rate over SFT": proxy,
+        "Judge length-controlled win rate over SFT (at equal length)": "eval/judge/lc_win_rate",
+        "Proxy length-controlled win rate over SFT (at equal length)": "eval/proxy/lc_win_rate",
+        "Judge score difference, policy - SFT (same prompts)": "eval/judge/score_diff",
+        "Proxy score difference, policy - SFT (same prompts)": "eval/proxy/score_diff",
         "KL to SFT (nats per response)": "eval/policy/kl",
         "Reward-model accuracy (rm_eval)": "rm/accuracy",
         "Judge accuracy (its held-out split)": "eval/judge/accuracy",
@@ -325,7 +329,7 @@ def limitations(random_weights: bool, judge_doubtful: Any, tags: dict[str, str],
 
 def render_card(facts: dict[str, Any]):
     """The ``huggingface_hub.ModelCard`` of :func:`card_facts`: YAML front matter (base model, tags, language,
-    library, a model-index of the win rates and KL) and the Markdown body.
+    library, a model-index of the win rates, raw and length-controlled, and KL) and the Markdown body.
 
     Raises:
         ValueError: the rendered card would hold something that looks like a credential (names what).
@@ -336,7 +340,8 @@ def render_card(facts: dict[str, Any]):
 
     metrics, results = facts["metrics_raw"], []
     names = {"eval/judge/win_rate": "judge win rate", "eval/proxy/win_rate": "proxy win rate",
-             "eval/win_rate": "proxy win rate", "eval/policy/kl": "KL to SFT"}  # fmt: skip
+             "eval/win_rate": "proxy win rate", "eval/judge/lc_win_rate": "judge length-controlled win rate",
+             "eval/proxy/lc_win_rate": "proxy length-controlled win rate", "eval/policy/kl": "KL to SFT"}  # fmt: skip
     for key, name in names.items():
         if key == "eval/win_rate" and "eval/proxy/win_rate" in metrics:
             continue

@@ -35,6 +35,10 @@ def test_wilson_3_of_4_and_the_edges_by_hand():
     assert wilson_interval(0, 5) == pytest.approx((0.0, 0.4345), abs=5e-5)
     low, high = wilson_interval(0, 0)
     assert math.isnan(low) and math.isnan(high)
+    # a real-valued (effective) count, 1.5 of 2: p = 0.75, z^2/n = 1.920730, denominator 2.920730
+    # center = (0.75 + 0.960365) / 2.920730 = 0.585596
+    # half = 1.959964 / 2.920730 * sqrt(0.75 * 0.25 / 2 + 3.841459 / 16) = 0.671049 * sqrt(0.333841) = 0.387726
+    assert wilson_interval(1.5, 2) == pytest.approx((0.1979, 0.9733), abs=5e-5)
     with pytest.raises(ValueError, match="successes"):
         wilson_interval(3, 2)
     with pytest.raises(ValueError, match="successes"):
@@ -115,12 +119,35 @@ def test_clustered_rate_counts_a_prompt_once_however_many_samples_it_has():
     assert wilson_interval(120, 200) == pytest.approx((0.5308, 0.6654), abs=5e-5)
 
 
-def test_clustered_rate_is_never_narrower_than_wilson():
-    # 5 wins of 5: every resample is 1.0, but 5 comparisons cannot prove a 100% rate: Wilson's [0.5655, 1]
+def test_clustered_rate_is_never_narrower_than_wilson_over_prompts():
+    # 5 wins of 5 prompts: every resample is 1.0, but 5 prompts cannot prove a 100% rate: Wilson's [0.5655, 1]
     result = clustered_rate(torch.ones(5, 1), torch.zeros(5, 1))
     assert result.rate == 1.0 and result.low == pytest.approx(0.5655, abs=5e-5) and result.high == 1.0
     with pytest.raises(ValueError, match=r"\(P, K\)"):
         clustered_rate(torch.ones(5), torch.zeros(5))
+
+
+def test_clustered_rate_floors_by_prompts_not_comparisons_6_by_2_all_won():
+    # 6 prompts x 2 samples, all 12 comparisons won. The floor counts the 6 prompts with a decisive comparison,
+    # with rate * 6 = 6 successes: Wilson of 6 of 6. At p = 1 the low bound is 1 / (1 + z^2/n):
+    # z^2 / 6 = 3.841459 / 6 = 0.640243, so low = 1 / 1.640243 = 0.609666, high = 1.
+    # (Counting the 12 comparisons as independent would give 1 / (1 + 3.841459 / 12) = 1 / 1.320122 = 0.757506.)
+    result = clustered_rate(torch.ones(6, 2), torch.zeros(6, 2))
+    assert (result.rate, result.wins, result.n, result.ties) == (1.0, 12, 12, 0)  # the counts stay comparisons
+    assert result.low == pytest.approx(0.609666, abs=1e-6) and result.high == 1.0
+
+
+def test_clustered_rate_floor_counts_only_prompts_with_a_decisive_comparison():
+    # 3 prompts x 2: prompts 0 and 1 won twice, prompt 2 tied twice. Comparisons: 4 wins of n = 4, 2 ties.
+    # Every resample with a decisive comparison is 1.0 (one of prompt 2 alone is NaN, dropped): the bootstrap
+    # gives [1, 1], so the floor is the interval. It counts the 2 prompts with a decisive comparison, not all 3
+    # and not the 4 comparisons: Wilson of 2 of 2, low = 1 / (1 + z^2/2) = 1 / (1 + 1.920730) = 0.342380
+    # (of 3 of 3 it would be 1 / 2.280486 = 0.438503; of 4 of 4, 1 / 1.960365 = 0.510109).
+    first, second = torch.tensor([[1.0, 1.0], [1.0, 1.0], [0.0, 0.0]]), torch.zeros(3, 2)
+    with pytest.warns(TiesWarning, match="2 of 6 comparisons over 3 prompts tied"):
+        result = clustered_rate(first, second, resamples=2000, seed=0)
+    assert (result.rate, result.wins, result.n, result.ties) == (1.0, 4, 4, 2)
+    assert result.low == pytest.approx(0.342380, abs=1e-6) and result.high == 1.0
 
 
 def test_chance_warning():

@@ -9,6 +9,7 @@ response *text* with its own tokenizer, so it may be another backbone.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,11 +18,12 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf import losses
 from rlhf.chat import encode_chat, encode_prompt, pad
+from rlhf.comparison import length_controlled_rate, paired_difference
 from rlhf.data import ptx_token_ids
 from rlhf.device import Runtime
 from rlhf.models import response_logprobs, sequence_scores
 from rlhf.rollout import GenerationSettings, sample_and_score, treat_unfinished
-from rlhf.stats import PairedRate, clustered_rate
+from rlhf.stats import PairedRate, TiesWarning, clustered_rate
 from rlhf.text_stats import distinct_n, refusal_rate
 
 MODELS = ("sft", "policy")
@@ -63,8 +65,8 @@ class Scorers:
 def win_rate(policy_scores: torch.Tensor, baseline_scores: torch.Tensor, resamples: int, seed: int) -> PairedRate:
     """Share of decisive comparisons where the policy's score beats the baseline's, with a 95% interval.
 
-    Ties apart (the product's rule); the interval is a bootstrap over prompts, never narrower than Wilson's
-    (:func:`rlhf.stats.clustered_rate`).
+    Ties apart (the product's rule); the interval is a bootstrap over prompts, never narrower than the Wilson
+    interval over the prompts with a decisive comparison (:func:`rlhf.stats.clustered_rate`).
 
     Args:
         policy_scores, baseline_scores: ``(P, K)`` float scores, K samples of each of P prompts.
@@ -218,8 +220,15 @@ def evaluate_policy(
 
     Returns:
         ``(metrics, runs)``: for S in (proxy, judge) ``eval/S/win_rate`` with ``_low``/``_high`` (95%, bootstrap
-        over prompts), ``eval/S/decisive``, ``eval/S/ties``, ``eval/S/{sft,policy}_score`` (means); for M in (sft,
-        policy) ``eval/M/{length,eos_rate,distinct_1,distinct_2,refusal_rate,ptx_perplexity}``;
+        over prompts), ``eval/S/decisive``, ``eval/S/ties``, ``eval/S/{sft,policy}_score`` (means);
+        ``eval/S/score_diff`` with ``_low``/``_high`` (policy minus SFT score, the mean over prompts of each
+        prompt's mean difference, in S's units; :func:`rlhf.comparison.paired_difference`);
+        ``eval/S/lc_win_rate`` with ``_low``/``_high`` (the win rate at equal response length, ties apart;
+        :func:`rlhf.comparison.length_controlled_rate` on the ``length`` in tokens) and ``eval/S/lc_length_coef``
+        (its log-odds coefficient of the tanh-standardised length difference; > 0: S prefers the longer
+        response); every interval 95%, a bootstrap over prompts (``config.bootstrap_resamples``,
+        ``config.seed``). For M in (sft, policy) ``eval/M/{length,eos_rate,distinct_1,distinct_2,refusal_rate,
+        ptx_perplexity}``;
         ``eval/policy/kl``, ``eval/prompts``, ``eval/samples_per_prompt``. ``runs``: each model's
         :func:`generate_and_score` result.
 
@@ -237,14 +246,28 @@ def evaluate_policy(
         "policy": generate_and_score(policy, sft, scorers, tokenizer, prompts, config, settings, runtime, k),
     }
     metrics = {"eval/prompts": float(len(prompts)), "eval/samples_per_prompt": float(k)}
+    resamples, seed = config.bootstrap_resamples, config.seed
     for scorer in ("proxy", "judge"):
-        wins = win_rate(runs["policy"][scorer], runs["sft"][scorer], config.bootstrap_resamples, config.seed)
+        policy_scores, sft_scores = runs["policy"][scorer], runs["sft"][scorer]
+        wins = win_rate(policy_scores, sft_scores, resamples, seed)
+        diff = paired_difference(policy_scores, sft_scores, resamples, seed)
+        lengths = runs["policy"]["length"], runs["sft"]["length"]  # tokens
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", TiesWarning)  # the same comparisons: win_rate has warned of their ties
+            lc = length_controlled_rate(policy_scores, sft_scores, *lengths, resamples, seed)
         metrics |= {
             f"eval/{scorer}/win_rate": wins.rate,
             f"eval/{scorer}/win_rate_low": wins.low,
             f"eval/{scorer}/win_rate_high": wins.high,
             f"eval/{scorer}/decisive": float(wins.n),
             f"eval/{scorer}/ties": float(wins.ties),
+            f"eval/{scorer}/score_diff": diff.mean,
+            f"eval/{scorer}/score_diff_low": diff.low,
+            f"eval/{scorer}/score_diff_high": diff.high,
+            f"eval/{scorer}/lc_win_rate": lc.rate,
+            f"eval/{scorer}/lc_win_rate_low": lc.low,
+            f"eval/{scorer}/lc_win_rate_high": lc.high,
+            f"eval/{scorer}/lc_length_coef": lc.length_coef,
             **{f"eval/{scorer}/{name}_score": float(runs[name][scorer].mean()) for name in MODELS},
         }
     for name, model in (("sft", sft), ("policy", policy)):

@@ -13,7 +13,10 @@ way and carry the same interval:
   ``ties = N`` and an undefined (NaN) rate, never 0.0 or 0.5.
 - Interval: the Wilson score interval (Wilson, 1927; Brown, Cai & DasGupta,
   2001, "Interval Estimation for a Binomial Proportion", Eq. 4), 95% by
-  default (``z = 1.959964``), computed by :func:`wilson_interval`.
+  default (``z = 1.959964``), computed by :func:`wilson_interval`. When several
+  comparisons share a prompt (:func:`clustered_rate`), the interval counts
+  prompts, never comparisons: a bootstrap over prompts, floored by the Wilson
+  interval over the prompts with a decisive comparison.
 
 Imports nothing but the standard library (scores may be torch tensors, NumPy
 arrays or anything that compares elementwise and has ``.sum()``).
@@ -62,7 +65,7 @@ class PairedRate:
         return self.n == 0 or self.low <= value <= self.high
 
 
-def wilson_interval(successes: int, n: int, z: float = Z95) -> tuple[float, float]:
+def wilson_interval(successes: float, n: int, z: float = Z95) -> tuple[float, float]:
     """Wilson score interval of a binomial proportion.
 
     ``center = (p + z^2 / 2n) / (1 + z^2 / n)``,
@@ -70,8 +73,12 @@ def wilson_interval(successes: int, n: int, z: float = Z95) -> tuple[float, floa
     ``p = successes / n`` (Brown, Cai & DasGupta 2001, Eq. 4). Unlike the Wald
     interval it stays inside [0, 1] and is not empty at ``p = 0`` or ``p = 1``.
 
+    The formula reads ``successes`` only through ``p``, so it may be real-valued: an effective count such as
+    ``rate * prompts`` in :func:`clustered_rate`, where a prompt with several comparisons counts once, by its
+    share of wins.
+
     Args:
-        successes: number of successes, ``0 <= successes <= n``.
+        successes: number of successes, ``0 <= successes <= n`` (an int, or a float for an effective count).
         n: number of trials, ``>= 0``.
         z: standard-normal quantile (``Z95`` for a two-sided 95% interval).
 
@@ -155,14 +162,16 @@ def chance_warning(name: str, rate: float | None, low: float | None, high: float
 def clustered_rate(first: Any, second: Any, resamples: int = 2000, seed: int = 0, what: str = "prompts") -> PairedRate:
     """The win rate of ``first`` over ``second`` when several comparisons share a prompt, with a 95% interval.
 
-    Comparisons of one prompt are correlated (the same question is easy or hard for both models), so the
-    interval comes from a bootstrap over prompts (Efron & Tibshirani 1993, ch. 13, percentile method, resampling
-    whole rows of ``first``/``second``; ``scipy.stats.bootstrap``): each resample draws P prompts with
-    replacement and computes ``sum(wins) / sum(decisive)`` over their comparisons. Ties follow the product's rule
-    (:func:`paired_rate`: out of the rate and of ``n``, counted in ``ties``, a :class:`TiesWarning`). A
-    percentile bootstrap is too narrow with few decisive comparisons (5 wins of 5 resample to [1, 1]), so the
-    interval reported is the wider of it and the Wilson interval of the decisive comparisons counted as if
-    independent (:func:`wilson_interval`): neither bound is ever more optimistic than Wilson's.
+    Comparisons of one prompt are correlated (the same question is easy or hard for both models), so every
+    interval here counts prompts, never comparisons. The interval comes from a bootstrap over prompts (Efron &
+    Tibshirani 1993, ch. 13, percentile method, resampling whole rows of ``first``/``second``;
+    ``scipy.stats.bootstrap``): each resample draws P prompts with replacement and computes
+    ``sum(wins) / sum(decisive)`` over their comparisons. Ties follow the product's rule (:func:`paired_rate`:
+    out of the rate and of ``n``, counted in ``ties``, a :class:`TiesWarning`). A percentile bootstrap is too
+    narrow with few prompts (5 prompts all won resample to [1, 1]), so the interval reported is the wider of it
+    and a Wilson floor over prompts: :func:`wilson_interval` of ``rate * m`` successes in ``m`` trials, ``m``
+    the prompts with at least one decisive comparison (6 prompts x 2 samples all won: Wilson of 6 of 6,
+    [0.610, 1], not of 12 of 12). Neither bound is ever more optimistic than that floor.
 
     Args:
         first, second: ``(P, K)`` float scores (torch tensors or NumPy arrays): K comparisons on each of P prompts.
@@ -171,8 +180,9 @@ def clustered_rate(first: Any, second: Any, resamples: int = 2000, seed: int = 0
         what: what a row is, for the tie warning.
 
     Returns:
-        :class:`PairedRate` over all ``P * K`` comparisons (``wins``, ``n`` decisive, ``ties``); ``rate``,
-        ``low``, ``high`` NaN when no comparison is decisive.
+        :class:`PairedRate` whose counts are comparisons: ``wins``, ``n`` decisive and ``ties`` over all
+        ``P * K``; ``rate = wins / n``; ``low``, ``high`` the interval over prompts above (the Wilson floor alone
+        when ``P < 2`` or every prompt is alike); all three NaN when no comparison is decisive.
 
     Raises:
         ValueError: the shapes differ or are not 2-D, or a score is NaN.
@@ -187,23 +197,24 @@ def clustered_rate(first: Any, second: Any, resamples: int = 2000, seed: int = 0
     if flat.n == 0:
         return flat
     wins, decisive = (a > b).sum(axis=1).astype(float), (a != b).sum(axis=1).astype(float)
-    if a.shape[0] < 2 or np.all(wins == wins[0]) and np.all(decisive == decisive[0]):
-        return flat  # nothing to resample: every prompt alike (the bootstrap is degenerate)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # a resample without a decisive comparison is NaN, dropped
-        result = bootstrap(
-            (wins, decisive),
-            lambda w, d, axis=-1: np.sum(w, axis=axis) / np.sum(d, axis=axis),
-            paired=True,
-            vectorized=True,
-            n_resamples=resamples,
-            method="percentile",
-            rng=np.random.default_rng(seed),
-        )
-    low, high = float(result.confidence_interval.low), float(result.confidence_interval.high)
-    if not (math.isfinite(low) and math.isfinite(high)):  # NaN resamples: percentiles over the finite ones
-        values = result.bootstrap_distribution[np.isfinite(result.bootstrap_distribution)]
-        low, high = float(np.percentile(values, 2.5)), float(np.percentile(values, 97.5))
-    return PairedRate(
-        rate=flat.rate, low=min(low, flat.low), high=max(high, flat.high), wins=flat.wins, n=flat.n, ties=flat.ties
-    )
+    prompts = int((decisive > 0).sum())  # the floor's trials: prompts with a decisive comparison
+    floor_low, floor_high = wilson_interval(min(flat.rate * prompts, prompts), prompts)
+    low, high = floor_low, floor_high
+    if a.shape[0] >= 2 and not (np.all(wins == wins[0]) and np.all(decisive == decisive[0])):  # else degenerate
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # a resample without a decisive comparison is NaN
+            result = bootstrap(
+                (wins, decisive),
+                lambda w, d, axis=-1: np.sum(w, axis=axis) / np.sum(d, axis=axis),
+                paired=True,
+                vectorized=True,
+                n_resamples=resamples,
+                method="percentile",
+                rng=np.random.default_rng(seed),
+            )
+        low, high = float(result.confidence_interval.low), float(result.confidence_interval.high)
+        if not (math.isfinite(low) and math.isfinite(high)):  # NaN resamples: percentiles over the finite ones
+            values = result.bootstrap_distribution[np.isfinite(result.bootstrap_distribution)]
+            low, high = float(np.percentile(values, 2.5)), float(np.percentile(values, 97.5))
+        low, high = min(low, floor_low), max(high, floor_high)
+    return PairedRate(rate=flat.rate, low=low, high=high, wins=flat.wins, n=flat.n, ties=flat.ties)
