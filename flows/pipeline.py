@@ -30,7 +30,18 @@ SUMMARY = {
     "base_model": [],
     "validate": ["validate/valid", "validate/quarantined"],
     "sft": ["sft/loss_first", "sft/loss_last"],
-    "reward": ["rm/accuracy", "rm/pairs", "rm/ties", "rm/accuracy_chosen_shorter", "rm/margin", "rm/ece"],
+    "reward": [
+        "rm/accuracy",
+        "rm/balanced_accuracy",
+        "rm/pairs",
+        "rm/ties",
+        "rm/accuracy_chosen_shorter",
+        "rm/accuracy_chosen_longer",
+        "rm/length_baseline_accuracy",
+        "rm/empty_beats_chosen",
+        "rm/margin",
+        "rm/ece",
+    ],
     "gate": ["gate/passed", "gate/candidate_version", "gate/champion_version"],
     "ppo": [
         "ppo/reward_model_version",
@@ -43,10 +54,14 @@ SUMMARY = {
         "ppo/last/eos_rate",
         "ppo/last/value/explained_variance",
     ],
-    "judge": ["judge/accuracy", "judge/pairs"],
+    "judge": ["judge/accuracy", "judge/balanced_accuracy", "judge/pairs"],
     "evaluate": [
         "eval/judge/win_rate",
+        "eval/judge/lc_win_rate",
+        "eval/judge/score_diff",
         "eval/proxy/win_rate",
+        "eval/proxy/lc_win_rate",
+        "eval/proxy/score_diff",
         "eval/policy/kl",
         "eval/policy/eos_rate",
         "eval/policy/length",
@@ -349,15 +364,14 @@ def summary_warnings(metrics: dict[str, dict]) -> list[str]:
     reward = metrics.get("reward", {})
     if "rm/accuracy_low" in reward:
         warning = chance_warning(
-            "rm_eval accuracy", reward.get("rm/accuracy"), reward.get("rm/accuracy_low"), reward.get("rm/accuracy_high")
+            "rm_eval balanced accuracy", *(reward.get(f"rm/balanced_accuracy{s}") for s in ("", "_low", "_high"))
         )
         lines += [f"WARNING: {warning}: the reward model has not learned to rank"] if warning else []
     judge = metrics.get("judge", {})
-    if "judge/accuracy_low" in judge:
+    if "judge/balanced_accuracy_low" in judge:
         warning = chance_warning(
-            "judge_eval accuracy", judge.get("judge/accuracy"), judge.get("judge/accuracy_low"),
-            judge.get("judge/accuracy_high"),
-        )  # fmt: skip
+            "judge_eval balanced accuracy", *(judge.get(f"judge/balanced_accuracy{s}") for s in ("", "_low", "_high"))
+        )
         lines += [f"WARNING: {warning}: the judge's win rates mean nothing"] if warning else []
     gate = metrics.get("gate", {})
     lines += [f"reward model {line}" for line in gate.get("lines", []) if line.startswith("GATE FAILED")]

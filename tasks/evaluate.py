@@ -66,15 +66,18 @@ def judge_figures(judge: dict[str, Any], min_length_accuracy: float) -> tuple[di
 
     Returns:
         ``(metrics, doubts)``: ``eval/judge/accuracy`` with ``_low``/``_high`` (Wilson 95%),
+        ``eval/judge/balanced_accuracy`` with ``_low``/``_high`` (stratified bootstrap 95%),
         ``eval/judge/length_accuracy`` (the smaller of its chosen-shorter and chosen-longer accuracies) and
         ``eval/judge/meaningful`` (1.0 when :func:`rlhf.gate_rules.judge_doubts` finds nothing);
         ``doubts``: its reasons.
     """
-    names = ("accuracy", "accuracy_low", "accuracy_high", "accuracy_chosen_shorter", "accuracy_chosen_longer")
+    shown = ("accuracy", "accuracy_low", "accuracy_high")
+    shown += tuple(f"balanced_{k}" for k in shown)
+    names = (*shown, "accuracy_chosen_shorter", "accuracy_chosen_longer")
     values = {k: math.nan if judge.get(f"judge/{k}") is None else float(judge[f"judge/{k}"]) for k in names}
     doubts = judge_doubts({f"judge/{k}": v for k, v in values.items()}, min_length_accuracy)
-    metrics = {f"eval/judge/{k}": values[k] for k in names[:3]}
-    lengths = [v for v in names[3:] if not math.isnan(values[v])]
+    metrics = {f"eval/judge/{k}": values[k] for k in shown}
+    lengths = [v for v in names[len(shown) :] if not math.isnan(values[v])]
     metrics["eval/judge/length_accuracy"] = min((values[k] for k in lengths), default=math.nan)
     return {**metrics, "eval/judge/meaningful": float(not doubts)}, doubts
 
@@ -134,7 +137,8 @@ def run(
 
 
 def summary_lines(metrics: dict[str, float], doubts: list[str]) -> list[str]:
-    """The printed verdicts: the judge's win rate beside its own accuracy (or why it means nothing), the proxy's."""
+    """The printed verdicts: the judge's win rate beside its own accuracy (or why it means nothing), the proxy's;
+    each followed by its paired score difference and length-controlled win rate (undefined when not recorded)."""
 
     def rate(who: str) -> str:
         m = {k: metrics.get(f"eval/{who}/{k}") for k in ("win_rate", "win_rate_low", "win_rate_high")}
@@ -145,14 +149,30 @@ def summary_lines(metrics: dict[str, float], doubts: list[str]) -> list[str]:
             f"over {metrics[f'eval/{who}/decisive']:.0f} decisive comparisons, {metrics[f'eval/{who}/ties']:.0f} ties"
         )
 
+    def change(who: str) -> str:
+        def interval(key: str) -> str:
+            m = [metrics.get(f"eval/{who}/{key}{end}") for end in ("", "_low", "_high")]
+            return "undefined" if m[0] is None or not math.isfinite(m[0]) else f"{m[0]:.3f} [{m[1]:.3f}, {m[2]:.3f}]"
+
+        coef = metrics.get(f"eval/{who}/lc_length_coef")
+        return (
+            f"[evaluate]   score difference policy - SFT {interval('score_diff')}; length-controlled win rate "
+            f"{interval('lc_win_rate')} (95%, bootstrap over prompts; length coefficient "
+            f"{'undefined' if coef is None or not math.isfinite(coef) else f'{coef:.3f}'})"
+        )
+
     accuracy = tuple(metrics[f"eval/judge/accuracy{s}"] for s in ("", "_low", "_high"))
+    balanced = tuple(metrics.get(f"eval/judge/balanced_accuracy{s}", math.nan) for s in ("", "_low", "_high"))
     lines = [
         f"[evaluate] win rate over SFT by the judge: {rate('judge')}",
+        change("judge"),
         f"[evaluate]   judge accuracy on judge_eval {accuracy[0]:.3f} [{accuracy[1]:.3f}, {accuracy[2]:.3f}], "
+        f"balanced {balanced[0]:.3f} [{balanced[1]:.3f}, {balanced[2]:.3f}], "
         f"length accuracy {metrics['eval/judge/length_accuracy']:.3f}",
     ]
     lines += [f"[evaluate]   WARNING: the judge's verdicts are MEANINGLESS: {doubt}" for doubt in doubts]
     lines.append(f"[evaluate] win rate over SFT by the proxy (the reward model PPO optimised): {rate('proxy')}")
+    lines.append(change("proxy"))
     return lines
 
 
@@ -230,7 +250,9 @@ def main() -> None:
         write_json(outputs.file(POLICY_GATE), report)
     for line in summary_lines(metrics, doubts):
         print(line, flush=True)
-    print("[evaluate] " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items() if "/win_rate" not in k), flush=True)
+    shown = ("win_rate", "score_diff", "lc_length_coef")  # in summary_lines
+    print("[evaluate] " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items() if not any(s in k for s in shown)),
+          flush=True)  # fmt: skip
     candidate = report["candidate"]
     print(f"[evaluate] policy {candidate['name']} version {candidate['version']}: {report['decision']}", flush=True)
     for line in report["lines"]:

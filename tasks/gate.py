@@ -56,9 +56,14 @@ def decide(client, name: str, candidate, metrics: dict[str, float], params: dict
         return checks, {
             "champion_compared": str(compared.version) if compared is not None else None,
             "champion_accuracy": champion_metrics["rm/accuracy"] if champion_metrics else None,
+            "champion_balanced_accuracy": champion_metrics.get("rm/balanced_accuracy") if champion_metrics else None,
         }
 
-    accuracy = f"rm_eval accuracy {metrics['rm/accuracy']:.3f} over {metrics['rm/pairs']:.0f} pairs"
+    balanced = metrics.get("rm/balanced_accuracy")
+    accuracy = (
+        f"rm_eval balanced accuracy {'n/a' if balanced is None else f'{balanced:.3f}'}, "
+        f"accuracy {metrics['rm/accuracy']:.3f} over {metrics['rm/pairs']:.0f} pairs"
+    )
     return decide_once(client, name, candidate, judge, f"passed the reward gate ({accuracy})")
 
 

@@ -102,8 +102,9 @@ def summary_lines(metrics: dict[str, float]) -> list[str]:
     """The stage's printed summary of :func:`rlhf.reward.preference_metrics` on rm_eval.
 
     The first line is the accuracy with its Wilson 95% interval, decisive pairs
-    and ties, then the length-bias accuracies, then the other ``rm/`` figures;
-    last, when the interval includes chance (0.5), lies below it, or the accuracy is undefined,
+    and ties, then the length-bias accuracies; the second the balanced accuracy with its stratified interval and
+    the length-only baseline; then the other ``rm/`` figures; last, when the balanced accuracy's interval
+    includes chance (0.5), lies below it, or is undefined,
     a loud ``[reward] WARNING: ...`` line (:func:`rlhf.stats.chance_warning`).
     """
     accuracy = (metrics["rm/accuracy"], metrics["rm/accuracy_low"], metrics["rm/accuracy_high"])
@@ -112,17 +113,31 @@ def summary_lines(metrics: dict[str, float]) -> list[str]:
         f"{metrics['rm/pairs']:.0f} decisive pairs, {metrics['rm/ties']:.0f} ties left out; "
         f"chosen shorter {metrics['rm/accuracy_chosen_shorter']:.3f} (n={metrics['rm/pairs_chosen_shorter']:.0f}), "
         f"chosen longer {metrics['rm/accuracy_chosen_longer']:.3f} (n={metrics['rm/pairs_chosen_longer']:.0f})",
+        f"[reward] rm_eval balanced accuracy {_interval(metrics, 'rm/balanced_accuracy')} (stratified bootstrap 95%; "
+        f"the mean of chosen shorter and chosen longer); prefer-the-shorter baseline "
+        f"{_number(metrics.get('rm/length_baseline_accuracy'))}",
         "[reward] "
         + ", ".join(
             f"{k}={v:.3f}"
             for k, v in metrics.items()
-            if k.startswith("rm/") and not k.startswith(("rm/loss", "rm/accuracy", "rm/pairs", "rm/ties"))
+            if k.startswith("rm/")
+            and not k.startswith(("rm/loss", "rm/accuracy", "rm/pairs", "rm/ties", "rm/balanced", "rm/length_base"))
         ),
     ]
-    warning = chance_warning("rm_eval accuracy", *accuracy)
+    balanced = tuple(metrics.get(f"rm/balanced_accuracy{s}") for s in ("", "_low", "_high"))
+    warning = chance_warning("rm_eval balanced accuracy", *balanced)
     if warning:
         lines.append(f"[reward] WARNING: {warning}: the reward model has not learned to rank")
     return lines
+
+
+def _number(value: float | None) -> str:
+    return "n/a" if value is None or math.isnan(value) else f"{value:.3f}"
+
+
+def _interval(metrics: dict[str, float], key: str) -> str:
+    """``0.612 [0.550, 0.671]``, or ``n/a`` parts where undefined."""
+    return f"{_number(metrics.get(key))} [{_number(metrics.get(key + '_low'))}, {_number(metrics.get(key + '_high'))}]"
 
 
 def register_version(folder: str, metrics: dict[str, float], params: dict[str, Any], run_id: str) -> str:

@@ -81,7 +81,7 @@ def empty_db(tmp_path_factory) -> str:
 def registry_project(tmp_path, tiny_dir, empty_db, monkeypatch):
     """A project folder, the current folder during the test: the repository's params (the demo's gate bounds,
     the tiny sizes), dvc.yaml, a copy of ``empty_db`` as its MLflow store, a tiny reward model, and rm_train
-    and rm_eval of one pair each."""
+    of one pair and rm_eval of two (one of each length kind, so a balanced accuracy is defined)."""
     with open(os.path.join(REPO, "params.yaml")) as handle:
         params = yaml.safe_load(handle)
     params["profile"], params["registry"]["profiles"] = "tiny", {}  # the demo's bounds, the tiny model
@@ -89,7 +89,9 @@ def registry_project(tmp_path, tiny_dir, empty_db, monkeypatch):
     shutil.copy(os.path.join(REPO, "dvc.yaml"), tmp_path / "dvc.yaml")
     shutil.copy(empty_db, tmp_path / "mlflow.db")
     os.makedirs(tmp_path / "data" / "validated")
-    (tmp_path / "data" / "validated" / "rm_eval.jsonl").write_text(json.dumps(PAIR) + "\n")
+    swapped = {**PAIR, "chosen": PAIR["rejected"], "rejected": PAIR["chosen"]}  # the chosen response the longer
+    rm_eval = "".join(json.dumps(pair) + "\n" for pair in (PAIR, swapped))
+    (tmp_path / "data" / "validated" / "rm_eval.jsonl").write_text(rm_eval)
     (tmp_path / "data" / "validated" / "rm_train.jsonl").write_text(json.dumps(PAIR) + "\n")
     shutil.copytree(tiny_dir, tmp_path / "models" / "reward")
     monkeypatch.chdir(tmp_path)

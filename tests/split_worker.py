@@ -161,8 +161,11 @@ def measure(folder: str, micro: int | None, runtime: Runtime) -> dict[str, torch
 
     out = supervised("sft", lambda: load_causal_lm(folder).eval(),
                      lambda model: sft_step(model, tokenizer, encoded, runtime), micro, runtime)  # fmt: skip
+    # the length expert's term is a sum over pairs and splits like the rest; the preference term is a function of
+    # each pass (rlhf.length_bias.debiased_pair_loss), so it is off here
+    config = RewardConfig(lm_coef=0.5, length_decorrelation=0.0)
     out |= supervised("rm", scalar_model,
-                      lambda model: reward_step(model, tokenizer, pairs, RewardConfig(lm_coef=0.5), runtime),
+                      lambda model: reward_step(model, tokenizer, pairs, config, runtime, expert_weight=-0.7),
                       micro, runtime)  # fmt: skip
     return out | rollout_and_update(folder, tokenizer, micro, runtime)
 

@@ -15,7 +15,7 @@ from rlhf.reward import score_sequences
 from rlhf.rollout import GenerationSettings
 from rlhf.text_stats import distinct_n, is_refusal, refusal_rate
 from rlhf.training import freeze_lower_layers
-from tasks.evaluate import judge_figures
+from tasks.evaluate import judge_figures, summary_lines
 
 CPU = Runtime(torch.device("cpu"), "no")
 PROMPTS = [[{"role": "user", "content": "How do I bake bread?"}], [{"role": "user", "content": "Is it safe?"}]]
@@ -80,10 +80,37 @@ def test_evaluating_the_sft_model_against_itself_is_all_ties_and_zero_kl(tiny_di
     assert torch.equal(runs["policy"]["kl_k3"], torch.zeros(2, 2))  # the curve's axis: k3, 0 for the same model
     for who in ("proxy", "judge"):  # the same seed and weights: the same responses, every comparison a tie
         assert math.isnan(metrics[f"eval/{who}/win_rate"]) and metrics[f"eval/{who}/ties"] == 4
+        # every prompt's difference is 0, so the interval collapses to it; no decisive comparison: no LC rate
+        assert [metrics[f"eval/{who}/score_diff{end}"] for end in ("", "_low", "_high")] == [0.0, 0.0, 0.0]
+        assert all(math.isnan(metrics[f"eval/{who}/lc_{k}"]) for k in ("win_rate", "win_rate_low", "length_coef"))
     assert runs["policy"]["texts"] == runs["sft"]["texts"] and runs["sft"]["judge"].shape == (2, 2)
     rows = sample_rows([{"id": "a", "prompt": PROMPTS[0]}, {"id": "b", "prompt": PROMPTS[1]}], runs)
     assert [(r["id"], r["sample"]) for r in rows] == [("a", 0), ("a", 1), ("b", 0), ("b", 1)]
     assert rows[3]["policy_response"] == runs["policy"]["texts"][3] and rows[0]["prompt"] == "How do I bake bread?"
+
+
+@pytest.mark.filterwarnings("ignore::rlhf.stats.TiesWarning")  # a tie or two: the rule is tested in test_stats
+def test_a_changed_policy_gets_a_paired_difference_and_a_length_controlled_rate(tiny_dir, tokenizer):
+    sft, policy, judge = load_causal_lm(tiny_dir), load_causal_lm(tiny_dir), load_scalar_model(tiny_dir)
+    with torch.no_grad():  # another policy: other responses, other scores
+        generator = torch.Generator().manual_seed(0)
+        weight = policy.get_output_embeddings().weight
+        weight.add_(torch.randn(weight.shape, generator=generator) * weight.std() * 3)
+    settings = GenerationSettings(max_new_tokens=4, temperature=1.0, no_eos="score", no_eos_value=None)
+    config = EvalConfig(batch_size=4, samples_per_prompt=2, bootstrap_resamples=50)
+    metrics, runs = evaluate_policy(sft, policy, Scorers(judge, judge, tokenizer), tokenizer, PROMPTS,
+                                    [{"text": "Some text."}], config, settings, CPU)  # fmt: skip
+    for who in ("proxy", "judge"):
+        diff = [metrics[f"eval/{who}/score_diff{end}"] for end in ("", "_low", "_high")]
+        # K equal for both models: the mean of per-prompt mean differences is the difference of the means
+        # (those are float32 means, the difference float64: equal to float32's precision)
+        means = metrics[f"eval/{who}/policy_score"] - metrics[f"eval/{who}/sft_score"]
+        assert diff[0] == pytest.approx(means, abs=1e-6)
+        assert diff[1] <= diff[0] + 1e-6 and diff[0] <= diff[2] + 1e-6
+        lc = [metrics[f"eval/{who}/lc_win_rate{end}"] for end in ("", "_low", "_high")]
+        if metrics[f"eval/{who}/decisive"] > 0:
+            assert 0.0 <= lc[1] <= lc[0] <= lc[2] <= 1.0 and math.isfinite(metrics[f"eval/{who}/lc_length_coef"])
+    assert not torch.equal(runs["policy"]["proxy"], runs["sft"]["proxy"])
 
 
 def test_a_kept_policy_is_the_sft_model_plus_its_trained_weights(tiny_dir, tmp_path):
@@ -122,12 +149,30 @@ def test_a_kept_lora_policy_comes_back_merged(tiny_dir, tmp_path):
 
 def test_judge_figures_flag_a_judge_at_chance_or_ranking_by_length():
     good = {"judge/accuracy": 0.62, "judge/accuracy_low": 0.53, "judge/accuracy_high": 0.70,
+            "judge/balanced_accuracy": 0.575, "judge/balanced_accuracy_low": 0.51,
+            "judge/balanced_accuracy_high": 0.64,
             "judge/accuracy_chosen_shorter": 0.7, "judge/accuracy_chosen_longer": 0.45}  # fmt: skip
     metrics, doubts = judge_figures(good, 0.35)
     assert doubts == [] and metrics["eval/judge/meaningful"] == 1.0 and metrics["eval/judge/length_accuracy"] == 0.45
-    for bad in ({**good, "judge/accuracy_low": 0.46}, {**good, "judge/accuracy_chosen_longer": 0.2}, {}):
+    assert metrics["eval/judge/balanced_accuracy_low"] == 0.51
+    # at chance by its balanced accuracy (though not by its accuracy), ranking by length, no figures
+    for bad in ({**good, "judge/balanced_accuracy_low": 0.46}, {**good, "judge/accuracy_chosen_longer": 0.2}, {}):
         metrics, doubts = judge_figures(bad, 0.35)
         assert metrics["eval/judge/meaningful"] == 0.0 and doubts
+
+
+def test_the_printed_verdicts_carry_the_paired_difference_and_the_length_controlled_rate():
+    metrics = {"eval/judge/accuracy": 0.7, "eval/judge/accuracy_low": 0.6, "eval/judge/accuracy_high": 0.8,
+               "eval/judge/length_accuracy": 0.5, "eval/proxy/win_rate": math.nan, "eval/proxy/ties": 3.0}  # fmt: skip
+    for end, value in (("", 0.6), ("_low", 0.5), ("_high", 0.7)):
+        metrics |= {f"eval/judge/win_rate{end}": value, f"eval/judge/score_diff{end}": value - 0.4,
+                    f"eval/judge/lc_win_rate{end}": value - 0.05}  # fmt: skip
+    metrics |= {"eval/judge/decisive": 40.0, "eval/judge/ties": 2.0, "eval/judge/lc_length_coef": 1.2}
+    lines = summary_lines(metrics, [])
+    assert lines[1] == ("[evaluate]   score difference policy - SFT 0.200 [0.100, 0.300]; length-controlled win rate "
+                        "0.550 [0.450, 0.650] (95%, bootstrap over prompts; length coefficient 1.200)")  # fmt: skip
+    assert lines[-1].endswith("SFT undefined; length-controlled win rate undefined (95%, bootstrap over prompts; "
+                              "length coefficient undefined)")  # fmt: skip
 
 
 def test_eval_config_refuses_no_samples():
@@ -140,10 +185,14 @@ def test_the_judge_stage_names_its_figures_judge_and_warns_at_chance():
 
     trained = {"rm/accuracy": 0.568, "rm/accuracy_low": 0.480, "rm/accuracy_high": 0.652, "rm/pairs": 125.0,
                "rm/ties": 0.0, "rm/accuracy_chosen_shorter": 0.797, "rm/pairs_chosen_shorter": 69.0,
-               "rm/accuracy_chosen_longer": 0.296, "rm/pairs_chosen_longer": 54.0, "rm/steps": 31.0}  # fmt: skip
+               "rm/accuracy_chosen_longer": 0.296, "rm/pairs_chosen_longer": 54.0, "rm/steps": 31.0,
+               "rm/balanced_accuracy": 0.547, "rm/balanced_accuracy_low": 0.47, "rm/balanced_accuracy_high": 0.62,
+               "rm/length_baseline_accuracy": 0.561}  # fmt: skip
     metrics = judge_metrics(trained)
     assert metrics["judge/accuracy_low"] == 0.480 and not any(key.startswith("rm/") for key in metrics)
     lines = summary_lines(metrics)
     assert lines[0].startswith("[judge] judge_eval accuracy 0.568 [0.480, 0.652] (Wilson 95%) over 125 decisive")
-    assert lines[1] == "[judge] judge/steps=31.000" and not any("rm/" in line for line in lines)
-    assert lines[-1].startswith("[judge] WARNING: judge_eval accuracy 0.57 [0.48, 0.65] includes chance (0.5)")
+    assert lines[1].startswith("[judge] judge_eval balanced accuracy 0.547 [0.470, 0.620] (stratified bootstrap")
+    assert lines[1].endswith("prefer-the-shorter baseline 0.561")
+    assert lines[2] == "[judge] judge/steps=31.000" and not any("rm/" in line for line in lines)
+    assert lines[-1].startswith("[judge] WARNING: judge_eval balanced accuracy 0.55 [0.47, 0.62] includes chance")

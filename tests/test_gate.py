@@ -23,8 +23,9 @@ from tasks.outputs import StagedOutputs
 
 NAME = "rlhf-reward-model"
 GOOD = {"rm/accuracy": 150 / 196, "rm/pairs": 196.0, "rm/ece": 0.05, "rm/accuracy_chosen_shorter": 0.7,
-        "rm/accuracy_chosen_longer": 0.6, "rm/pairs_chosen_shorter": 100.0, "rm/pairs_chosen_longer": 96.0}  # fmt: skip
-BAD = {**GOOD, "rm/accuracy": 100 / 196}  # lower bound 0.44: not better than chance
+        "rm/accuracy_chosen_longer": 0.6, "rm/pairs_chosen_shorter": 100.0, "rm/pairs_chosen_longer": 96.0,
+        "rm/balanced_accuracy": 0.65, "rm/balanced_accuracy_low": 0.58}  # fmt: skip
+BAD = {**GOOD, "rm/accuracy": 100 / 196, "rm/balanced_accuracy_low": 0.441}  # not better than chance
 
 
 def new_candidate(metrics: dict[str, float], seed: int) -> None:
@@ -83,10 +84,12 @@ def test_a_failing_candidate_keeps_the_champion_rescored_on_the_current_split(re
     new_candidate(BAD, 2)
     report = run_gate()
     assert (report["decision"], report["champion"]["version"], report["champion_compared"]) == ("fail", "1", "1")
-    # the champion was scored again on this rm_eval (one pair: accuracy 0 or 1), not read from its tags
-    assert report["champion_accuracy"] in (0.0, 1.0)
+    # the champion was scored again on this rm_eval (two pairs, one of each length kind), not read from its tags
+    assert report["champion_accuracy"] in (0.0, 0.5, 1.0) and report["champion_balanced_accuracy"] in (0.0, 0.5, 1.0)
     failed = [line for line in gate.report_lines(report) if "GATE FAILED" in line]
-    assert failed[0].startswith("[gate] GATE FAILED: rm_eval accuracy lower 95% bound (Wilson), 0.441, bound 0.500")
+    assert failed[0].startswith(
+        "[gate] GATE FAILED: rm_eval balanced accuracy lower 95% bound (stratified bootstrap), 0.441, bound 0.500"
+    )
     assert os.stat(os.path.join(OUT_DIR, "model.safetensors")).st_mtime_ns == stamp  # untouched
     assert str(registry.holder(client(), NAME).version) == "1"
 

@@ -11,7 +11,7 @@ from rlhf.gate_rules import GateCriteria, PolicyCriteria, judge_doubts, passed, 
 CRITERIA = GateCriteria(min_accuracy_low=0.5, champion_tolerance=0.02, max_ece=0.15, min_length_accuracy=0.35)
 
 
-def metrics(correct=120, pairs=196, ece=0.05, shorter=0.62, longer=0.6) -> dict[str, float]:
+def metrics(correct=120, pairs=196, ece=0.05, shorter=0.62, longer=0.6, low=0.54) -> dict[str, float]:
     return {
         "rm/accuracy": correct / pairs if pairs else math.nan,
         "rm/pairs": float(pairs),
@@ -20,27 +20,29 @@ def metrics(correct=120, pairs=196, ece=0.05, shorter=0.62, longer=0.6) -> dict[
         "rm/accuracy_chosen_longer": longer,
         "rm/pairs_chosen_shorter": 100.0,
         "rm/pairs_chosen_longer": 90.0,
+        "rm/balanced_accuracy": (shorter + longer) / 2,  # rlhf.length_bias.length_figures (tested there)
+        "rm/balanced_accuracy_low": low if pairs else math.nan,
+        "rm/length_baseline_accuracy": 0.55,
     }
 
 
-def test_wilson_lower_bound_by_hand_and_a_passing_candidate():
-    # 120 of 196: p = 0.612245, z = 1.959964, z^2/n = 0.019599;
-    # centre = (p + z^2/2n) / (1 + z^2/n) = 0.622045 / 1.019599 = 0.610088
-    # half = z / 1.019599 * sqrt(p(1-p)/n + z^2/4n^2) = 1.922290 * sqrt(0.00121122 + 0.00002500) = 0.067588
-    # low = 0.542500
+def test_the_gate_reads_the_balanced_accuracy_and_a_passing_candidate():
+    # balanced (0.62 + 0.6) / 2 = 0.61, its stratified lower bound 0.54 >= 0.5
     checks = reward_gate(metrics(), None, CRITERIA)
-    assert checks[0].value == pytest.approx(0.542500, abs=2e-6)
+    assert checks[0].value == pytest.approx(0.54)
     assert [c.passed for c in checks] == [True, True, True] and passed(checks)
-    assert checks[0].line().startswith("gate passed: rm_eval accuracy lower 95% bound (Wilson), 0.542")
+    line = checks[0].line()
+    assert line.startswith("gate passed: rm_eval balanced accuracy lower 95% bound (stratified bootstrap), 0.540")
+    assert "balanced accuracy 0.610; accuracy 0.612 over 196 pairs, prefer-the-shorter 0.550" in line
 
 
 @pytest.mark.parametrize(
     ("candidate", "champion", "criterion", "value", "bound"),
     [
-        # 105 of 196 = 0.536, its lower bound 0.466: not better than chance
-        (metrics(correct=105), None, "rm_eval accuracy lower 95% bound (Wilson)", 0.4659, 0.5),
-        # 0.612 against a champion at 0.640 on the same split: below 0.640 - 0.02
-        (metrics(), {"rm/accuracy": 0.64}, "rm_eval accuracy against the champion", 0.6122, 0.62),
+        # balanced accuracy's lower bound 0.466: not better than chance whatever the length
+        (metrics(low=0.466), None, "rm_eval balanced accuracy lower 95% bound", 0.466, 0.5),
+        # balanced 0.61 against a champion at 0.640 on the same split: below 0.640 - 0.02
+        (metrics(), {"rm/balanced_accuracy": 0.64}, "rm_eval balanced accuracy against the champion", 0.61, 0.62),
         (metrics(ece=0.2), None, "rm_eval calibration error (ECE)", 0.2, 0.15),
         # the first demo's reward model: 0.77 on chosen-shorter pairs, 0.33 on chosen-longer ones
         (metrics(shorter=0.77, longer=0.33), None, "length bias", 0.33, 0.35),
@@ -60,8 +62,16 @@ def test_each_criterion_fails_alone_with_one_line(candidate, champion, criterion
 
 
 def test_a_candidate_within_the_tolerance_of_the_champion_passes():
-    checks = reward_gate(metrics(), {"rm/accuracy": 0.63}, CRITERIA)  # 0.612 >= 0.63 - 0.02
+    checks = reward_gate(metrics(), {"rm/balanced_accuracy": 0.63}, CRITERIA)  # 0.61 >= 0.63 - 0.02
     assert len(checks) == 4 and passed(checks)
+
+
+def test_a_debiased_candidate_is_not_refused_for_giving_up_prefer_the_shorter():
+    # the champion ranks by length on data whose chosen responses are mostly the shorter: accuracy 0.64 but
+    # balanced (0.80 + 0.36) / 2 = 0.58; the candidate's accuracy 0.59 is lower, its balanced 0.60 higher
+    champion = metrics(correct=125, shorter=0.80, longer=0.36)
+    checks = reward_gate(metrics(correct=116, shorter=0.6, longer=0.6), champion, CRITERIA)
+    assert passed(checks)
 
 
 def test_undefined_figures_fail_rather_than_pass():
@@ -133,6 +143,8 @@ def test_policy_gate_refuses_a_verdict_it_cannot_give():
 
 
 JUDGE = {"judge/accuracy": 0.592, "judge/accuracy_low": 0.504, "judge/accuracy_high": 0.674,
+         "judge/balanced_accuracy": 0.559, "judge/balanced_accuracy_low": 0.512,
+         "judge/balanced_accuracy_high": 0.604,
          "judge/accuracy_chosen_shorter": 0.913, "judge/accuracy_chosen_longer": 0.204}  # the demo's judge  # fmt: skip
 
 
@@ -141,8 +153,9 @@ def test_judge_doubts_a_judge_at_chance_and_one_that_ranks_by_length():
     assert judge_doubts(JUDGE, 0.35) == [
         "it ranks by length: accuracy 0.913 on chosen-shorter and 0.204 on chosen-longer pairs, the smaller below 0.35"
     ]
-    at_chance = judge_doubts({**JUDGE, "judge/accuracy_low": 0.45, "judge/accuracy_chosen_longer": 0.41}, 0.35)
-    assert at_chance == ["judge_eval accuracy 0.59 [0.45, 0.67] includes chance (0.5)"]
+    # its accuracy clears chance, but not its balanced accuracy: "prefer the shorter" would do as well
+    at_chance = judge_doubts({**JUDGE, "judge/balanced_accuracy_low": 0.45, "judge/accuracy_chosen_longer": 0.41}, 0.35)
+    assert at_chance == ["judge_eval balanced accuracy 0.56 [0.45, 0.60] includes chance (0.5)"]
     assert len(judge_doubts({}, 0.35)) == 2  # no figures: undefined, and no length accuracy either
 
 

@@ -38,7 +38,10 @@ def _eval(meaningful: float) -> dict:
         values.update({f"eval/{scorer}/win_rate": rate, f"eval/{scorer}/win_rate_low": low,
                        f"eval/{scorer}/win_rate_high": high, f"eval/{scorer}/decisive": 44.0,
                        f"eval/{scorer}/ties": 4.0, f"eval/{scorer}/sft_score": -0.21,
-                       f"eval/{scorer}/policy_score": 0.35})  # fmt: skip
+                       f"eval/{scorer}/policy_score": 0.35, f"eval/{scorer}/score_diff": 0.56,
+                       f"eval/{scorer}/score_diff_low": 0.31, f"eval/{scorer}/score_diff_high": 0.8,
+                       f"eval/{scorer}/lc_win_rate": 0.52, f"eval/{scorer}/lc_win_rate_low": 0.4,
+                       f"eval/{scorer}/lc_win_rate_high": 0.63, f"eval/{scorer}/lc_length_coef": 1.25})  # fmt: skip
     for model, length in (("sft", 44.1), ("policy", 31.8)):
         values.update({f"eval/{model}/length": length, f"eval/{model}/eos_rate": 0.75, f"eval/{model}/distinct_1": 0.41,
                        f"eval/{model}/distinct_2": 0.77, f"eval/{model}/refusal_rate": 0.04,
@@ -47,7 +50,9 @@ def _eval(meaningful: float) -> dict:
 
 
 def _judge(low: float, high: float) -> dict:
-    return {"judge/accuracy": (low + high) / 2, "judge/accuracy_low": low, "judge/accuracy_high": high,
+    return {"judge/accuracy": (low + high) / 2 + 0.02, "judge/accuracy_low": low + 0.02,
+            "judge/accuracy_high": high + 0.02, "judge/balanced_accuracy": (low + high) / 2,
+            "judge/balanced_accuracy_low": low, "judge/balanced_accuracy_high": high,
             "judge/pairs": 180.0, "judge/ties": 2.0, "judge/ece": 0.07}  # fmt: skip
 
 
@@ -82,7 +87,8 @@ INPUTS = {
     "metrics/reward.json": {"rm/accuracy": 0.5885, "rm/accuracy_low": 0.5208, "rm/accuracy_high": 0.6530,
                             "rm/pairs": 209.0, "rm/ties": 3.0, "rm/ece": 0.092, "rm/accuracy_chosen_longer": 0.388,
                             "rm/accuracy_chosen_shorter": 0.766, "rm/pairs_chosen_longer": 98.0,
-                            "rm/pairs_chosen_shorter": 107.0, "rm/margin": 0.0796},
+                            "rm/pairs_chosen_shorter": 107.0, "rm/margin": 0.0796, "rm/balanced_accuracy": 0.577,
+                            "rm/balanced_accuracy_low": 0.511, "rm/balanced_accuracy_high": 0.64},
     "reports/reward_gate.json": {"candidate": {"name": "rlhf-reward-model", "version": "1"}, "checks": [GATE_CHECK],
                                  "decided": "now", "decided_at": "2026-11-30T15:17:41+00:00", "decision": "pass"},
     "metrics/judge.json": _judge(0.74, 0.86),
@@ -144,6 +150,9 @@ def test_the_page_holds_every_section_its_figures_as_pngs_and_no_external_addres
     assert "proxy 0.100, judge n/a" in html  # a sample's missing judge score
     assert "policy gate: fail" in html and "not produced by this run" not in html
     assert JUDGE_AT_CHANCE not in html  # the judge's interval lies above 0.5
+    evaluation = html[html.index('<h2 id="evaluation">') : html.index('<h2 id="samples">')]
+    assert "length-controlled win rate [95%]" in evaluation and "score difference, policy - SFT [95%]" in evaluation
+    assert "0.560 [0.310, 0.800]" in evaluation and "0.520 [0.400, 0.630]" in evaluation and "1.250" in evaluation
 
 
 def test_model_output_is_escaped_never_markup(project):
@@ -157,7 +166,7 @@ def test_a_judge_at_chance_is_flagged_and_its_win_rates_marked(project):
     html = render_report(loaded, report.draw_figures(loaded), pipeline_run="r", git_commit="c", profile="p",
                          created="now", samples=1)  # fmt: skip
     judge = html[html.index('<h2 id="judge">') : html.index('<h2 id="ppo">')]
-    assert f"{JUDGE_AT_CHANCE} (judge accuracy 0.53 [0.46, 0.60] includes chance (0.5))" in judge
+    assert f"{JUDGE_AT_CHANCE} (judge balanced accuracy 0.53 [0.46, 0.60] includes chance (0.5))" in judge
     evaluation = html[html.index('<h2 id="evaluation">') : html.index('<h2 id="samples">')]
     assert JUDGE_MEANINGLESS in evaluation and re.search(
         r'<tr class="muted">\s*<td>judge</td>.*not meaningful', evaluation
@@ -209,7 +218,9 @@ def test_the_stage_writes_the_page_and_gives_the_parent_run_the_headline_and_the
     expected = {
         "rm/accuracy": 0.5885,
         "rm/accuracy_low": 0.5208,
-        "judge/accuracy": 0.8,
+        "rm/balanced_accuracy": 0.577,
+        "judge/accuracy": 0.82,
+        "judge/balanced_accuracy": 0.8,
         "eval/judge/win_rate": 0.58,
         "eval/judge/win_rate_low": 0.44,
         "eval/judge/win_rate_high": 0.70,

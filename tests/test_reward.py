@@ -99,7 +99,16 @@ def test_reward_loss_is_bradley_terry_plus_lm_coef_times_imitation_loss(tiny_dir
     torch.nn.init.normal_(model.score.weight, std=1.0)
     logged = {}
     config = RewardConfig(
-        steps=1, batch_size=2, lr=0.0, warmup_steps=0, scheduler="constant", lm_coef=0.7, margin=0.5, max_length=64
+        steps=1,
+        batch_size=2,
+        lr=0.0,
+        warmup_steps=0,
+        scheduler="constant",
+        lm_coef=0.7,
+        margin=0.5,
+        max_length=64,
+        length_expert=False,
+        length_decorrelation=0.0,
     )
     summary = train_reward_model(
         model, tokenizer, examples, config, lambda m, s: logged.update(m), Runtime(), progress=False
@@ -117,9 +126,17 @@ def test_empty_response_metrics_by_hand():
     from rlhf.reward import empty_response_metrics
 
     # empty [0.5, -1.0, 2.0] vs chosen [0.0, 0.0, 3.0]: means 0.5 and 1.0; empty wins on prompt 0 only -> 1/3
-    metrics = empty_response_metrics(torch.tensor([0.5, -1.0, 2.0]), torch.tensor([0.0, 0.0, 3.0]))
+    # reply 1 [1, 1, 1] wins on prompts 0, 1 -> 2/3; reply 2 [-1, -1, 4] on prompt 2 -> 1/3: mean 1/2, max 2/3
+    replies = torch.tensor([[1.0, 1.0, 1.0], [-1.0, -1.0, 4.0]])
+    metrics = empty_response_metrics(torch.tensor([0.5, -1.0, 2.0]), replies, torch.tensor([0.0, 0.0, 3.0]))
     assert metrics == pytest.approx(
-        {"rm/empty_score_mean": 0.5, "rm/chosen_score_mean": 1.0, "rm/empty_beats_chosen": 1 / 3}
+        {
+            "rm/empty_score_mean": 0.5,
+            "rm/chosen_score_mean": 1.0,
+            "rm/empty_beats_chosen": 1 / 3,
+            "rm/short_reply_beats_chosen": 1 / 2,
+            "rm/short_reply_beats_chosen_max": 2 / 3,
+        }
     )
 
 
@@ -169,6 +186,10 @@ def test_reward_stage_and_flow_summary_warn_loudly_when_accuracy_includes_chance
         "rm/accuracy": 0.53,
         "rm/accuracy_low": 0.46,
         "rm/accuracy_high": 0.60,
+        "rm/balanced_accuracy": 0.5,
+        "rm/balanced_accuracy_low": 0.43,
+        "rm/balanced_accuracy_high": 0.57,
+        "rm/length_baseline_accuracy": 0.47,
         "rm/pairs": 196.0,
         "rm/ties": 0.0,
         "rm/accuracy_chosen_shorter": 0.4,
@@ -179,21 +200,63 @@ def test_reward_stage_and_flow_summary_warn_loudly_when_accuracy_includes_chance
         "rm/loss_last": 0.6,
     }
     expected = (
-        "WARNING: rm_eval accuracy 0.53 [0.46, 0.60] includes chance (0.5): the reward model has not learned to rank"
+        "WARNING: rm_eval balanced accuracy 0.50 [0.43, 0.57] includes chance (0.5): the reward model has not "
+        "learned to rank"
     )
     lines = summary_lines(metrics)
     assert lines[0].startswith("[reward] rm_eval accuracy 0.530 [0.460, 0.600] (Wilson 95%) over 196 decisive pairs")
+    assert lines[1].startswith("[reward] rm_eval balanced accuracy 0.500 [0.430, 0.570] (stratified bootstrap 95%")
     assert lines[-1] == f"[reward] {expected}"
-    # the metrics file as the flow reads it back; 120 of 196 ([0.5425, 0.6777]) is clear of chance: no warning
+    # the metrics file as the flow reads it back; a balanced accuracy of 0.61 [0.55, 0.67] is clear of chance
     monkeypatch.setenv("COLUMNS", "300")  # a table row on one line
     print_summary({"reward": {**metrics, "seconds": 3.0}})
     out = capsys.readouterr().out
     assert expected in out and "rm/accuracy=0.530 [0.460, 0.600]" in out
-    good = {**metrics, "rm/accuracy": 120 / 196, "rm/accuracy_low": 0.5425, "rm/accuracy_high": 0.6777}
+    good = {
+        **metrics,
+        "rm/balanced_accuracy": 0.61,
+        "rm/balanced_accuracy_low": 0.55,
+        "rm/balanced_accuracy_high": 0.67,
+    }
     assert not any("WARNING" in line for line in summary_lines(good))
     print_summary({"reward": good})
     assert "WARNING" not in capsys.readouterr().out
     # a constant model: NaN is written as null in metrics/reward.json
-    print_summary({"reward": {**metrics, "rm/accuracy": None, "rm/accuracy_low": None, "rm/accuracy_high": None}})
+    undefined = {f"rm/{kind}accuracy{end}": None for kind in ("", "balanced_") for end in ("", "_low", "_high")}
+    print_summary({"reward": {**metrics, **undefined}})
     out = capsys.readouterr().out
-    assert "WARNING: rm_eval accuracy is undefined" in out and "rm/accuracy=n/a" in out
+    assert "WARNING: rm_eval balanced accuracy is undefined" in out and "rm/accuracy=n/a" in out
+
+
+def test_the_debiased_loss_adds_the_length_expert_and_the_preference_term(tiny_dir, tokenizer):
+    """The trainer's logged loss is :func:`rlhf.length_bias.debiased_pair_loss` of the model's own scores, with the
+    length expert fitted on the training pairs (it goes through the product's step, not a copy of it)."""
+    from rlhf.length_bias import debiased_pair_loss, fit_length_expert
+    from rlhf.reward import RewardConfig, encode_pairs, response_lengths, train_reward_model
+
+    examples = [
+        {
+            "prompt": [{"role": "user", "content": f"q{i}"}],
+            "chosen": [{"role": "assistant", "content": "ok " * (i + 1)}],
+            "rejected": [{"role": "assistant", "content": "no " * (3 - i)}],
+        }
+        for i in range(3)
+    ]
+    torch.manual_seed(0)
+    model = load_scalar_model(tiny_dir)
+    torch.nn.init.normal_(model.score.weight, std=1.0)
+    logged = {}
+    config = RewardConfig(steps=1, batch_size=3, lr=0.0, scheduler="constant", warmup_steps=0, max_length=64)
+    summary = train_reward_model(
+        model, tokenizer, examples, config, lambda m, s: logged.update(m), Runtime(), progress=False
+    )
+    pairs = encode_pairs(tokenizer, examples, 64)
+    lengths = response_lengths(pairs)
+    assert summary["rm/length_expert_weight"] == pytest.approx(fit_length_expert(*lengths))
+    chosen = score_sequences(model, tokenizer, [c.input_ids for c, _ in pairs], 4, Runtime())
+    rejected = score_sequences(model, tokenizer, [r.input_ids for _, r in pairs], 4, Runtime())
+    expected, preference = debiased_pair_loss(
+        chosen, rejected, *(torch.tensor(n) for n in lengths), summary["rm/length_expert_weight"], 1.0, 0.0, count=3
+    )
+    assert logged["rm/loss"] == pytest.approx(float(expected), abs=1e-5)
+    assert logged["rm/train_length_preference"] == pytest.approx(float(preference), abs=1e-5)

@@ -12,16 +12,17 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from rlhf.stats import chance_warning, wilson_interval
+from rlhf.stats import chance_warning
 
 
 @dataclass(frozen=True)
 class GateCriteria:
     """The bounds of the reward-model gate (params.yaml ``registry.reward_gate``).
 
-    ``min_accuracy_low``: the lower end of the Wilson 95% interval of rm_eval accuracy must be at least it
-    (0.5: better than chance with 95% confidence). ``champion_tolerance``: the candidate's accuracy may
-    be at most this much below the champion's on the same split (non-inferiority). ``max_ece``: expected
+    ``min_accuracy_low``: the lower end of the stratified 95% interval of rm_eval balanced accuracy must be at
+    least it (0.5: better than chance with 95% confidence, whatever the length). ``champion_tolerance``: the
+    candidate's balanced accuracy may be at most this much below the champion's on the same split
+    (non-inferiority). ``max_ece``: expected
     calibration error of ``sigmoid(margin)`` at most this. ``min_length_accuracy``: the smaller of the
     accuracies on pairs whose chosen response is the shorter and on those whose chosen response is the
     longer must be at least this (a model that learned length scores high on one kind, low on the other).
@@ -66,41 +67,51 @@ def _at_least(criterion: str, value: float | None, bound: float, detail: str = "
     return Check(criterion, value, bound, not math.isnan(value) and value >= bound, detail)
 
 
+def _number_or_nan(metrics: dict[str, Any], key: str) -> float:
+    value = metrics.get(key)
+    return float("nan") if value is None else float(value)
+
+
 def reward_gate(candidate: dict[str, float], champion: dict[str, float] | None, criteria: GateCriteria) -> list[Check]:
     """The checks of a candidate reward model, in a fixed order; it passes when all pass.
 
     Args:
-        candidate: its rm_eval metrics (``rm/accuracy`` over ``rm/pairs`` decisive pairs, ``rm/ece``,
-            ``rm/accuracy_chosen_shorter``, ``rm/accuracy_chosen_longer``, ``rm/pairs_chosen_*``).
+        candidate: its rm_eval metrics (``rm/balanced_accuracy`` with ``_low``, ``rm/accuracy`` over
+            ``rm/pairs`` decisive pairs, ``rm/ece``, ``rm/accuracy_chosen_shorter``, ``rm/accuracy_chosen_longer``,
+            ``rm/pairs_chosen_*``).
         champion: the current champion's metrics on the same rm_eval split, or None (no champion yet:
             the non-inferiority check is left out).
         criteria: the bounds.
 
     Returns:
-        ``[Check]``: accuracy lower bound (the Wilson 95% interval of :func:`rlhf.stats.wilson_interval`
-        over the decisive pairs, at least its floor; no pairs fail), non-inferiority to the champion,
-        calibration (at most its bound), length bias (the smaller accuracy, at least its bound).
+        ``[Check]``: the lower end of the balanced accuracy's stratified 95% interval (the mean of the
+        chosen-shorter and chosen-longer accuracies, :func:`rlhf.length_bias.length_figures`) at least its
+        floor; the balanced accuracy at least the champion's minus the tolerance (non-inferiority); calibration
+        (at most its bound); length bias (the smaller accuracy, at least its bound). Balanced accuracy, not
+        accuracy: "prefer the shorter" scores above chance on data whose chosen responses are mostly the
+        shorter, and a debiased model that gives that up must not lose to a length model. Undefined values
+        (no pairs of a kind) fail.
     """
-    pairs = int(candidate.get("rm/pairs", 0))
-    correct = round(candidate.get("rm/accuracy", float("nan")) * pairs) if pairs else 0
-    low = wilson_interval(correct, pairs)[0]
+    balanced = candidate.get("rm/balanced_accuracy")
+    low = candidate.get("rm/balanced_accuracy_low")
     checks = [
-        Check(
-            "rm_eval accuracy lower 95% bound (Wilson)",
+        _at_least(
+            "rm_eval balanced accuracy lower 95% bound (stratified bootstrap)",
             low,
             criteria.min_accuracy_low,
-            not math.isnan(low) and low >= criteria.min_accuracy_low,
-            f"accuracy {_fmt(candidate.get('rm/accuracy'))} over {candidate.get('rm/pairs', 0):.0f} pairs",
+            f"balanced accuracy {_fmt(balanced)}; accuracy {_fmt(candidate.get('rm/accuracy'))} over "
+            f"{candidate.get('rm/pairs', 0):.0f} pairs, prefer-the-shorter "
+            f"{_fmt(candidate.get('rm/length_baseline_accuracy'))}",
         )
     ]
     if champion is not None:
-        floor = champion["rm/accuracy"] - criteria.champion_tolerance
+        floor = _number_or_nan(champion, "rm/balanced_accuracy") - criteria.champion_tolerance
         checks.append(
             _at_least(
-                "rm_eval accuracy against the champion re-scored on the same split",
-                candidate.get("rm/accuracy"),
+                "rm_eval balanced accuracy against the champion re-scored on the same split",
+                balanced,
                 floor,
-                f"champion {_fmt(champion['rm/accuracy'])} - tolerance {criteria.champion_tolerance}",
+                f"champion {_fmt(champion.get('rm/balanced_accuracy'))} - tolerance {criteria.champion_tolerance}",
             )
         )
     ece = candidate.get("rm/ece", float("nan"))
@@ -133,19 +144,22 @@ def as_records(checks: list[Check]) -> list[dict[str, Any]]:
 def judge_doubts(judge: dict[str, Any], min_length_accuracy: float) -> list[str]:
     """Why the judge's verdicts mean nothing, one reason each; ``[]`` when they mean something.
 
-    A judge must rank its own held-out pairs better than chance (the lower end of its Wilson 95% interval
-    of judge_eval accuracy above 0.5, :func:`rlhf.stats.chance_warning`), and not by length alone: the
+    A judge must rank its own held-out pairs better than chance whatever their lengths (the lower end of the
+    stratified 95% interval of its judge_eval balanced accuracy above 0.5, :func:`rlhf.stats.chance_warning`;
+    "prefer the shorter" has a balanced accuracy of 0.5), and not by length alone: the
     smaller of its accuracies on chosen-shorter and on chosen-longer pairs must be at least
     ``min_length_accuracy`` (a judge that prefers the shorter response whatever it says calls a policy that
     writes less "better"; the reward gate's length criterion, applied to the judge).
 
     Args:
-        judge: the judge stage's metrics (``judge/accuracy`` with ``_low``/``_high``,
+        judge: the judge stage's metrics (``judge/balanced_accuracy`` with ``_low``/``_high``,
             ``judge/accuracy_chosen_shorter``, ``judge/accuracy_chosen_longer``); None or NaN where undefined.
         min_length_accuracy: the floor of the smaller length-kind accuracy, in [0, 1].
     """
     doubts = []
-    at_chance = chance_warning("judge_eval accuracy", *(judge.get(f"judge/accuracy{s}") for s in ("", "_low", "_high")))
+    at_chance = chance_warning(
+        "judge_eval balanced accuracy", *(judge.get(f"judge/balanced_accuracy{s}") for s in ("", "_low", "_high"))
+    )
     if at_chance:
         doubts.append(at_chance)
     kinds = [judge.get(f"judge/accuracy_chosen_{kind}") for kind in ("shorter", "longer")]

@@ -38,7 +38,8 @@ PPO_FIGURES = (  # figure name, title, ((key in metrics/ppo_curves.json, legend 
 )  # fmt: skip
 OVEROPTIMISATION = "overoptimisation"  # the figure of proxy and judge mean scores against sqrt(KL)
 HEADLINE = (  # (input, metric): the figures the parent MLflow run carries
-    ("reward", "rm/accuracy"), ("reward", "rm/accuracy_low"), ("judge", "judge/accuracy"),
+    ("reward", "rm/accuracy"), ("reward", "rm/accuracy_low"), ("reward", "rm/balanced_accuracy"),
+    ("judge", "judge/accuracy"), ("judge", "judge/balanced_accuracy"),
     ("eval", "eval/judge/win_rate"), ("eval", "eval/judge/win_rate_low"), ("eval", "eval/judge/win_rate_high"),
     ("eval", "eval/proxy/win_rate"), ("eval", "eval/proxy/win_rate_low"), ("eval", "eval/proxy/win_rate_high"),
     ("eval", "eval/policy/kl"), ("eval", "eval/judge/meaningful"),
@@ -48,6 +49,9 @@ SFT_ROWS = (("examples", "sft/examples", "count"), ("steps", "sft/steps", "count
             ("loss, first step", "sft/loss_first", ""), ("loss, last step", "sft/loss_last", ""))  # fmt: skip
 ACCURACY_ROWS = (
     ("accuracy on held-out pairs [95% Wilson]", "{p}/accuracy", "interval"), ("decisive pairs", "{p}/pairs", "count"),
+    ("balanced accuracy: mean of chosen-shorter and chosen-longer [95% stratified]", "{p}/balanced_accuracy",
+     "interval"),
+    ("length-only baseline: accuracy of 'prefer the shorter'", "{p}/length_baseline_accuracy", ""),
     ("ties", "{p}/ties", "count"), ("calibration error (ECE)", "{p}/ece", ""),
     ("accuracy, chosen response shorter", "{p}/accuracy_chosen_shorter", ""),
     ("pairs, chosen response shorter", "{p}/pairs_chosen_shorter", "count"),
@@ -55,6 +59,8 @@ ACCURACY_ROWS = (
     ("pairs, chosen response longer", "{p}/pairs_chosen_longer", "count"),
     ("correlation of score with length", "{p}/length_corr", ""), ("mean margin (chosen - rejected)", "{p}/margin", ""),
     ("share of pairs where an empty response beats the chosen one", "{p}/empty_beats_chosen", ""),
+    ("share where a one-word reply beats the chosen one (mean over the replies)", "{p}/short_reply_beats_chosen", ""),
+    ("share where the worst one-word reply beats the chosen one", "{p}/short_reply_beats_chosen_max", ""),
 )  # fmt: skip
 PPO_ROWS = (
     ("iterations", "ppo/iterations", "count"), ("iterations that updated the policy", "ppo/policy_iterations", "count"),
@@ -240,7 +246,9 @@ def reward_section(loaded: dict[str, Any]) -> dict[str, Any]:
     section = _section("reward-model", "Reward model (proxy)", loaded, "reward", "reward_gate", "margins")
     rm = loaded.get("reward")
     if rm is not None:
-        warning = chance_warning("rm_eval accuracy", *(rm.get(f"rm/accuracy{s}") for s in ("", "_low", "_high")))
+        warning = chance_warning(
+            "rm_eval balanced accuracy", *(rm.get(f"rm/balanced_accuracy{s}") for s in ("", "_low", "_high"))
+        )
         section["warnings"] += [warning] if warning else []
         section["tables"].append(_values("Reward model on rm_eval", rm, ACCURACY_ROWS, "rm"))
     _gate(section, loaded.get("reward_gate"), "reward gate")
@@ -250,8 +258,11 @@ def reward_section(loaded: dict[str, Any]) -> dict[str, Any]:
 
 
 def judge_warning(m: dict[str, Any], prefix: str = "judge/") -> str:
-    """The loud line when the judge's accuracy interval includes 0.5 (or is undefined, or lies below); else ``""``."""
-    detail = chance_warning("judge accuracy", *(m.get(f"{prefix}accuracy{s}") for s in ("", "_low", "_high")))
+    """The loud line when the judge's balanced-accuracy interval includes 0.5 (or is undefined, or lies below);
+    else ``""``."""
+    detail = chance_warning(
+        "judge balanced accuracy", *(m.get(f"{prefix}balanced_accuracy{s}") for s in ("", "_low", "_high"))
+    )
     if not detail:
         return ""
     head = "the judge ranks backwards" if "below chance" in detail else "the judge is at chance"
@@ -291,7 +302,8 @@ def ppo_section(loaded: dict[str, Any], figures: dict[str, bytes | None]) -> dic
 
 
 def eval_section(loaded: dict[str, Any]) -> dict[str, Any]:
-    """Win rates with their intervals (judge rows marked when its verdicts mean nothing) and the policy gate."""
+    """Win rates, paired score differences and length-controlled win rates with their intervals (judge rows
+    marked when its verdicts mean nothing) and the policy gate."""
     section = _section("evaluation", "Evaluation: policy against SFT", loaded, "eval", "policy_gate")
     ev = loaded.get("eval")
     if ev is not None:
@@ -313,6 +325,14 @@ def eval_section(loaded: dict[str, Any]) -> dict[str, Any]:
         classes = ["", "muted" if meaningless else ""]
         headers = ["scorer", "win rate [95%]", "decisive", "ties", "SFT mean score", "policy mean score", "note"]
         section["tables"].append(_table("Win rate of the policy over SFT (ties apart)", headers, rows, classes))
+        rows = [[scorer, fmt_interval(ev, f"eval/{scorer}/score_diff"), fmt_interval(ev, f"eval/{scorer}/lc_win_rate"),
+                 fmt(ev.get(f"eval/{scorer}/lc_length_coef")),
+                 "not meaningful" if scorer == "judge" and meaningless else ""]
+                for scorer in ("proxy", "judge")]  # fmt: skip
+        headers = ["scorer", "score difference, policy - SFT [95%]", "length-controlled win rate [95%]",
+                   "length coefficient (log-odds)", "note"]  # fmt: skip
+        caption = "What the policy changed on the same prompts: by how much, and how often it wins at equal length"
+        section["tables"].append(_table(caption, headers, rows, classes))
         rows = [["KL to SFT (nats / response)", "-", fmt(ev.get("eval/policy/kl"))]]
         rows += [
             [label, fmt(ev.get(f"eval/sft/{key}")), fmt(ev.get(f"eval/policy/{key}"))] for label, key in RESPONSE_ROWS
@@ -373,7 +393,9 @@ def render_report(
     judge_note = " (not meaningful: see the evaluation)" if meaningful == 0.0 else ""
     headline_rows = [
         ("reward-model accuracy [95%]", fmt_interval(loaded.get("reward") or {}, "rm/accuracy")),
+        ("reward-model balanced accuracy [95%]", fmt_interval(loaded.get("reward") or {}, "rm/balanced_accuracy")),
         ("judge accuracy [95%]", fmt_interval(loaded.get("judge") or {}, "judge/accuracy")),
+        ("judge balanced accuracy [95%]", fmt_interval(loaded.get("judge") or {}, "judge/balanced_accuracy")),
         ("judge win rate of the policy [95%]", fmt_interval(ev, "eval/judge/win_rate") + judge_note),
         ("proxy win rate of the policy [95%]", fmt_interval(ev, "eval/proxy/win_rate")),
         ("KL of the policy to SFT (nats / response)", fmt(ev.get("eval/policy/kl"))),

@@ -14,7 +14,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from rlhf.chat import Encoded, encode_chat, pad, pad_masks
 from rlhf.checkpoint import Checkpointer
 from rlhf.device import Runtime
-from rlhf.losses import bradley_terry_loss, language_model_loss, last_token_index, target_tokens
+from rlhf.length_bias import debiased_pair_loss, fit_length_expert, length_figures
+from rlhf.losses import language_model_loss, last_token_index, target_tokens
 from rlhf.models import position_ids_from_mask, sequence_scores
 from rlhf.stats import TiesWarning, paired_rate
 from rlhf.training import LogFn, LoopConfig, freeze_lower_layers, supervised_loop
@@ -33,6 +34,8 @@ class RewardConfig(LoopConfig):
     lm_coef: float = 0.0
     eval_batch_size: int = 16
     center_max_examples: int | None = None  # demonstrations used to centre the scores (None: all of rm_train)
+    length_expert: bool = True  # product of experts with a length expert fitted first, dropped after training
+    length_decorrelation: float = 1.0  # coefficient of |the pairs' mean preference for the longer| (after ODIN)
 
 
 def encode_pairs(
@@ -55,21 +58,31 @@ def _lm_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
     return hidden @ model.get_input_embeddings().weight.T
 
 
+def response_lengths(pairs: list[tuple[Encoded, Encoded]]) -> tuple[list[int], list[int]]:
+    """The chosen and the rejected response lengths of encoded pairs, in tokens (host-side lists)."""
+    return [sum(c.response_mask) for c, _ in pairs], [sum(r.response_mask) for _, r in pairs]
+
+
 def reward_step(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     pairs: list[tuple[Encoded, Encoded]],
     config: RewardConfig,
     runtime: Runtime,
+    expert_weight: float = 0.0,
 ) -> Callable[[list[int], list[int]], tuple[torch.Tensor, dict[str, torch.Tensor]]]:
     """The reward model's ``step_fn(part, batch)`` of :func:`rlhf.training.supervised_loop` over encoded pairs.
 
-    It returns the part's share of the batch's loss: the Bradley-Terry terms (tutorial Eq. 6) of its pairs
+    It returns the part's share of the batch's loss: the length-debiased Bradley-Terry terms of its pairs
+    (tutorial Eq. 6 under the product of experts with the length expert of weight ``expert_weight``, plus
+    ``config.length_decorrelation`` times its pass's length preference: :func:`rlhf.length_bias.debiased_pair_loss`)
     summed and divided by the *whole* batch's pairs, plus ``lm_coef`` times its share of the chosen
-    responses' token-mean NLL (paper Eq. 2); and its shares of the training accuracy and margin.
+    responses' token-mean NLL (paper Eq. 2); and its shares of the training accuracy, margin and length
+    preference. The accuracy and margin are of the reward model's own scores (the expert left out).
     """
     backbone = getattr(model, model.base_model_prefix)
     chosen_targets = [target_tokens(chosen.response_mask) for chosen, _ in pairs]
+    chosen_lengths, rejected_lengths = (torch.tensor(n, device=runtime.device) for n in response_lengths(pairs))
 
     def step(part: list[int], batch: list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         rows = [pairs[i][0] for i in part] + [pairs[i][1] for i in part]
@@ -82,10 +95,21 @@ def reward_step(
         scores = token_scores[torch.arange(len(rows), device=runtime.device), last]
         chosen, rejected = scores[: len(part)], scores[len(part) :]
         # every mean is over the whole batch's pairs (or chosen tokens), whichever part of it this is
-        loss = bradley_terry_loss(chosen, rejected, config.margin, count=len(batch))
+        rows_of = torch.tensor(part, device=runtime.device)
+        loss, preference = debiased_pair_loss(
+            chosen,
+            rejected,
+            chosen_lengths[rows_of],
+            rejected_lengths[rows_of],
+            expert_weight,
+            config.length_decorrelation,
+            config.margin,
+            count=len(batch),
+        )
         metrics = {
             "rm/train_accuracy": (chosen > rejected).float().sum() / len(batch),
             "rm/train_margin": (chosen - rejected).detach().sum() / len(batch),
+            "rm/train_length_preference": preference * len(part) / len(batch),
         }
         if config.lm_coef > 0:
             responses = [e.response_mask for e in rows[: len(part)]]
@@ -111,9 +135,13 @@ def train_reward_model(
 ) -> dict[str, float]:
     """Train ``model`` in place with the Bradley-Terry loss, plus the optional imitation term.
 
-    Loss: tutorial Eq. 6 (``-log sigmoid(r_w - r_l - margin)``) plus ``lm_coef``
-    times the language-model loss on the chosen response (paper Eq. 2, its
-    ``beta_rm``; section 4.2 used 1.0). The chosen and rejected sequences of a
+    Loss: tutorial Eq. 6 (``-log sigmoid(r_w - r_l - margin)``), length-debiased (:mod:`rlhf.length_bias`):
+    with ``config.length_expert`` the pair's log-odds add the frozen length expert's
+    ``w (log(1 + |y_w|) - log(1 + |y_l|))``, ``w`` fitted on these pairs first
+    (:func:`rlhf.length_bias.fit_length_expert`) and dropped afterwards; ``config.length_decorrelation``
+    weighs the pairs' preference for the longer (:func:`rlhf.length_bias.length_preference`). Plus
+    ``lm_coef`` times the language-model loss on the chosen response (paper Eq. 2, its ``beta_rm``;
+    section 4.2 used 1.0). The chosen and rejected sequences of a
     batch go through the model in one right-padded batch.
 
     Args:
@@ -126,13 +154,13 @@ def train_reward_model(
         checkpointer: resume point.
 
     Returns:
-        Summary metrics (``rm/loss_first``, ``rm/loss_last``, ``rm/steps``, ``rm/train_pairs``, and
-        ``rm/epochs``: pairs seen / training pairs).
+        Summary metrics (``rm/loss_first``, ``rm/loss_last``, ``rm/steps``, ``rm/train_pairs``,
+        ``rm/epochs``: pairs seen / training pairs, and ``rm/length_expert_weight``: 0 without the expert).
     """
     pairs = encode_pairs(tokenizer, examples, config.max_length)
     freeze_lower_layers(model, config.trainable_layers)
-
-    step = reward_step(model, tokenizer, pairs, config, runtime)
+    expert_weight = fit_length_expert(*response_lengths(pairs)) if config.length_expert else 0.0
+    step = reward_step(model, tokenizer, pairs, config, runtime, expert_weight)
 
     summary = supervised_loop(
         model,
@@ -147,7 +175,12 @@ def train_reward_model(
         progress=progress,
     )
     # how much of rm_train the model saw: 1.0 means every pair once
-    return {**summary, "rm/train_pairs": float(len(pairs)), "rm/epochs": config.steps * config.batch_size / len(pairs)}
+    return {
+        **summary,
+        "rm/train_pairs": float(len(pairs)),
+        "rm/epochs": config.steps * config.batch_size / len(pairs),
+        "rm/length_expert_weight": expert_weight,
+    }
 
 
 @torch.no_grad()
@@ -257,8 +290,10 @@ def preference_metrics(
         count), ``rm/accuracy_chosen_longer`` / ``rm/pairs_chosen_longer``
         (chosen strictly longer; equal lengths are in neither), ``rm/margin``
         (mean chosen - rejected over all N), ``rm/ece`` (of ``sigmoid(margin)``
-        against the label "chosen wins") and ``rm/length_corr`` (Pearson of
-        score with length over all responses).
+        against the label "chosen wins"), ``rm/length_corr`` (Pearson of
+        score with length over all responses), and the length-bias figures of
+        :func:`rlhf.length_bias.length_figures` (``rm/balanced_accuracy`` with its
+        stratified interval, ``rm/length_baseline_accuracy``).
 
     Raises:
         ValueError: a NaN score.
@@ -284,7 +319,7 @@ def preference_metrics(
             part = paired_rate(chosen[subset], rejected[subset])
             metrics[f"rm/accuracy_{name}"] = part.rate
             metrics[f"rm/pairs_{name}"] = float(part.n)
-    return metrics
+    return {**metrics, **length_figures(chosen, rejected, chosen_lengths, rejected_lengths)}
 
 
 def evaluate_reward_model(
@@ -298,41 +333,62 @@ def evaluate_reward_model(
     """Score held-out pairs; returns the metrics and the ``(N,)`` margins (for the histogram).
 
     Metrics: :func:`preference_metrics`, plus :func:`empty_response_metrics` of the
-    same prompts (what the model says of an empty answer, a known hack).
+    same prompts (what the model says of an empty answer and of each of :data:`SHORT_REPLIES`, known hacks),
+    all on the reward model's raw score (no rule for unfinished responses applied).
     """
     pairs = encode_pairs(tokenizer, examples, max_length)
     chosen = score_sequences(model, tokenizer, [c.input_ids for c, _ in pairs], batch_size, runtime)
     rejected = score_sequences(model, tokenizer, [r.input_ids for _, r in pairs], batch_size, runtime)
-    chosen_lengths = torch.tensor([sum(c.response_mask) for c, _ in pairs], device=runtime.device)
-    rejected_lengths = torch.tensor([sum(r.response_mask) for _, r in pairs], device=runtime.device)
-    empty = [
-        encode_chat(tokenizer, ex["prompt"], [{"role": "assistant", "content": ""}], max_length) for ex in examples
+    chosen_lengths, rejected_lengths = (torch.tensor(n, device=runtime.device) for n in response_lengths(pairs))
+    replies = [
+        score_sequences(model, tokenizer, _replied(tokenizer, examples, reply, max_length), batch_size, runtime)
+        for reply in ("", *SHORT_REPLIES)
     ]
-    empty_scores = score_sequences(model, tokenizer, [e.input_ids for e in empty], batch_size, runtime)
     metrics = {
         **preference_metrics(chosen, rejected, chosen_lengths, rejected_lengths),
-        **empty_response_metrics(empty_scores, chosen),
+        **empty_response_metrics(replies[0], torch.stack(replies[1:]), chosen),
     }
     return metrics, chosen - rejected
 
 
-def empty_response_metrics(empty_scores: torch.Tensor, chosen_scores: torch.Tensor) -> dict[str, float]:
-    """How the reward model scores an empty response (EOS first) against the chosen one, prompt by prompt.
+SHORT_REPLIES = (
+    "No.",
+    "Sorry.",
+    "OK.",
+)  # one-word replies a length model would rank high (a refusal, an apology, a nod)
 
-    An empty answer is a known hack on harmless data: the reward model never
-    saw one in training, so PPO treats it like a missing EOS unless configured
-    otherwise (``generation.empty_response``).
+
+def _replied(tokenizer: PreTrainedTokenizerBase, examples: list[dict[str, Any]], reply: str, max_length: int):
+    """Each example's prompt answered with ``reply``, as token ids."""
+    return [
+        encode_chat(tokenizer, ex["prompt"], [{"role": "assistant", "content": reply}], max_length).input_ids
+        for ex in examples
+    ]
+
+
+def empty_response_metrics(
+    empty_scores: torch.Tensor, reply_scores: torch.Tensor, chosen_scores: torch.Tensor
+) -> dict[str, float]:
+    """How the reward model scores an empty response (EOS first) and one-word replies against the chosen one.
+
+    An empty or one-word answer is a known hack on harmless data, and what a length model prefers: PPO then
+    learns to say less. Such a response beats the chosen one on a prompt when it scores strictly above it.
 
     Args:
         empty_scores: ``(N,)`` float, the score of ``prompt + ""`` for each prompt.
+        reply_scores: ``(R, N)`` float, the score of ``prompt + reply`` for each of R replies (:data:`SHORT_REPLIES`).
         chosen_scores: ``(N,)`` float, the score of ``prompt + chosen`` for the same prompts.
 
     Returns:
-        ``rm/empty_score_mean``, ``rm/chosen_score_mean`` and ``rm/empty_beats_chosen`` (share of
-        prompts whose empty response scores strictly above the chosen response).
+        ``rm/empty_score_mean``, ``rm/chosen_score_mean``, ``rm/empty_beats_chosen`` (share of prompts whose
+        empty response beats the chosen one), ``rm/short_reply_beats_chosen`` (that share averaged over the
+        replies) and ``rm/short_reply_beats_chosen_max`` (the share of the reply that beats it most often).
     """
+    beats = (reply_scores > chosen_scores).float().mean(dim=1)
     return {
         "rm/empty_score_mean": float(empty_scores.mean()),
         "rm/chosen_score_mean": float(chosen_scores.mean()),
         "rm/empty_beats_chosen": float((empty_scores > chosen_scores).float().mean()),
+        "rm/short_reply_beats_chosen": float(beats.mean()),
+        "rm/short_reply_beats_chosen_max": float(beats.max()),
     }
