@@ -23,10 +23,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from rlhf.checkpoint import load_kept_policy, write_json
+from rlhf.comparison import best_of_n, best_of_n_kl, paired_difference
 from rlhf.data import load_jsonl
 from rlhf.evaluation import EvalConfig, Scorers, evaluate_policy, generate_and_score, sample_rows
 from rlhf.gate_rules import judge_doubts
 from rlhf.models import load_causal_lm, load_scalar_model, load_tokenizer
+from rlhf.reward import check_reads_whole
 from rlhf.rollout import GenerationSettings
 from rlhf.training import config_from_params
 from tasks.champion import require_champion
@@ -106,6 +108,44 @@ def curve(sft: Any, scorers: Scorers, tokenizer, prompts: list, config, settings
     return rows
 
 
+def best_of_n_figures(sft: Any, scorers: Scorers, tokenizer, prompts: list, config, settings, runtime) -> dict:
+    """Best-of-N of the SFT model on the curve prompts, the reference point of the over-optimisation curve.
+
+    ``config.best_of_n`` samples of each of the first ``curve_prompts`` prompts; for N = 1, 4, 16, ... up to it,
+    the proxy keeps each prompt's best of the first N (:func:`rlhf.comparison.best_of_n`), and the judge scores
+    it. KL to SFT is the analytic ``log N - (N-1)/N`` (:func:`rlhf.comparison.best_of_n_kl`): what the reward
+    model can deliver at each KL without training, to read PPO's kept policies against.
+
+    Returns:
+        ``eval/best_of_n/N/{judge,proxy,kl,sqrt_kl}`` (mean judge and proxy score of the kept responses) and, for
+        the largest N, ``eval/best_of_n/judge_gain`` with ``_low``/``_high``: its judge score minus best-of-1's
+        (one sample of SFT) on the same prompts, bootstrap over prompts; ``{}`` when ``best_of_n`` is 0.
+    """
+    if config.best_of_n < 1:
+        return {}
+    fixed = prompts[: config.curve_prompts]
+    run = generate_and_score(sft, sft, scorers, tokenizer, fixed, config, settings, runtime, config.best_of_n)
+    figures, n, kept = {}, 1, {}
+    while n <= config.best_of_n:
+        kept[n] = best_of_n(run["proxy"], run["judge"], n)
+        kl = best_of_n_kl(n)
+        figures |= {
+            f"eval/best_of_n/{n}/judge": float(kept[n].mean()),
+            f"eval/best_of_n/{n}/proxy": float(best_of_n(run["proxy"], run["proxy"], n).mean()),
+            f"eval/best_of_n/{n}/kl": kl,
+            f"eval/best_of_n/{n}/sqrt_kl": math.sqrt(kl),
+        }
+        n *= 4
+    largest = max(kept)
+    gain = paired_difference(kept[largest][:, None], kept[1][:, None], config.bootstrap_resamples, config.seed)
+    return figures | {
+        "eval/best_of_n/largest": float(largest),
+        "eval/best_of_n/judge_gain": gain.mean,
+        "eval/best_of_n/judge_gain_low": gain.low,
+        "eval/best_of_n/judge_gain_high": gain.high,
+    }
+
+
 def run(
     params: dict[str, Any], generation: dict[str, Any], device: dict[str, Any] | None = None
 ) -> tuple[dict[str, float], list[dict[str, Any]], list[dict[str, float]], EvalConfig, list[str]]:
@@ -127,10 +167,19 @@ def run(
     scorers = Scorers(
         runtime.frozen(load_scalar_model(REWARD)), runtime.frozen(load_scalar_model(JUDGE)), load_tokenizer(JUDGE)
     )
+    longest = ("generation.max_new_tokens", settings.max_new_tokens)
+    for reader, model, reads in (
+        (f"{REWARD} (trained at max_length)", scorers.proxy, config.max_prompt_length),
+        (f"{JUDGE} (trained at max_length)", scorers.judge, config.max_prompt_length),
+        ("evaluate.judge_max_length", None, config.max_prompt_length),
+    ):
+        length = config.judge_max_length if model is None else getattr(model.config, "reward_max_length", None)
+        check_reads_whole(reader, length, ("evaluate.max_prompt_length", reads), longest)
     heldout = load_jsonl(PTX_HELDOUT)
     metrics, runs = evaluate_policy(sft, policy, scorers, tokenizer, prompts, heldout, config, settings, runtime)
     del policy
     rows_of_curve = curve(sft, scorers, tokenizer, prompts, config, settings, runtime)
+    metrics |= best_of_n_figures(sft, scorers, tokenizer, prompts, config, settings, runtime)
     judge, doubts = judge_figures(load_json(JUDGE_METRICS), config.judge_min_length_accuracy)
     metrics |= judge | {"eval/reward_model_version": float(champion["version"])}
     return metrics, sample_rows(rows, runs), rows_of_curve, config, doubts

@@ -4,8 +4,8 @@ The judge scores the policy against the SFT model in evaluate, beside the reward
 (the proxy): a win rate judged by the proxy rises exactly when the policy learns to fool it (reward
 hacking, Gao et al. 2023). So no conversation of judge_train reaches any other split, and judge_eval's reach
 no split that trains (``rlhf.data.assign_split``; judge_eval also holds the eval_prompts conversations' pairs,
-whose prompts alone evaluation reads: ``rlhf.data.HELD_OUT_FOR_JUDGE``), the judge has its own seed and may start from another backbone
-(``judge.source``), and nothing in training reads it: ppo does not depend on this stage.
+whose prompts alone evaluation reads: ``rlhf.data.HELD_OUT_FOR_JUDGE``), the judge has its own seed and may
+start from another backbone (``judge.source``), and nothing in training reads it: ppo does not depend on this stage.
 
 Writes ``models/judge/``, ``metrics/judge.json`` (the ``judge/`` figures of
 :func:`rlhf.reward.preference_metrics` on judge_eval) and ``reports/judge_margins.png`` together, after
@@ -17,7 +17,7 @@ from __future__ import annotations
 import tempfile
 from typing import Any
 
-from rlhf.reward import RewardConfig
+from rlhf.reward import RewardConfig, check_reads_whole
 from rlhf.training import config_from_params, no_log
 from tasks import reward
 from tasks.common import cli
@@ -73,10 +73,17 @@ def summary_lines(metrics: dict[str, float]) -> list[str]:
 def main() -> None:
     """DVC stage command."""
     params, device = stage_params("judge"), stage_params("device")
+    evaluate, new_tokens = stage_params("evaluate"), stage_params("generation")["max_new_tokens"]
 
     def check() -> None:  # the params, one line each, before any process starts
-        config_from_params(RewardConfig, {k: v for k, v in params.items() if k != "source"}, "judge")
+        config = config_from_params(RewardConfig, {k: v for k, v in params.items() if k != "source"}, "judge")
+        covers = (
+            ("evaluate.max_prompt_length", evaluate["max_prompt_length"]),
+            ("generation.max_new_tokens", new_tokens),
+        )
+        check_reads_whole("judge.max_length", config.max_length, *covers)
 
+    check()  # on one process too: other_rank runs it only before launching several
     if other_rank(device, "tasks.judge", lambda: run(params, no_log, None, device), check):
         return
     with StageRun("judge", {**params, "device": device}) as stage, StagedOutputs() as outputs:

@@ -24,6 +24,7 @@ from rlhf.models import load_causal_lm, load_scalar_model, load_tokenizer
 from rlhf.plots import reward_histograms, signal_figures
 from rlhf.ppo import PPOModels, train_ppo
 from rlhf.ppo_config import PPOConfig, check_processes
+from rlhf.reward import check_reads_whole
 from rlhf.rollout import GenerationSettings
 from rlhf.sharding import whole_model
 from rlhf.training import config_from_params, no_log
@@ -77,9 +78,14 @@ def run(
     tokenizer = load_tokenizer(SFT)
     runtime = stage_runtime("ppo", device)
     value_model = runtime.place(load_scalar_model(REWARD if config.value_init == "reward" else SFT))
-    models = PPOModels(
-        *policy_and_reference(SFT, config, runtime), runtime.frozen(load_scalar_model(REWARD)), value_model
+    reward_model = load_scalar_model(REWARD)
+    trained = getattr(reward_model.config, "reward_max_length", None)
+    covers = (
+        ("ppo.max_prompt_length", config.max_prompt_length),
+        ("generation.max_new_tokens", settings.max_new_tokens),
     )
+    check_reads_whole(f"{REWARD} (trained at max_length)", trained, *covers)
+    models = PPOModels(*policy_and_reference(SFT, config, runtime), runtime.frozen(reward_model), value_model)
     rows = sorted(load_jsonl(PROMPTS), key=lambda row: row["id"])
     held_out = config.validation_prompts if config.validate_every else 0
     if len(rows) <= held_out:

@@ -94,6 +94,20 @@ def _lines(rows: list[dict[str, Any]], x: str, series, title: str, xlabel: str) 
     return _png(figure)
 
 
+def best_of_n_rows(evaluation: dict[str, Any]) -> list[dict[str, float]]:
+    """The best-of-N points of evaluate's metrics (``eval/best_of_n/N/...``) as curve rows: ``sqrt_kl``,
+    ``best_of_n_proxy``, ``best_of_n_judge``, one per N, in N's order."""
+    sizes = sorted({int(k.split("/")[2]) for k in evaluation if k.startswith("eval/best_of_n/") and k.count("/") == 3})
+    return [
+        {
+            "sqrt_kl": evaluation.get(f"eval/best_of_n/{n}/sqrt_kl"),
+            "best_of_n_proxy": evaluation.get(f"eval/best_of_n/{n}/proxy"),
+            "best_of_n_judge": evaluation.get(f"eval/best_of_n/{n}/judge"),
+        }
+        for n in sizes
+    ]
+
+
 def draw_figures(loaded: dict[str, Any]) -> dict[str, bytes | None]:
     """The PNG figures of :data:`rlhf.report.PPO_FIGURES` (from metrics/ppo_curves.json, x = PPO iteration) and of
     :data:`rlhf.report.OVEROPTIMISATION` (proxy and judge mean scores against sqrt(KL), one point per kept policy).
@@ -106,9 +120,15 @@ def draw_figures(loaded: dict[str, Any]) -> dict[str, bytes | None]:
         for name, title, series in PPO_FIGURES:
             figures[name] = _lines(loaded["curves"], "iteration", series, title, "PPO iteration")
     if loaded.get("overoptimisation") is not None:
-        series = (("proxy", "proxy (the reward model PPO optimised)"), ("judge", "judge (independent)"))
+        series = (
+            ("proxy", "PPO policies: proxy (the reward model PPO optimised)"),
+            ("judge", "PPO policies: judge (independent)"),
+            ("best_of_n_proxy", "best-of-N of SFT: proxy"),
+            ("best_of_n_judge", "best-of-N of SFT: judge"),
+        )
+        rows = loaded["overoptimisation"] + best_of_n_rows(loaded.get("eval") or {})
         title = "mean score against sqrt(KL to SFT)"
-        figures[OVEROPTIMISATION] = _lines(loaded["overoptimisation"], "sqrt_kl", series, title, "sqrt(KL), nats^0.5")
+        figures[OVEROPTIMISATION] = _lines(rows, "sqrt_kl", series, title, "sqrt(KL), nats^0.5")
     return figures
 
 

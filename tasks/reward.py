@@ -19,7 +19,14 @@ import torch
 
 from rlhf.data import load_jsonl
 from rlhf.models import load_scalar_model, load_tokenizer
-from rlhf.reward import RewardConfig, center_rewards, encode_pairs, evaluate_reward_model, train_reward_model
+from rlhf.reward import (
+    RewardConfig,
+    center_rewards,
+    check_reads_whole,
+    encode_pairs,
+    evaluate_reward_model,
+    train_reward_model,
+)
 from rlhf.sharding import whole_model
 from rlhf.stats import chance_warning
 from rlhf.training import config_from_params, no_log
@@ -84,6 +91,7 @@ def run(
             f"{bad} of {margins.numel()} {splits[1]} margins non-finite); nothing was written"
         )
     folder = outputs.folder(out)
+    model.config.reward_max_length = config.max_length  # what it was trained at: readers check they fit in it
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
     outputs.on_commit(checkpointer.clear)  # a failure before the commit resumes from the checkpoints
@@ -170,10 +178,14 @@ def write_outputs(stage, outputs: StagedOutputs, metrics: dict[str, float], step
 def main() -> None:
     """DVC stage command."""
     params, device = stage_params("reward"), stage_params("device")
+    ppo, new_tokens = stage_params("ppo"), stage_params("generation")["max_new_tokens"]
 
     def check() -> None:  # the params, one line each, before any process starts
-        config_from_params(RewardConfig, params, "reward")
+        config = config_from_params(RewardConfig, params, "reward")
+        covers = (("ppo.max_prompt_length", ppo["max_prompt_length"]), ("generation.max_new_tokens", new_tokens))
+        check_reads_whole("reward.max_length", config.max_length, *covers)
 
+    check()  # on one process too: other_rank runs it only before launching several
     if other_rank(device, "tasks.reward", lambda: run(params, no_log, None, device), check):
         return
     with StageRun("reward", {**params, "device": device}) as stage, StagedOutputs() as outputs:

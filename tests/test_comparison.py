@@ -139,3 +139,20 @@ def test_best_of_n_kl_by_hand():
     for bad in (0, -3, 2.5):
         with pytest.raises(ValueError, match="n >= 1"):
             best_of_n_kl(bad)
+
+
+def test_best_of_n_keeps_the_selectors_best_of_the_first_n_and_returns_its_score_by_hand():
+    from rlhf.comparison import best_of_n
+
+    proxy = np.array([[0.1, 0.9, 0.5, 2.0], [1.0, 1.0, 0.2, 0.0]])
+    judge = np.array([[10.0, 20.0, 30.0, 40.0], [1.0, 2.0, 3.0, 4.0]])
+    # n = 1: the first sample of each prompt -> [10, 1]
+    assert best_of_n(proxy, judge, 1).tolist() == [10.0, 1.0]
+    # n = 2: prompt 0 picks sample 1 (0.9 > 0.1) -> 20; prompt 1 ties 1.0 = 1.0 -> the earliest, 1
+    assert best_of_n(proxy, judge, 2).tolist() == [20.0, 1.0]
+    # n = 4: prompt 0 picks sample 3 (2.0) -> 40; prompt 1 still sample 0 -> 1
+    assert best_of_n(proxy, judge, 4).tolist() == [40.0, 1.0]
+    with pytest.raises(ValueError, match=r"n must be in \[1, 4\]"):
+        best_of_n(proxy, judge, 5)
+    with pytest.raises(ValueError, match="one shape"):
+        best_of_n(proxy, judge[:, :2], 1)

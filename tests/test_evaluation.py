@@ -8,7 +8,15 @@ import torch
 from rlhf.chat import encode_chat
 from rlhf.checkpoint import load_kept_policy, save_kept_policy
 from rlhf.device import Runtime
-from rlhf.evaluation import EvalConfig, Scorers, evaluate_policy, judge_scores, ptx_perplexity, sample_rows
+from rlhf.evaluation import (
+    EvalConfig,
+    Scorers,
+    evaluate_policy,
+    generate_and_score,
+    judge_scores,
+    ptx_perplexity,
+    sample_rows,
+)
 from rlhf.lora import add_lora
 from rlhf.models import load_causal_lm, load_scalar_model
 from rlhf.reward import score_sequences
@@ -196,3 +204,29 @@ def test_the_judge_stage_names_its_figures_judge_and_warns_at_chance():
     assert lines[1].endswith("prefer-the-shorter baseline 0.561")
     assert lines[2] == "[judge] judge/steps=31.000" and not any("rm/" in line for line in lines)
     assert lines[-1].startswith("[judge] WARNING: judge_eval balanced accuracy 0.55 [0.47, 0.62] includes chance")
+
+
+def test_best_of_n_of_sft_keeps_the_proxys_pick_scored_by_the_judge_at_its_analytic_kl(tiny_dir, tokenizer):
+    from rlhf.comparison import best_of_n
+    from tasks.evaluate import best_of_n_figures
+
+    sft, proxy = load_causal_lm(tiny_dir), load_scalar_model(tiny_dir)
+    torch.manual_seed(1)
+    judge = load_scalar_model(tiny_dir)
+    torch.nn.init.normal_(judge.score.weight)  # another scorer than the proxy
+    scorers = Scorers(proxy, judge, tokenizer)
+    settings = GenerationSettings(max_new_tokens=4, temperature=1.0, no_eos="score", no_eos_value=None)
+    config = EvalConfig(batch_size=4, curve_prompts=2, best_of_n=4, bootstrap_resamples=50)
+    figures = best_of_n_figures(sft, scorers, tokenizer, PROMPTS, config, settings, CPU)
+    # the same samples as the stage draws them: 4 of each curve prompt
+    run = generate_and_score(sft, sft, scorers, tokenizer, PROMPTS[:2], config, settings, CPU, 4)
+    assert figures["eval/best_of_n/1/judge"] == pytest.approx(float(run["judge"][:, 0].mean()))
+    assert figures["eval/best_of_n/4/judge"] == pytest.approx(float(best_of_n(run["proxy"], run["judge"], 4).mean()))
+    assert figures["eval/best_of_n/4/proxy"] == pytest.approx(float(run["proxy"].max(dim=1).values.mean()))
+    # KL log 4 - 3/4 = 0.636294 nats, its root 0.797680
+    assert figures["eval/best_of_n/4/kl"] == pytest.approx(0.636294, abs=1e-6)
+    assert figures["eval/best_of_n/4/sqrt_kl"] == pytest.approx(0.797680, abs=1e-6)
+    assert figures["eval/best_of_n/1/kl"] == 0.0 and "eval/best_of_n/16/judge" not in figures
+    gain = figures["eval/best_of_n/4/judge"] - figures["eval/best_of_n/1/judge"]
+    assert figures["eval/best_of_n/judge_gain"] == pytest.approx(gain, abs=1e-6)
+    assert best_of_n_figures(sft, scorers, tokenizer, PROMPTS, EvalConfig(best_of_n=0), settings, CPU) == {}

@@ -8,7 +8,7 @@ import yaml
 
 from rlhf.evaluation import EvalConfig
 from rlhf.ppo_config import PPOConfig
-from rlhf.reward import RewardConfig
+from rlhf.reward import RewardConfig, check_reads_whole
 from rlhf.rollout import GenerationSettings
 from rlhf.sft import SFTConfig
 from rlhf.training import config_from_params
@@ -52,19 +52,39 @@ def test_a_key_set_both_by_the_preset_and_at_the_top_is_refused_naming_both_plac
 def test_a_misspelled_profile_is_refused_naming_the_known_ones():
     params = load("params.yaml")
     params["profile"] = "tinny"
-    with pytest.raises(ValueError, match=r"profile is 'tinny'; known profiles: \['demo', 'full', 'tiny'\]"):
+    with pytest.raises(ValueError, match=r"profile is 'tinny'; known profiles: \['demo', 'gpu', 'long', 'tiny'\]"):
         stage_params("sft", params)
 
 
-@pytest.mark.parametrize("profile", ["demo", "tiny"])
+@pytest.mark.parametrize("profile", ["demo", "tiny", "long", "gpu"])
 @pytest.mark.parametrize("preset", ["vanilla", "ppo_max"])
 def test_every_section_builds_its_config_under_every_profile_and_preset(profile, preset):
     params = load("params.yaml")
     params["profile"] = profile
     params["ppo"]["preset"] = preset
-    for section, cls in CONFIGS.items():
-        config_from_params(cls, stage_params(section, params), section)  # unknown keys or bad types raise
+    configs = {
+        section: config_from_params(cls, stage_params(section, params), section) for section, cls in CONFIGS.items()
+    }
     assert set(stage_params("model", params)) <= MODEL_KEYS
+    judge = config_from_params(
+        RewardConfig, {k: v for k, v in stage_params("judge", params).items() if k != "source"}, "judge"
+    )
+    # the reward model and the judge read whole prompts and responses (the stages check this when they start)
+    longest = ("generation.max_new_tokens", configs["generation"].max_new_tokens)
+    check_reads_whole(
+        "reward.max_length",
+        configs["reward"].max_length,
+        ("ppo.max_prompt_length", configs["ppo"].max_prompt_length),
+        longest,
+    )
+    for reader, length in (
+        ("judge.max_length", judge.max_length),
+        ("evaluate.judge_max_length", configs["evaluate"].judge_max_length),
+    ):
+        check_reads_whole(
+            reader, length, ("evaluate.max_prompt_length", configs["evaluate"].max_prompt_length), longest
+        )
+    assert configs["validate"].max_length == configs["reward"].max_length  # validation cuts as the reward model reads
 
 
 def test_every_config_field_can_be_set_from_params_and_stands_in_the_file():

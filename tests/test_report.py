@@ -236,3 +236,31 @@ def test_the_stage_writes_the_page_and_gives_the_parent_run_the_headline_and_the
         assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["index.html"]
         with open(mlflow.artifacts.download_artifacts(run_id=run.info.run_id, artifact_path="index.html")) as handle:
             assert handle.read() == page
+
+
+def test_best_of_n_is_a_table_a_verdict_and_points_on_the_over_optimisation_figure(project):
+    from tasks.report import best_of_n_rows
+
+    loaded = report.load_inputs()
+    best = {"eval/best_of_n/1/kl": 0.0, "eval/best_of_n/1/sqrt_kl": 0.0, "eval/best_of_n/1/proxy": -0.2,
+            "eval/best_of_n/1/judge": -0.3, "eval/best_of_n/4/kl": 0.636294, "eval/best_of_n/4/sqrt_kl": 0.797680,
+            "eval/best_of_n/4/proxy": 0.4, "eval/best_of_n/4/judge": -0.25, "eval/best_of_n/largest": 4.0,
+            "eval/best_of_n/judge_gain": 0.05, "eval/best_of_n/judge_gain_low": -0.1,
+            "eval/best_of_n/judge_gain_high": 0.2}  # fmt: skip
+    loaded["eval"] = {**_eval(1.0), **best}
+    assert best_of_n_rows(loaded["eval"]) == [
+        {"sqrt_kl": 0.0, "best_of_n_proxy": -0.2, "best_of_n_judge": -0.3},
+        {"sqrt_kl": 0.797680, "best_of_n_proxy": 0.4, "best_of_n_judge": -0.25},
+    ]
+    html = render_report(loaded, report.draw_figures(loaded), pipeline_run="r", git_commit="c", profile="p",
+                         created="now", samples=1)  # fmt: skip
+    evaluation = html[html.index('<h2 id="evaluation">') : html.index('<h2 id="samples">')]
+    assert "Best-of-N of the SFT model on the curve prompts" in evaluation and "0.636" in evaluation
+    # the gain's interval includes 0: the report says best-of-4 does not beat SFT
+    assert "best-of-4 does NOT beat SFT by the judge: judge score gain over one SFT sample 0.050 [-0.100, 0.200]" in (
+        evaluation
+    )
+    loaded["eval"]["eval/best_of_n/judge_gain_low"] = 0.01
+    html = render_report(loaded, report.draw_figures(loaded), pipeline_run="r", git_commit="c", profile="p",
+                         created="now", samples=1)  # fmt: skip
+    assert "best-of-4 beats SFT by the judge" in html

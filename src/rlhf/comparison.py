@@ -264,3 +264,30 @@ def best_of_n_kl(n: int) -> float:
     if isinstance(n, bool) or int(n) != n or n < 1:
         raise ValueError(f"best_of_n_kl needs an integer n >= 1, got {n!r}")
     return math.log(n) - (n - 1) / n
+
+
+def best_of_n(selector: Any, scores: Any, n: int) -> np.ndarray:
+    """Best-of-n sampling (Stiennon et al. 2020; Gao et al. 2023): per prompt, keep the first ``n`` responses'
+    best by ``selector`` (the proxy) and return its score by ``scores`` (the judge).
+
+    The first ``n`` of ``K >= n`` samples are ``n`` independent draws, so one set of ``K`` samples per prompt
+    gives every ``n <= K`` (nested: best-of-4 sees the sample best-of-1 saw). Ties in ``selector`` keep the
+    earliest sample.
+
+    Args:
+        selector, scores: ``(P, K)`` float scores of the same responses (torch or NumPy).
+        n: responses kept per prompt, ``1 <= n <= K``.
+
+    Returns:
+        ``(P,)`` float64: each prompt's ``scores`` of its selected response.
+
+    Raises:
+        ValueError: shapes differ, a NaN, or ``n`` outside ``[1, K]``.
+    """
+    a, b = _matrix(selector, "selector"), _matrix(scores, "scores")
+    if a.shape != b.shape:
+        raise ValueError(f"best_of_n needs two score arrays of one shape, got {a.shape} and {b.shape}")
+    if not 1 <= n <= a.shape[1]:
+        raise ValueError(f"best_of_n: n must be in [1, {a.shape[1]}] (the samples per prompt), got {n}")
+    picked = np.argmax(a[:, :n], axis=1)
+    return b[np.arange(len(b)), picked]

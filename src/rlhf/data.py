@@ -141,7 +141,7 @@ def conversation_root(messages: list[Message]) -> str:
     raise RowError("conversation has no user turn")
 
 
-def _unit_point(key: str, salt: str = "") -> float:
+def unit_point(key: str, salt: str = "") -> float:
     """A uniform point in [0, 1) from sha256 of ``salt + key`` (first 60 bits)."""
     return int(hashlib.sha256((salt + key).encode("utf-8", "surrogatepass")).hexdigest()[:15], 16) / 16**15
 
@@ -166,7 +166,7 @@ def assign_split(prompt: list[Message], fractions: dict[str, float]) -> str:
         RowError: the prompt has no user turn.
     """
     _check_fractions(fractions)
-    point = _unit_point(conversation_root(prompt))
+    point = unit_point(conversation_root(prompt))
     edge = 0.0
     for name, fraction in fractions.items():
         edge += fraction
@@ -210,7 +210,7 @@ def ptx_key(row: dict[str, Any]) -> str:
 def is_ptx_heldout(row: dict[str, Any], heldout_fraction: float) -> bool:
     """Whether a ptx row goes to ``ptx_heldout``: a hash of :func:`ptx_key`, salted so it is
     independent of the split hash, falls below ``heldout_fraction``."""
-    return _unit_point(ptx_key(row), salt="ptx_heldout\x1f") < heldout_fraction
+    return unit_point(ptx_key(row), salt="ptx_heldout\x1f") < heldout_fraction
 
 
 def ptx_token_ids(tokenizer: PreTrainedTokenizerBase, row: dict[str, Any], max_length: int) -> list[int]:

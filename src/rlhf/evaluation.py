@@ -40,6 +40,7 @@ class EvalConfig:
     greedy: bool = False  # greedy decoding instead of sampling at generation.temperature
     samples_in_table: int = 8  # rows of the Markdown sample table in reports/eval/samples.md
     curve_prompts: int = 16  # the first N eval prompts: the fixed set of the over-optimisation curve
+    best_of_n: int = 4  # the largest N of best-of-N on the curve prompts (N = 1, 4, 16, ... up to it); 0: none
     bootstrap_resamples: int = 2000
     judge_max_length: int = 256  # tokens of prompt + response the judge reads (its training max_length)
     judge_min_length_accuracy: float = 0.35  # below it on either length kind of pair the judge ranks by length
@@ -47,10 +48,12 @@ class EvalConfig:
     seed: int = 1234
 
     def __post_init__(self) -> None:
-        """Raises ValueError on a count below 1 (names the key)."""
+        """Raises ValueError on a count below 1, or a negative ``best_of_n`` (names the key)."""
         for name in ("samples_per_prompt", "batch_size", "curve_prompts", "bootstrap_resamples"):
             if getattr(self, name) < 1:
                 raise ValueError(f"evaluate.{name} must be >= 1, got {getattr(self, name)}")
+        if self.best_of_n < 0:
+            raise ValueError(f"evaluate.best_of_n must be >= 0 (0: none), got {self.best_of_n}")
 
 
 @dataclass

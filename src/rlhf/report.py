@@ -338,8 +338,26 @@ def eval_section(loaded: dict[str, Any]) -> dict[str, Any]:
             [label, fmt(ev.get(f"eval/sft/{key}")), fmt(ev.get(f"eval/policy/{key}"))] for label, key in RESPONSE_ROWS
         ]
         section["tables"].append(_table("Responses", ["measure", "SFT", "policy"], rows))
+        _best_of_n(section, ev)
     _gate(section, loaded.get("policy_gate"), "policy gate")
     return section
+
+
+def _best_of_n(section: dict[str, Any], ev: dict[str, Any]) -> None:
+    """Best-of-N of SFT (the proxy picks, the judge scores; Gao et al. 2023), and whether its largest N beats SFT."""
+    sizes = sorted({int(k.split("/")[2]) for k in ev if k.startswith("eval/best_of_n/") and k.count("/") == 3})
+    if not sizes:
+        return
+    rows = [[str(n), fmt(ev.get(f"eval/best_of_n/{n}/kl")), fmt(ev.get(f"eval/best_of_n/{n}/proxy")),
+             fmt(ev.get(f"eval/best_of_n/{n}/judge"))] for n in sizes]  # fmt: skip
+    headers = ["N", "KL to SFT (log N - (N-1)/N)", "proxy mean score", "judge mean score"]
+    section["tables"].append(_table("Best-of-N of the SFT model on the curve prompts", headers, rows))
+    low = number(ev.get("eval/best_of_n/judge_gain_low"))
+    verdict = "beats" if low is not None and low > 0 else "does NOT beat"
+    section["notes"].append(
+        f"best-of-{sizes[-1]} {verdict} SFT by the judge: judge score gain over one SFT sample "
+        f"{fmt_interval(ev, 'eval/best_of_n/judge_gain')} (95%, bootstrap over prompts)"
+    )
 
 
 def samples_section(loaded: dict[str, Any], limit: int) -> dict[str, Any]:
