@@ -22,13 +22,13 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from rlhf.chat import check_reads_whole
 from rlhf.checkpoint import load_kept_policy, write_json
 from rlhf.comparison import best_of_n, best_of_n_kl, paired_difference
 from rlhf.data import load_jsonl
 from rlhf.evaluation import EvalConfig, Scorers, evaluate_policy, generate_and_score, sample_rows
 from rlhf.gate_rules import judge_doubts
 from rlhf.models import load_causal_lm, load_scalar_model, load_tokenizer
-from rlhf.reward import check_reads_whole
 from rlhf.rollout import GenerationSettings
 from rlhf.training import config_from_params
 from tasks.champion import require_champion

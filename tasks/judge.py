@@ -17,7 +17,8 @@ from __future__ import annotations
 import tempfile
 from typing import Any
 
-from rlhf.reward import RewardConfig, check_reads_whole
+from rlhf.chat import check_reads_whole
+from rlhf.reward import RewardConfig
 from rlhf.training import config_from_params, no_log
 from tasks import reward
 from tasks.common import cli

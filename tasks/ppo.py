@@ -17,14 +17,13 @@ import os
 import shutil
 from typing import Any
 
-from rlhf.chat import encode_prompt
+from rlhf.chat import check_reads_whole, encode_prompt
 from rlhf.data import load_jsonl, ptx_token_ids
 from rlhf.lora import AdapterDisabledReference, add_lora, merged_copy
 from rlhf.models import load_causal_lm, load_scalar_model, load_tokenizer
 from rlhf.plots import reward_histograms, signal_figures
 from rlhf.ppo import PPOModels, train_ppo
 from rlhf.ppo_config import PPOConfig, check_processes
-from rlhf.reward import check_reads_whole
 from rlhf.rollout import GenerationSettings
 from rlhf.sharding import whole_model
 from rlhf.training import config_from_params, no_log

@@ -17,12 +17,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import torch
 
+from rlhf.chat import check_reads_whole
 from rlhf.data import load_jsonl
 from rlhf.models import load_scalar_model, load_tokenizer
 from rlhf.reward import (
     RewardConfig,
     center_rewards,
-    check_reads_whole,
     encode_pairs,
     evaluate_reward_model,
     train_reward_model,

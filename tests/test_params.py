@@ -6,9 +6,10 @@ import os
 import pytest
 import yaml
 
+from rlhf.chat import check_reads_whole
 from rlhf.evaluation import EvalConfig
 from rlhf.ppo_config import PPOConfig
-from rlhf.reward import RewardConfig, check_reads_whole
+from rlhf.reward import RewardConfig
 from rlhf.rollout import GenerationSettings
 from rlhf.sft import SFTConfig
 from rlhf.training import config_from_params

@@ -123,7 +123,7 @@ def test_reward_loss_is_bradley_terry_plus_lm_coef_times_imitation_loss(tiny_dir
 
 
 def test_empty_response_metrics_by_hand():
-    from rlhf.reward import empty_response_metrics
+    from rlhf.length_bias import empty_response_metrics
 
     # empty [0.5, -1.0, 2.0] vs chosen [0.0, 0.0, 3.0]: means 0.5 and 1.0; empty wins on prompt 0 only -> 1/3
     # reply 1 [1, 1, 1] wins on prompts 0, 1 -> 2/3; reply 2 [-1, -1, 4] on prompt 2 -> 1/3: mean 1/2, max 2/3
@@ -263,7 +263,7 @@ def test_the_debiased_loss_adds_the_length_expert_and_the_preference_term(tiny_d
 
 
 def test_a_reader_shorter_than_the_prompt_and_response_it_scores_is_refused_in_one_line():
-    from rlhf.reward import check_reads_whole
+    from rlhf.chat import check_reads_whole
 
     check_reads_whole("reward.max_length", 320, ("ppo.max_prompt_length", 192), ("generation.max_new_tokens", 128))
     check_reads_whole("models/reward", None, ("ppo.max_prompt_length", 192), ("generation.max_new_tokens", 128))

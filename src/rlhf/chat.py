@@ -164,3 +164,26 @@ def _pad_rows(rows: list[list[Any]], length: int, side: str, value: Any) -> list
         ([value] * (length - len(r)) + list(r)) if side == "left" else (list(r) + [value] * (length - len(r)))
         for r in rows
     ]
+
+
+def check_reads_whole(reader: str, max_length: int | None, prompt: tuple[str, int], response: tuple[str, int]) -> None:
+    """Refuse a reward model (or judge) that would read a prompt and response cut: its trained ``max_length``
+    must cover the longest prompt plus the longest response it scores.
+
+    Encoding cuts from the left (:func:`rlhf.chat.encode_chat`), so a model that reads fewer tokens loses the
+    start of the prompt, and a model trained at a shorter length scores a length it never saw.
+
+    Args:
+        reader: what reads, for the message (``reward.max_length``, ``models/reward_champion``).
+        max_length: its length in tokens; None: unknown (a model saved before the length was recorded), not checked.
+        prompt, response: ``(key, tokens)`` of the longest prompt and response it scores (``ppo.max_prompt_length``).
+
+    Raises:
+        ValueError: one line naming the three keys and values.
+    """
+    needed = prompt[1] + response[1]
+    if max_length is not None and max_length < needed:
+        raise ValueError(
+            f"{reader} is {max_length} tokens, but it scores {prompt[0]} ({prompt[1]}) + {response[0]} "
+            f"({response[1]}) = {needed}: a prompt and response would be cut; set it to at least {needed}"
+        )

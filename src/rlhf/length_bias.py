@@ -214,3 +214,37 @@ def debiased_pair_loss(
     if decorrelation > 0:  # times m: a gradient of k (1 - tanh^2) per pair, however small or large the margins
         loss = loss + decorrelation * preference.abs() * rms * len(chosen) / max(count, 1)
     return loss, preference.detach()
+
+
+SHORT_REPLIES = ("No.", "Sorry.", "OK.")
+"""One-word replies a length model ranks high: a refusal, an apology, a nod."""
+REPLY_PROMPTS = 64
+"""Prompts (the first ones) the empty and one-word replies are scored on: a share to about +-0.12, cheaply."""
+
+
+def empty_response_metrics(
+    empty_scores: torch.Tensor, reply_scores: torch.Tensor, chosen_scores: torch.Tensor
+) -> dict[str, float]:
+    """How the reward model scores an empty response (EOS first) and one-word replies against the chosen one.
+
+    An empty or one-word answer is a known hack on harmless data, and what a length model prefers: PPO then
+    learns to say less. Such a response beats the chosen one on a prompt when it scores strictly above it.
+
+    Args:
+        empty_scores: ``(N,)`` float, the score of ``prompt + ""`` for each prompt.
+        reply_scores: ``(R, N)`` float, the score of ``prompt + reply`` for each of R replies (:data:`SHORT_REPLIES`).
+        chosen_scores: ``(N,)`` float, the score of ``prompt + chosen`` for the same prompts.
+
+    Returns:
+        ``rm/empty_score_mean``, ``rm/chosen_score_mean``, ``rm/empty_beats_chosen`` (share of prompts whose
+        empty response beats the chosen one), ``rm/short_reply_beats_chosen`` (that share averaged over the
+        replies) and ``rm/short_reply_beats_chosen_max`` (the share of the reply that beats it most often).
+    """
+    beats = (reply_scores > chosen_scores).float().mean(dim=1)
+    return {
+        "rm/empty_score_mean": float(empty_scores.mean()),
+        "rm/chosen_score_mean": float(chosen_scores.mean()),
+        "rm/empty_beats_chosen": float((empty_scores > chosen_scores).float().mean()),
+        "rm/short_reply_beats_chosen": float(beats.mean()),
+        "rm/short_reply_beats_chosen_max": float(beats.max()),
+    }

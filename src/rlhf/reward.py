@@ -14,7 +14,14 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from rlhf.chat import Encoded, encode_chat, pad, pad_masks
 from rlhf.checkpoint import Checkpointer
 from rlhf.device import Runtime
-from rlhf.length_bias import debiased_pair_loss, fit_length_expert, length_figures
+from rlhf.length_bias import (
+    REPLY_PROMPTS,
+    SHORT_REPLIES,
+    debiased_pair_loss,
+    empty_response_metrics,
+    fit_length_expert,
+    length_figures,
+)
 from rlhf.losses import language_model_loss, last_token_index, target_tokens
 from rlhf.models import position_ids_from_mask, sequence_scores
 from rlhf.stats import TiesWarning, paired_rate
@@ -36,29 +43,6 @@ class RewardConfig(LoopConfig):
     center_max_examples: int | None = None  # demonstrations used to centre the scores (None: all of rm_train)
     length_expert: bool = True  # product of experts with a length expert fitted first, dropped after training
     length_decorrelation: float = 1.0  # coefficient of |the pairs' mean preference for the longer| (after ODIN)
-
-
-def check_reads_whole(reader: str, max_length: int | None, prompt: tuple[str, int], response: tuple[str, int]) -> None:
-    """Refuse a reward model (or judge) that would read a prompt and response cut: its trained ``max_length``
-    must cover the longest prompt plus the longest response it scores.
-
-    Encoding cuts from the left (:func:`rlhf.chat.encode_chat`), so a model that reads fewer tokens loses the
-    start of the prompt, and a model trained at a shorter length scores a length it never saw.
-
-    Args:
-        reader: what reads, for the message (``reward.max_length``, ``models/reward_champion``).
-        max_length: its length in tokens; None: unknown (a model saved before the length was recorded), not checked.
-        prompt, response: ``(key, tokens)`` of the longest prompt and response it scores (``ppo.max_prompt_length``).
-
-    Raises:
-        ValueError: one line naming the three keys and values.
-    """
-    needed = prompt[1] + response[1]
-    if max_length is not None and max_length < needed:
-        raise ValueError(
-            f"{reader} is {max_length} tokens, but it scores {prompt[0]} ({prompt[1]}) + {response[0]} "
-            f"({response[1]}) = {needed}: a prompt and response would be cut; set it to at least {needed}"
-        )
 
 
 def encode_pairs(
@@ -355,30 +339,25 @@ def evaluate_reward_model(
 ) -> tuple[dict[str, float], torch.Tensor]:
     """Score held-out pairs; returns the metrics and the ``(N,)`` margins (for the histogram).
 
-    Metrics: :func:`preference_metrics`, plus :func:`empty_response_metrics` of the
-    same prompts (what the model says of an empty answer and of each of :data:`SHORT_REPLIES`, known hacks),
+    Metrics: :func:`preference_metrics`, plus :func:`rlhf.length_bias.empty_response_metrics` of the
+    first :data:`REPLY_PROMPTS` prompts (what the model says of an empty answer and of each of
+    :data:`rlhf.length_bias.SHORT_REPLIES`, known hacks),
     all on the reward model's raw score (no rule for unfinished responses applied).
     """
     pairs = encode_pairs(tokenizer, examples, max_length)
     chosen = score_sequences(model, tokenizer, [c.input_ids for c, _ in pairs], batch_size, runtime)
     rejected = score_sequences(model, tokenizer, [r.input_ids for _, r in pairs], batch_size, runtime)
     chosen_lengths, rejected_lengths = (torch.tensor(n, device=runtime.device) for n in response_lengths(pairs))
+    asked = examples[:REPLY_PROMPTS]
     replies = [
-        score_sequences(model, tokenizer, _replied(tokenizer, examples, reply, max_length), batch_size, runtime)
+        score_sequences(model, tokenizer, _replied(tokenizer, asked, reply, max_length), batch_size, runtime)
         for reply in ("", *SHORT_REPLIES)
     ]
     metrics = {
         **preference_metrics(chosen, rejected, chosen_lengths, rejected_lengths),
-        **empty_response_metrics(replies[0], torch.stack(replies[1:]), chosen),
+        **empty_response_metrics(replies[0], torch.stack(replies[1:]), chosen[: len(asked)]),
     }
     return metrics, chosen - rejected
-
-
-SHORT_REPLIES = (
-    "No.",
-    "Sorry.",
-    "OK.",
-)  # one-word replies a length model would rank high (a refusal, an apology, a nod)
 
 
 def _replied(tokenizer: PreTrainedTokenizerBase, examples: list[dict[str, Any]], reply: str, max_length: int):
@@ -387,31 +366,3 @@ def _replied(tokenizer: PreTrainedTokenizerBase, examples: list[dict[str, Any]],
         encode_chat(tokenizer, ex["prompt"], [{"role": "assistant", "content": reply}], max_length).input_ids
         for ex in examples
     ]
-
-
-def empty_response_metrics(
-    empty_scores: torch.Tensor, reply_scores: torch.Tensor, chosen_scores: torch.Tensor
-) -> dict[str, float]:
-    """How the reward model scores an empty response (EOS first) and one-word replies against the chosen one.
-
-    An empty or one-word answer is a known hack on harmless data, and what a length model prefers: PPO then
-    learns to say less. Such a response beats the chosen one on a prompt when it scores strictly above it.
-
-    Args:
-        empty_scores: ``(N,)`` float, the score of ``prompt + ""`` for each prompt.
-        reply_scores: ``(R, N)`` float, the score of ``prompt + reply`` for each of R replies (:data:`SHORT_REPLIES`).
-        chosen_scores: ``(N,)`` float, the score of ``prompt + chosen`` for the same prompts.
-
-    Returns:
-        ``rm/empty_score_mean``, ``rm/chosen_score_mean``, ``rm/empty_beats_chosen`` (share of prompts whose
-        empty response beats the chosen one), ``rm/short_reply_beats_chosen`` (that share averaged over the
-        replies) and ``rm/short_reply_beats_chosen_max`` (the share of the reply that beats it most often).
-    """
-    beats = (reply_scores > chosen_scores).float().mean(dim=1)
-    return {
-        "rm/empty_score_mean": float(empty_scores.mean()),
-        "rm/chosen_score_mean": float(chosen_scores.mean()),
-        "rm/empty_beats_chosen": float((empty_scores > chosen_scores).float().mean()),
-        "rm/short_reply_beats_chosen": float(beats.mean()),
-        "rm/short_reply_beats_chosen_max": float(beats.max()),
-    }
