@@ -153,7 +153,10 @@ def _metric_facts(found, client, registry: dict[str, Any], folder_sha: str) -> d
         "Proxy score difference, policy - SFT (same prompts)": "eval/proxy/score_diff",
         "KL to SFT (nats per response)": "eval/policy/kl",
         "Reward-model accuracy (rm_eval)": "rm/accuracy",
+        "Reward-model balanced accuracy (mean of chosen-shorter and chosen-longer)": "rm/balanced_accuracy",
+        "Reward model: the prefer-the-shorter baseline's accuracy": "rm/length_baseline_accuracy",
         "Judge accuracy (its held-out split)": "eval/judge/accuracy",
+        "Judge balanced accuracy (its held-out split)": "eval/judge/balanced_accuracy",
         "Policy EOS rate": "eval/policy/eos_rate",
         "Eval prompts": "eval/prompts",
     }
@@ -164,8 +167,8 @@ def _metric_facts(found, client, registry: dict[str, Any], folder_sha: str) -> d
               if k.startswith("eval/") and k not in keys]  # fmt: skip
     judge_warning = None
     if _number(metrics.get("eval/judge/meaningful", "")) == 0.0:
-        judge_warning = ("the judge is not meaningful (eval/judge/meaningful = 0: its accuracy interval does not "
-                         "lie above 0.5, or it ranks by length), so its win rates mean nothing.")  # fmt: skip
+        judge_warning = ("the judge is not meaningful (eval/judge/meaningful = 0: its balanced-accuracy interval "
+                         "does not lie above 0.5, or it ranks by length), so its win rates mean nothing.")  # fmt: skip
     elif "eval/judge/meaningful" not in metrics:
         judge_warning = "whether the judge is meaningful is unknown (no eval/judge/meaningful recorded)."
     return {

@@ -175,8 +175,8 @@ def metric_lines(metrics: dict[str, float]) -> list[str]:
     """The printed block: accuracy with its Wilson interval, decisive pairs and ties; balanced accuracy with its
     interval (:func:`rlhf.length_bias.balanced_accuracy`) and the length baseline when present; the
     chosen-shorter and chosen-longer accuracies with their counts; then every other figure, one per line, in
-    the order given; last, when the accuracy's interval includes chance or lies below it, a ``WARNING:`` line
-    (:func:`rlhf.stats.chance_warning`).
+    the order given; last, when the balanced accuracy's interval (the accuracy's, without one) includes chance or
+    lies below it, a ``WARNING:`` line (:func:`rlhf.stats.chance_warning`), as the reward gate reads it.
 
     Args:
         metrics: what :func:`score` returns (a missing optional figure is left out, never an error).
@@ -207,9 +207,10 @@ def metric_lines(metrics: dict[str, float]) -> list[str]:
             lines.append(f"chosen {name:<11} {metrics[f'rm/accuracy_chosen_{name}']:.3f} (n={count:.0f})")
     width = max((len(k) for k in metrics if k not in HEADLINE), default=0)
     lines += [f"{k:<{width}}  {v:.4g}" for k, v in metrics.items() if k not in HEADLINE]
-    if "rm/accuracy" in metrics:
+    kind = "balanced_accuracy" if "rm/balanced_accuracy" in metrics else "accuracy"  # as the reward gate reads
+    if f"rm/{kind}" in metrics:
         warning = chance_warning(
-            "accuracy", metrics["rm/accuracy"], metrics.get("rm/accuracy_low"), metrics.get("rm/accuracy_high")
+            kind.replace("_", " "), *(metrics.get(f"rm/{kind}{end}") for end in ("", "_low", "_high"))
         )
         if warning:
             lines.append(f"WARNING: {warning}: the model does not rank these pairs better than chance")

@@ -230,8 +230,8 @@ def evaluate_policy(
         :func:`rlhf.comparison.length_controlled_rate` on the ``length`` in tokens) and ``eval/S/lc_length_coef``
         (its log-odds coefficient of the tanh-standardised length difference; > 0: S prefers the longer
         response); every interval 95%, a bootstrap over prompts (``config.bootstrap_resamples``,
-        ``config.seed``). For M in (sft, policy) ``eval/M/{length,eos_rate,distinct_1,distinct_2,refusal_rate,
-        ptx_perplexity}``;
+        ``config.seed``). For M in (sft, policy) ``eval/M/{length,eos_rate,truncated_share,distinct_1,distinct_2,
+        refusal_rate,ptx_perplexity}`` (``truncated_share``: cut at ``max_new_tokens``, ``1 - eos_rate``);
         ``eval/policy/kl``, ``eval/prompts``, ``eval/samples_per_prompt``. ``runs``: each model's
         :func:`generate_and_score` result.
 
@@ -278,6 +278,7 @@ def evaluate_policy(
         metrics |= {
             f"eval/{name}/length": float(runs[name]["length"].mean()),
             f"eval/{name}/eos_rate": float(runs[name]["ended"].float().mean()),
+            f"eval/{name}/truncated_share": float((~runs[name]["ended"]).float().mean()),  # cut at max_new_tokens
             f"eval/{name}/distinct_1": distinct_n(texts, 1),
             f"eval/{name}/distinct_2": distinct_n(texts, 2),
             f"eval/{name}/refusal_rate": refusal_rate(texts),

@@ -68,7 +68,8 @@ PPO_ROWS = (
     ("validation reward (shipped)", "ppo/validation/reward", ""), ("validation KL (shipped)", "ppo/validation/kl", ""),
     ("validation EOS rate (shipped)", "ppo/validation/eos_rate", ""), ("KL, last iteration", "ppo/last/kl", ""),
 )  # fmt: skip
-RESPONSE_ROWS = (("length (tokens)", "length"), ("EOS rate", "eos_rate"), ("distinct-1", "distinct_1"),
+RESPONSE_ROWS = (("length (tokens)", "length"), ("EOS rate", "eos_rate"),
+                 ("cut at max_new_tokens", "truncated_share"), ("distinct-1", "distinct_1"),
                  ("distinct-2", "distinct_2"), ("refusal rate", "refusal_rate"),
                  ("ptx perplexity", "ptx_perplexity"))  # fmt: skip
 JUDGE_AT_CHANCE = "the judge is at chance: its win rates below mean nothing"
