@@ -147,7 +147,7 @@ def test_dvc_repro_runs_everything_then_only_what_a_ppo_param_touches(tmp_path):
     set_param(project, "[{source: more-1.jsonl}]", "[{source: more-1.jsonl}, {source: more-2.jsonl}]")
     set_param(project, "reward_gate: {min_accuracy_low: 0.0,", "reward_gate: {min_accuracy_low: 1.0,")
     output = run(project, "dvc", "repro")
-    assert "[gate] GATE FAILED: rm_eval accuracy lower 95% bound (Wilson)" in output
+    assert "[gate] GATE FAILED: rm_eval balanced accuracy lower 95% bound (stratified bootstrap)" in output
     assert "reward" in ran_stages(output) and champion(project) == "2"
     assert subprocess.run(["git", "hash-object", "models/reward_champion/model.safetensors"], cwd=project,
                           capture_output=True, text=True, check=True).stdout == before  # fmt: skip

@@ -173,4 +173,6 @@ def test_metric_lines_print_whatever_figures_there_are():
     undefined = {"rm/accuracy": math.nan, "rm/accuracy_low": math.nan, "rm/accuracy_high": math.nan}
     lines = score_pairs.metric_lines({**undefined, "rm/pairs": 0.0, "rm/ties": 4.0, "rm/balanced_accuracy": 0.5})
     assert lines[1] == "balanced accuracy  0.500, the mean of chosen shorter and chosen longer"
-    assert lines[-1].startswith("WARNING: accuracy is undefined (no decisive pairs")
+    # the warning reads the balanced accuracy, as the reward gate does (here its interval is missing)
+    assert lines[-1].startswith("WARNING: balanced accuracy is undefined (no decisive pairs")
+    assert score_pairs.metric_lines(undefined)[-1].startswith("WARNING: accuracy is undefined")  # none: accuracy
