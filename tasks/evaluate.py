@@ -101,7 +101,7 @@ def curve(sft: Any, scorers: Scorers, tokenizer, prompts: list, config, settings
     fixed = prompts[: config.curve_prompts]
     rows = [row(0, generate_and_score(sft, sft, scorers, tokenizer, fixed, config, settings, runtime))]
     for name in sorted(os.listdir(KEPT)) if os.path.isdir(KEPT) else []:  # each sampled exactly as the SFT point
-        policy = runtime.place(load_kept_policy(SFT, os.path.join(KEPT, name)))
+        policy = runtime.place(load_kept_policy(SFT, os.path.join(KEPT, name))).requires_grad_(False)
         rows.append(row(int(name.split("-")[-1]), generate_and_score(policy, sft, scorers, tokenizer, fixed, config,
                                                                      settings, runtime)))  # fmt: skip
         del policy
@@ -163,7 +163,8 @@ def run(
     prompts = [row["prompt"] for row in rows]
     tokenizer = load_tokenizer(SFT)
     runtime = stage_runtime("evaluate", device)
-    sft, policy = runtime.place(load_causal_lm(SFT)), runtime.place(load_causal_lm(POLICY))
+    # never trained here: requires_grad off, so models that share frozen blocks run them once (rlhf.trunk)
+    sft, policy = (runtime.place(load_causal_lm(path)).requires_grad_(False) for path in (SFT, POLICY))
     scorers = Scorers(
         runtime.frozen(load_scalar_model(REWARD)), runtime.frozen(load_scalar_model(JUDGE)), load_tokenizer(JUDGE)
     )

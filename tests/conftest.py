@@ -67,6 +67,17 @@ def tokenizer(tiny_dir):
     return load_tokenizer(tiny_dir)
 
 
+@pytest.fixture(scope="module")
+def reward_model(tiny_dir):
+    """The tiny model with a scalar head of N(0, 1) weights (seed 0), dropout off: a reward model to score with."""
+    from rlhf.models import load_scalar_model
+
+    torch.manual_seed(0)
+    model = load_scalar_model(tiny_dir)
+    torch.nn.init.normal_(model.score.weight, std=1.0)
+    return model.eval()
+
+
 @pytest.fixture(scope="session")
 def empty_db(tmp_path_factory) -> str:
     """An MLflow sqlite store with its tables made (a new store takes seconds to set up); copy it, never write it."""

@@ -27,7 +27,7 @@ from rlhf.rollout import GenerationSettings, RunningMoments, make_experience
 from rlhf.sampling import prompt_seed
 from rlhf.sft import sft_step
 from rlhf.sharding import shard, sharding_from_environ
-from rlhf.training import batch_gradients, make_optimizer
+from rlhf.training import batch_gradients, freeze_lower_layers, make_optimizer
 from rlhf.update import Optimisers, make_optimisers, ppo_update
 
 TEXTS = [
@@ -93,9 +93,15 @@ def supervised(name: str, build, make_step, micro: int | None, runtime: Runtime)
     return out | trainable(model, f"{name}/adam")
 
 
-def rollout_and_update(folder: str, tokenizer, micro: int | None, runtime: Runtime) -> dict[str, torch.Tensor]:
+def rollout_and_update(
+    folder: str, tokenizer, micro: int | None, runtime: Runtime, trainable_layers: int | None = None, name: str = ""
+) -> dict[str, torch.Tensor]:
     """The experience buffer of one sharded rollout (per global row) and the weights after one PPO update of
-    the policy and value model from it, with SGD (lr 1: the change is minus the gradient) and with AdamW."""
+    the policy and value model from it, with SGD (lr 1: the change is minus the gradient) and with AdamW.
+
+    ``trainable_layers: 1`` freezes block 0 of policy and value model: all four models then share it, computed
+    once (rlhf.trunk) on one process and under DDP, while FSDP's sharded models take the plain path; ``name``
+    marks those keys."""
     ranks = runtime.ranks
     config = PPOConfig(**PPO, micro_batch_size=micro)
     torch.manual_seed(0)
@@ -103,6 +109,10 @@ def rollout_and_update(folder: str, tokenizer, micro: int | None, runtime: Runti
     reward_model, value_model = load_scalar_model(folder), load_scalar_model(folder)
     torch.nn.init.normal_(reward_model.score.weight, std=1.0)
     models = [m.eval() for m in (policy, reference, reward_model, value_model)]
+    reference.requires_grad_(False)
+    reward_model.requires_grad_(False)
+    for model in (policy, value_model):
+        freeze_lower_layers(model, trainable_layers)
     policy, value_model = shard(policy, runtime.sharding), shard(value_model, runtime.sharding)
     prompts = [encode_prompt(tokenizer, e["prompt"], 32) for e in EXAMPLES]
     seeds = [prompt_seed(0, 0, j) for j in range(len(prompts))]
@@ -110,8 +120,8 @@ def rollout_and_update(folder: str, tokenizer, micro: int | None, runtime: Runti
         tuple(models), tokenizer, ranks.shard(prompts), config, SETTINGS, RunningMoments(), 0.05, runtime,
         seeds=ranks.shard(seeds),
     )  # fmt: skip
-    out = {f"stats/{key}": torch.tensor(value, dtype=torch.float64) for key, value in stats.items()}
-    out |= buffer_rows(experience, ranks)
+    out = {f"stats/{name}{key}": torch.tensor(value, dtype=torch.float64) for key, value in stats.items()}
+    out |= {key.replace("buffer/", f"buffer/{name}"): value for key, value in buffer_rows(experience, ranks).items()}
     ptx = pad(tokenizer, [encode_chat(tokenizer, e["prompt"], e["chosen"], 48).input_ids for e in EXAMPLES[:3]],
               "right", runtime.device)  # fmt: skip
     start = {"policy": copy.deepcopy(policy.state_dict()), "value": copy.deepcopy(value_model.state_dict())}
@@ -127,7 +137,7 @@ def rollout_and_update(folder: str, tokenizer, micro: int | None, runtime: Runti
         else:
             optimisers = make_optimisers(policy, value_model, config)
         ppo_update(policy, value_model, optimisers, experience, config, SETTINGS.temperature, 0, [ptx], True, runtime)
-        out |= trainable(policy, f"ppo/{kind}/policy") | trainable(value_model, f"ppo/{kind}/value")
+        out |= trainable(policy, f"ppo/{kind}/{name}policy") | trainable(value_model, f"ppo/{kind}/{name}value")
     return out
 
 
@@ -167,7 +177,8 @@ def measure(folder: str, micro: int | None, runtime: Runtime) -> dict[str, torch
     out |= supervised("rm", scalar_model,
                       lambda model: reward_step(model, tokenizer, pairs, config, runtime, expert_weight=-0.7),
                       micro, runtime)  # fmt: skip
-    return out | rollout_and_update(folder, tokenizer, micro, runtime)
+    out |= rollout_and_update(folder, tokenizer, micro, runtime)
+    return out | rollout_and_update(folder, tokenizer, micro, runtime, trainable_layers=1, name="trunk/")
 
 
 if __name__ == "__main__":

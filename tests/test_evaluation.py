@@ -19,8 +19,8 @@ from rlhf.evaluation import (
 )
 from rlhf.lora import add_lora
 from rlhf.models import load_causal_lm, load_scalar_model
-from rlhf.reward import score_sequences
 from rlhf.rollout import GenerationSettings
+from rlhf.shared_prompt import score_sequences
 from rlhf.text_stats import distinct_n, is_refusal, refusal_rate
 from rlhf.training import freeze_lower_layers
 from tasks.evaluate import judge_figures, summary_lines

@@ -7,7 +7,6 @@ import torch
 
 from rlhf.chat import encode_chat, encode_prompt, pad
 from rlhf.models import (
-    load_scalar_model,
     position_ids_from_mask,
     response_mask_from_tokens,
     sequence_scores,
@@ -67,14 +66,6 @@ def test_position_ids_from_left_padded_mask():
         [0, 0, 0, 1, 2],
         [0, 1, 2, 3, 4],
     ]
-
-
-@pytest.fixture(scope="module")
-def reward_model(tiny_dir):
-    torch.manual_seed(0)
-    model = load_scalar_model(tiny_dir)
-    torch.nn.init.normal_(model.score.weight, std=1.0)
-    return model.eval()
 
 
 def test_pad_equals_eos_trap_reward_read_at_second_eos(tiny_dir, tokenizer, reward_model):

@@ -204,19 +204,24 @@ def test_summary_reports_the_shipped_policy_and_the_last_rollout_apart(tiny_dir,
     assert result.summary["ppo/last/validation/reward"] == 0.1
 
 
-def test_resume_after_kill_matches_uninterrupted_run(tiny_dir, tokenizer, tmp_path):
-    config = small_config(iterations=4, ptx_coef=0.5, ptx_batch_size=1)
-    ptx = [[10, 11, 12, 2], [20, 21, 2]]
-    _, full, _ = train(tiny_dir, tokenizer, tmp_path / "full", config, ptx=ptx)
+def killed_and_resumed(folder, tokenizer, root, config, ptx) -> dict:
+    """A run killed at its step 4 and resumed from its last checkpoint (step 3): what the resumed run logged."""
 
     def kill(metrics, step):
         if step == 4:
             raise Killed
 
     with pytest.raises(Killed):
-        train(tiny_dir, tokenizer, tmp_path / "resumed", config, log=kill, ptx=ptx)
-    assert Checkpointer(str(tmp_path / "resumed")).latest().endswith("step-00000003")
-    _, resumed, _ = train(tiny_dir, tokenizer, tmp_path / "resumed", config, ptx=ptx)
+        train(folder, tokenizer, root, config, log=kill, ptx=ptx)
+    assert Checkpointer(str(root)).latest().endswith("step-00000003")
+    return train(folder, tokenizer, root, config, ptx=ptx)[1]
+
+
+def test_resume_after_kill_matches_uninterrupted_run(tiny_dir, tokenizer, tmp_path):
+    config = small_config(iterations=4, ptx_coef=0.5, ptx_batch_size=1)
+    ptx = [[10, 11, 12, 2], [20, 21, 2]]
+    _, full, _ = train(tiny_dir, tokenizer, tmp_path / "full", config, ptx=ptx)
+    resumed = killed_and_resumed(tiny_dir, tokenizer, tmp_path / "resumed", config, ptx)
     assert sorted(resumed) == [4, 5]
     assert sorted(full) == [0, 1, 2, 3, 4, 5]
     for step in resumed:

@@ -74,7 +74,9 @@ class Runtime:
         return model.to(device=self.device, dtype=torch.float32)
 
     def frozen(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Move a model that is never trained to ``device``, in bfloat16 under ``frozen_bf16``; returns it."""
+        """Move a model that is never trained to ``device``, in bfloat16 under ``frozen_bf16``, its parameters
+        ``requires_grad`` off (so :mod:`rlhf.trunk` can tell its frozen blocks from the weights); returns it."""
+        model.requires_grad_(False)
         return model.to(device=self.device, dtype=torch.bfloat16 if self.frozen_bf16 else torch.float32)
 
     def synchronize(self) -> None:

@@ -21,8 +21,9 @@ from rlhf.chat import encode_chat, encode_prompt, pad
 from rlhf.comparison import length_controlled_rate, paired_difference
 from rlhf.data import ptx_token_ids
 from rlhf.device import Runtime
-from rlhf.models import response_logprobs, sequence_scores
+from rlhf.models import response_logprobs
 from rlhf.rollout import GenerationSettings, sample_and_score, treat_unfinished
+from rlhf.shared_prompt import score_groups
 from rlhf.stats import PairedRate, TiesWarning, clustered_rate
 from rlhf.text_stats import distinct_n, refusal_rate
 
@@ -96,6 +97,8 @@ def judge_scores(
     Each response is encoded as the judge was trained (:func:`rlhf.chat.encode_chat` with the judge's
     tokenizer and chat template, read at its EOS), so a truncated response would read as finished: the
     generation section's rule (:func:`rlhf.rollout.treat_unfinished`) is applied to it as to the proxy's score.
+    Consecutive responses to the same prompt (the samples of one prompt) are scored as one group, the prompt
+    run once (:func:`rlhf.shared_prompt.score_groups`).
 
     Args:
         prompts: ``N`` message lists; texts: ``N`` responses; unfinished: ``(N,)`` bool.
@@ -104,16 +107,14 @@ def judge_scores(
         ``(N,)`` float32 on the CPU.
     """
     tokenizer = scorers.judge_tokenizer
-    encoded = [
-        encode_chat(tokenizer, p, [{"role": "assistant", "content": t}], config.judge_max_length).input_ids
-        for p, t in zip(prompts, texts, strict=True)
-    ]
-    scores = []
-    for start in range(0, len(encoded), config.batch_size):
-        ids, mask = pad(tokenizer, encoded[start : start + config.batch_size], "right", runtime.device)
-        with runtime.autocast():
-            scores.append(sequence_scores(scorers.judge, ids, mask).float().cpu())
-    return treat_unfinished(torch.cat(scores), unfinished.cpu(), settings)
+    groups: list[list[list[int]]] = []
+    for i, (prompt, text) in enumerate(zip(prompts, texts, strict=True)):
+        ids = encode_chat(tokenizer, prompt, [{"role": "assistant", "content": text}], config.judge_max_length)
+        if i == 0 or prompt != prompts[i - 1]:
+            groups.append([])
+        groups[-1].append(ids.input_ids)
+    scores = score_groups(scorers.judge, tokenizer, groups, config.batch_size, runtime).float().cpu()
+    return treat_unfinished(scores, unfinished.cpu(), settings)
 
 
 @torch.no_grad()
@@ -152,8 +153,14 @@ def generate_and_score(
                 rollout.response_start,
                 rollout.response_mask,
             )
-            logprobs, _ = response_logprobs(model, ids, attn, begin, temperature)
-            ref_logprobs, _ = response_logprobs(reference, ids, attn, begin, temperature)
+            trunk = scored.trunk
+            logprobs, _ = response_logprobs(model, ids, attn, begin, temperature, entry=trunk.entry(model))
+            same = reference is model  # the SFT model against itself: KL 0, computed once
+            ref_logprobs = (
+                logprobs
+                if same
+                else response_logprobs(reference, ids, attn, begin, temperature, entry=trunk.entry(reference))[0]
+            )
         logratio = logprobs - ref_logprobs
         out["kl"].append(torch.where(mask, losses.kl_k1(logratio), 0.0).sum(-1).float().cpu())
         out["kl_k3"].append(torch.where(mask, losses.kl_k3(logratio), 0.0).sum(-1).float().cpu())

@@ -33,6 +33,7 @@ from rlhf.finite import non_finite_weights
 from rlhf.losses import last_token_index, logprobs_from_logits
 from rlhf.sampling import PerPromptSampling
 from rlhf.sharding import is_sharded
+from rlhf.trunk import TrunkEntry, last_hidden_state
 
 PAD_TOKEN = "<|endoftext|>"
 """A pad token distinct from EOS (``<|im_end|>``), so a mask never hides a real end token."""
@@ -223,28 +224,27 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def _backbone(model: PreTrainedModel) -> torch.nn.Module:
-    return getattr(model, model.base_model_prefix)
-
-
-def token_scores(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def token_scores(
+    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, entry: TrunkEntry | None = None
+) -> torch.Tensor:
     """Scalar head output at every position: the value model's ``V(s_t)``.
 
     Args:
         model: a sequence-classification model with one label.
         input_ids: ``(B, T)`` int64.
         attention_mask: ``(B, T)`` 0/1.
+        entry: the states entering ``model``'s first unshared block (:class:`rlhf.trunk.SharedTrunk`), or None.
 
     Returns:
         ``(B, T)`` float32.
     """
-    hidden = _backbone(model)(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)
-    ).last_hidden_state
+    hidden = last_hidden_state(model, input_ids, attention_mask, position_ids_from_mask(attention_mask), entry)
     return model.score(hidden).squeeze(-1).float()
 
 
-def sequence_scores(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def sequence_scores(
+    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, entry: TrunkEntry | None = None
+) -> torch.Tensor:
     """Reward-model score ``r_psi(x, y)`` read at the last real token (found from the attention mask).
 
     The stored centring offset (``config.reward_offset``, the mean score of the
@@ -254,11 +254,12 @@ def sequence_scores(model: PreTrainedModel, input_ids: torch.Tensor, attention_m
         model: reward model (sequence-classification head, one label).
         input_ids: ``(B, T)`` int64, prompt + response, left- or right-padded.
         attention_mask: ``(B, T)`` 0/1.
+        entry: as :func:`token_scores`.
 
     Returns:
         ``(B,)`` float32.
     """
-    scores = token_scores(model, input_ids, attention_mask)
+    scores = token_scores(model, input_ids, attention_mask, entry)
     last = last_token_index(attention_mask)
     offset = float(getattr(model.config, "reward_offset", 0.0))
     return scores[torch.arange(scores.shape[0], device=scores.device), last] - offset
@@ -271,6 +272,7 @@ def response_logprobs(
     response_start: int,
     temperature: float = 1.0,
     with_logits: bool = False,
+    entry: TrunkEntry | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs of the response tokens ``input_ids[:, response_start:]`` under a causal LM.
 
@@ -285,17 +287,21 @@ def response_logprobs(
         response_start: index of the first response token (the padded prompt length).
         temperature: sampling temperature (> 0).
         with_logits: also return the response logits.
+        entry: the states entering ``model``'s first unshared block (:class:`rlhf.trunk.SharedTrunk`), or None.
 
     Returns:
         ``(logprobs (B, T - response_start) float32, logits (B, T - response_start, V) or None)``.
     """
     # only the positions that predict response tokens go through the LM head (logits_to_keep)
-    logits = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
-        logits_to_keep=input_ids.shape[1] - response_start + 1,
-    ).logits[:, :-1]
+    keep, position_ids = input_ids.shape[1] - response_start + 1, position_ids_from_mask(attention_mask)
+    if entry is None:
+        output = model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=keep
+        )
+        logits = output.logits[:, :-1]
+    else:
+        hidden = last_hidden_state(model, input_ids, attention_mask, position_ids, entry)
+        logits = model.lm_head(hidden[:, -keep:])[:, :-1]
     logprobs = logprobs_from_logits(logits, input_ids[:, response_start:], temperature)
     return logprobs, (logits.float() / temperature if with_logits else None)
 

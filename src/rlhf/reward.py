@@ -23,7 +23,8 @@ from rlhf.length_bias import (
     length_figures,
 )
 from rlhf.losses import language_model_loss, last_token_index, target_tokens
-from rlhf.models import position_ids_from_mask, sequence_scores
+from rlhf.models import position_ids_from_mask
+from rlhf.shared_prompt import can_pack, pack, packed_hidden, packed_length, score_groups, score_sequences
 from rlhf.stats import TiesWarning, paired_rate
 from rlhf.training import LogFn, LoopConfig, freeze_lower_layers, supervised_loop
 
@@ -86,21 +87,17 @@ def reward_step(
     summed and divided by the *whole* batch's pairs, plus ``lm_coef`` times its share of the chosen
     responses' token-mean NLL (paper Eq. 2); and its shares of the training accuracy, margin and length
     preference. The accuracy and margin are of the reward model's own scores (the expert left out).
+
+    A pair's chosen and rejected encodings share their prompt: each pair is one row, its common prefix run
+    once (:mod:`rlhf.shared_prompt`; the plain batch of ``2 x part`` rows where the model cannot take it).
     """
-    backbone = getattr(model, model.base_model_prefix)
     chosen_targets = [target_tokens(chosen.response_mask) for chosen, _ in pairs]
     chosen_lengths, rejected_lengths = (torch.tensor(n, device=runtime.device) for n in response_lengths(pairs))
+    read = _packed_pair_scores if can_pack(model) else _plain_pair_scores
 
     def step(part: list[int], batch: list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        rows = [pairs[i][0] for i in part] + [pairs[i][1] for i in part]
-        input_ids, attention_mask = pad(tokenizer, [e.input_ids for e in rows], "right", runtime.device)
-        hidden = backbone(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)
-        ).last_hidden_state
-        token_scores = model.score(hidden).squeeze(-1).float()
-        last = last_token_index(attention_mask)
-        scores = token_scores[torch.arange(len(rows), device=runtime.device), last]
-        chosen, rejected = scores[: len(part)], scores[len(part) :]
+        part_pairs = [pairs[i] for i in part]
+        chosen, rejected, hidden, input_ids, target = read(model, tokenizer, part_pairs, runtime, config.lm_coef > 0)
         # every mean is over the whole batch's pairs (or chosen tokens), whichever part of it this is
         rows_of = torch.tensor(part, device=runtime.device)
         loss, preference = debiased_pair_loss(
@@ -119,15 +116,37 @@ def reward_step(
             "rm/train_length_preference": preference * len(part) / len(batch),
         }
         if config.lm_coef > 0:
-            responses = [e.response_mask for e in rows[: len(part)]]
-            target = pad_masks(responses, input_ids.shape[1], "right", runtime.device)
             count = sum(chosen_targets[i] for i in batch)
-            lm_loss = language_model_loss(_lm_logits(model, hidden[: len(part)]), input_ids[: len(part)], target, count)
+            lm_loss = language_model_loss(_lm_logits(model, hidden), input_ids, target, count)
             loss = loss + config.lm_coef * lm_loss
             metrics["rm/lm_loss"] = lm_loss.detach()
         return loss, metrics
 
     return step
+
+
+def _packed_pair_scores(model, tokenizer, pairs: list[tuple[Encoded, Encoded]], runtime: Runtime, targets: bool):
+    """``(chosen (P,), rejected (P,), hidden, input_ids, chosen-response targets (rows, L) bool or None)``,
+    one row a pair; the targets only when ``targets``."""
+    packed = pack([[c.input_ids, r.input_ids] for c, r in pairs], tokenizer.pad_token_id, runtime.device)
+    hidden = packed_hidden(model, packed)
+    scores = model.score(hidden).squeeze(-1).float()[packed.row, packed.last].view(-1, 2)
+    masks = [mask for c, r in pairs for mask in (c.response_mask, [False] * len(r.input_ids))]
+    return scores[:, 0], scores[:, 1], hidden, packed.input_ids, packed.spread(masks) if targets else None
+
+
+def _plain_pair_scores(model, tokenizer, pairs: list[tuple[Encoded, Encoded]], runtime: Runtime, targets: bool):
+    """As :func:`_packed_pair_scores`, each encoding its own row: the chosen ones, then the rejected ones."""
+    rows = [c for c, _ in pairs] + [r for _, r in pairs]
+    input_ids, attention_mask = pad(tokenizer, [e.input_ids for e in rows], "right", runtime.device)
+    hidden = getattr(model, model.base_model_prefix)(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)
+    ).last_hidden_state
+    last = last_token_index(attention_mask)
+    scores = model.score(hidden).squeeze(-1).float()[torch.arange(len(rows), device=runtime.device), last]
+    masks = [c.response_mask for c, _ in pairs] + [[False] * len(r.input_ids) for _, r in pairs]
+    target = pad_masks(masks, input_ids.shape[1], "right", runtime.device) if targets else None
+    return scores[: len(pairs)], scores[len(pairs) :], hidden, input_ids, target
 
 
 def train_reward_model(
@@ -177,7 +196,11 @@ def train_reward_model(
         prefix="rm",
         log=log,
         runtime=runtime,
-        lengths=[max(len(c.input_ids), len(r.input_ids)) for c, r in pairs],
+        # batches of similar row length: a pair's packed row, or its longer encoding on the plain path
+        lengths=[
+            packed_length([c.input_ids, r.input_ids]) if can_pack(model) else max(len(c.input_ids), len(r.input_ids))
+            for c, r in pairs
+        ],
         checkpointer=checkpointer,
         progress=progress,
     )
@@ -188,29 +211,6 @@ def train_reward_model(
         "rm/epochs": config.steps * config.batch_size / len(pairs),
         "rm/length_expert_weight": expert_weight,
     }
-
-
-@torch.no_grad()
-def score_sequences(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    sequences: list[list[int]],
-    batch_size: int,
-    runtime: Runtime,
-) -> torch.Tensor:
-    """Reward-model scores of token sequences, ``(N,)`` float32 on ``runtime.device``, in the input order.
-
-    Batches are formed from length-sorted sequences so little compute goes to padding.
-    """
-    model.eval()
-    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
-    scores = torch.zeros(len(sequences), device=runtime.device)
-    for start in range(0, len(order), batch_size):
-        chunk = order[start : start + batch_size]
-        input_ids, attention_mask = pad(tokenizer, [sequences[i] for i in chunk], "right", runtime.device)
-        with runtime.autocast():
-            scores[chunk] = sequence_scores(model, input_ids, attention_mask)
-    return scores
 
 
 def center_rewards(
@@ -345,24 +345,20 @@ def evaluate_reward_model(
     all on the reward model's raw score (no rule for unfinished responses applied).
     """
     pairs = encode_pairs(tokenizer, examples, max_length)
-    chosen = score_sequences(model, tokenizer, [c.input_ids for c, _ in pairs], batch_size, runtime)
-    rejected = score_sequences(model, tokenizer, [r.input_ids for _, r in pairs], batch_size, runtime)
+    scores = score_groups(model, tokenizer, [[c.input_ids, r.input_ids] for c, r in pairs], batch_size, runtime)
+    chosen, rejected = scores.view(-1, 2).unbind(1)
     chosen_lengths, rejected_lengths = (torch.tensor(n, device=runtime.device) for n in response_lengths(pairs))
-    asked = examples[:REPLY_PROMPTS]
-    replies = [
-        score_sequences(model, tokenizer, _replied(tokenizer, asked, reply, max_length), batch_size, runtime)
-        for reply in ("", *SHORT_REPLIES)
+    replies = ("", *SHORT_REPLIES)  # one prompt's replies share it: a group
+    asked = [
+        [
+            encode_chat(tokenizer, ex["prompt"], [{"role": "assistant", "content": r}], max_length).input_ids
+            for r in replies
+        ]
+        for ex in examples[:REPLY_PROMPTS]
     ]
+    replied = score_groups(model, tokenizer, asked, batch_size, runtime).view(-1, len(replies)).T  # (replies, R)
     metrics = {
         **preference_metrics(chosen, rejected, chosen_lengths, rejected_lengths),
-        **empty_response_metrics(replies[0], torch.stack(replies[1:]), chosen[: len(asked)]),
+        **empty_response_metrics(replied[0], replied[1:], chosen[: len(asked)]),
     }
     return metrics, chosen - rejected
-
-
-def _replied(tokenizer: PreTrainedTokenizerBase, examples: list[dict[str, Any]], reply: str, max_length: int):
-    """Each example's prompt answered with ``reply``, as token ids."""
-    return [
-        encode_chat(tokenizer, ex["prompt"], [{"role": "assistant", "content": reply}], max_length).input_ids
-        for ex in examples
-    ]

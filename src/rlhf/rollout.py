@@ -19,9 +19,10 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf import losses
 from rlhf.device import PhaseTimer, Runtime
-from rlhf.models import Rollout, response_logprobs, sample, sequence_scores, token_scores
+from rlhf.models import Rollout, position_ids_from_mask, response_logprobs, sample, sequence_scores, token_scores
 from rlhf.ppo_config import PPOConfig
 from rlhf.rollout_stats import rollout_stats, sequence_table
+from rlhf.trunk import SharedTrunk, TrunkEntry
 
 NO_EOS_CHOICES = ("penalty", "constant", "score")
 
@@ -107,13 +108,15 @@ def unfinished_responses(
 
 @dataclass
 class ScoredRollout:
-    """A rollout with its reward-model scores: raw, after the unfinished-response rule, and the flags."""
+    """A rollout with its reward-model scores: raw, after the unfinished-response rule, and the flags; ``trunk``:
+    the policy's frozen blocks over the rollout, run once for every model that shares them (:mod:`rlhf.trunk`)."""
 
     rollout: Rollout
     raw_scores: torch.Tensor  # (B,) float32, the reward model at the last response token
     scores: torch.Tensor  # (B,) float32, after treat_unfinished
     unfinished: torch.Tensor  # (B,) bool
     empty: torch.Tensor  # (B,) bool
+    trunk: SharedTrunk
 
 
 @torch.no_grad()
@@ -137,10 +140,12 @@ def sample_and_score(
         rollout = sample(
             policy, tokenizer, prompts, settings.max_new_tokens, settings.temperature, greedy=greedy, seeds=seeds
         )
+    ids, attn = rollout.input_ids, rollout.attention_mask
+    trunk = SharedTrunk(policy, ids, attn, position_ids_from_mask(attn))
     with phase("reward"):
-        raw = sequence_scores(reward_model, rollout.input_ids, rollout.attention_mask)
+        raw = sequence_scores(reward_model, ids, attn, trunk.entry(reward_model))
     unfinished, empty = unfinished_responses(rollout, tokenizer, settings)
-    return ScoredRollout(rollout, raw, treat_unfinished(raw, unfinished, settings), unfinished, empty)
+    return ScoredRollout(rollout, raw, treat_unfinished(raw, unfinished, settings), unfinished, empty, trunk)
 
 
 class RunningMoments:
@@ -192,7 +197,11 @@ class RunningMoments:
 
 
 def value_predictions(
-    value_model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_start: int
+    value_model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_start: int,
+    entry: TrunkEntry | None = None,
 ) -> torch.Tensor:
     """``V(s_t)`` for each response token: the value head at the position that predicts token ``t``.
 
@@ -202,11 +211,12 @@ def value_predictions(
 
     Args:
         input_ids, attention_mask: ``(B, T)``; response tokens start at ``response_start``.
+        entry: the states entering the value model's first unshared block (:class:`rlhf.trunk.SharedTrunk`).
 
     Returns:
         ``(B, T - response_start)`` float32.
     """
-    head = token_scores(value_model, input_ids, attention_mask)[:, response_start - 1 : -1]
+    head = token_scores(value_model, input_ids, attention_mask, entry)[:, response_start - 1 : -1]
     shift = float(getattr(value_model.config, "value_shift", 0.0))
     scale = float(getattr(value_model.config, "value_scale", 1.0))
     return (head - shift) * scale
@@ -245,6 +255,10 @@ class Experience:
     returns: torch.Tensor  # (B, R) float32
     raw_scores: torch.Tensor  # (B,) float32
     ended: torch.Tensor  # (B,) bool, an EOS was generated
+    # the states entering the policy's / value model's first trained block: PPO's epochs run only the blocks
+    # above (their frozen blocks cannot change within an iteration); None: the plain path (rlhf.trunk)
+    policy_entry: TrunkEntry | None = None
+    value_entry: TrunkEntry | None = None
 
 
 @torch.no_grad()
@@ -287,14 +301,19 @@ def make_experience(
     timer = PhaseTimer(runtime)
     with runtime.autocast():
         scored = sample_and_score(policy, reward_model, tokenizer, prompts, settings, timer=timer, seeds=seeds)
-        rollout = scored.rollout
+        rollout, trunk = scored.rollout, scored.trunk
         ids, attn, start = rollout.input_ids, rollout.attention_mask, rollout.response_start
         with timer("policy_logprobs"):
-            logprobs, logits = response_logprobs(policy, ids, attn, start, settings.temperature, with_logits=True)
+            policy_entry = trunk.entry(policy)
+            logprobs, logits = response_logprobs(
+                policy, ids, attn, start, settings.temperature, with_logits=True, entry=policy_entry
+            )
             entropy = losses.entropy_from_logits(logits)
             del logits
         with timer("reference"):
-            ref_logprobs, _ = response_logprobs(reference, ids, attn, start, settings.temperature)
+            ref_logprobs, _ = response_logprobs(
+                reference, ids, attn, start, settings.temperature, entry=trunk.entry(reference)
+            )
     mask, scores = rollout.response_mask, scored.scores
     if config.reward_normalize:
         moments.update(runtime.ranks.gather(scores))  # every rank's scores, in the global order
@@ -305,12 +324,24 @@ def make_experience(
         offset = float(getattr(reward_model.config, "reward_offset", 0.0))
         calibrate_value_head(value_model, offset, moments if config.reward_normalize else None)
     with timer("values"), runtime.autocast():
-        values = value_predictions(value_model, ids, attn, start)
+        value_entry = trunk.entry(value_model)
+        values = value_predictions(value_model, ids, attn, start, value_entry)
     logratio = torch.where(mask, logprobs - ref_logprobs, 0.0)
     rewards = losses.token_rewards(logratio, scores, mask, kl_coef)
     advantages, returns = losses.gae(rewards, values, mask, config.gamma, config.lam)
     experience = Experience(
-        ids, attn, start, mask, logprobs, values, advantages, returns, scored.raw_scores, rollout.ended
+        ids,
+        attn,
+        start,
+        mask,
+        logprobs,
+        values,
+        advantages,
+        returns,
+        scored.raw_scores,
+        rollout.ended,
+        policy_entry,
+        value_entry,
     )
     table = runtime.ranks.gather(sequence_table(scored, scores, logprobs, logratio, entropy, experience))
     return experience, {**rollout_stats(table), "ppo/kl_coef": kl_coef, **timer.stats("ppo/time")}
@@ -340,10 +371,12 @@ def validation_stats(
     mine = ranks.shard(prompts)
     with runtime.autocast():
         scored = sample_and_score(policy, reward_model, tokenizer, mine, settings, greedy=True)
-        rollout = scored.rollout
+        rollout, trunk = scored.rollout, scored.trunk
         ids, attn, start = rollout.input_ids, rollout.attention_mask, rollout.response_start
-        logprobs, _ = response_logprobs(policy, ids, attn, start, settings.temperature)
-        ref_logprobs, _ = response_logprobs(reference, ids, attn, start, settings.temperature)
+        logprobs, _ = response_logprobs(policy, ids, attn, start, settings.temperature, entry=trunk.entry(policy))
+        ref_logprobs, _ = response_logprobs(
+            reference, ids, attn, start, settings.temperature, entry=trunk.entry(reference)
+        )
     mask = rollout.response_mask
     kl = torch.where(mask, logprobs - ref_logprobs, 0.0).sum(-1)
     rows = torch.stack([scored.scores, rollout.ended, mask.sum(-1), kl], dim=1).double()

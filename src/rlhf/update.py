@@ -172,7 +172,10 @@ def policy_step(
     for rows, counted in ranks.passes(idx, config.micro_batch_size, [0], together):
         ids, attn, part_mask = experience.input_ids[rows], experience.attention_mask[rows], mask[rows]
         with runtime.autocast():
-            logprobs, logits = response_logprobs(policy, ids, attn, experience.response_start, temperature, with_logits)
+            entry = experience.policy_entry.rows(rows) if experience.policy_entry is not None else None
+            logprobs, logits = response_logprobs(
+                policy, ids, attn, experience.response_start, temperature, with_logits, entry=entry
+            )
             loss, clip_stats = losses.ppo_clip_loss(
                 logprobs, experience.logprobs[rows], advantages[rows], part_mask, config.clip, count
             )
@@ -245,7 +248,8 @@ def value_step(
     for part, counted in ranks.passes(idx, config.micro_batch_size, [0], together):
         ids, attn, mask = experience.input_ids[part], experience.attention_mask[part], experience.mask[part]
         with runtime.autocast():
-            values = value_predictions(value_model, ids, attn, experience.response_start)
+            entry = experience.value_entry.rows(part) if experience.value_entry is not None else None
+            values = value_predictions(value_model, ids, attn, experience.response_start, entry)
             old_values, returns = experience.values[part], experience.returns[part]
             loss, value_stats = losses.clipped_value_loss(values, old_values, returns, mask, config.value_clip, count)
         (loss if counted else loss * 0.0).backward()  # FSDP: a pass every rank joins (rlhf.sharding)
