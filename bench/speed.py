@@ -68,10 +68,14 @@ def plan(
     scaling_responses: list[int],
     scaling_steps: int,
     scaling_precision: str,
+    fair_epochs: int = 2,
+    fair_minibatches: int = 2,
 ) -> list[dict[str, Any]]:
-    """The runs in order: each round alternates ours and TRL per figure and precision, then the lever rows
-    (``lever_layers`` None: none; PPO also a LoRA policy of ``lora_rank``, 0: none); the scaling run
-    (ours only, one process) comes once, after the rounds.
+    """The runs in order: each round alternates ours and TRL per figure and precision, then the fair rows
+    (both with the lower blocks frozen, ``trainable_layers = lever_layers``; PPO at the demo's
+    ``fair_epochs`` x ``fair_minibatches``), then the lever rows (``lever_layers`` None: neither; PPO also a
+    LoRA policy of ``lora_rank``, 0: none); the scaling run (ours only, one process) comes once, after the
+    rounds.
 
     Returns:
         ``[{"row": str, "round": int, "impl": "ours" | "trl", "spec": Spec}]``.
@@ -85,6 +89,11 @@ def plan(
             for setting, precision in (("fp32", "fp32"), ("best", "bf16")):
                 for impl in ("ours", "trl"):
                     spec = Spec(task=figure, precision=precision, steps=steps, **shape)
+                    runs.append({"row": f"{figure}/{setting}", "round": round_, "impl": impl, "spec": spec})
+            fair = {**shape, "epochs": fair_epochs, "minibatches": fair_minibatches} if figure == "ppo" else shape
+            for setting, precision in (("fair_fp32", "fp32"), ("fair_best", "bf16")) if lever_layers else ():
+                for impl in ("ours", "trl"):
+                    spec = Spec(task=figure, precision=precision, steps=steps, trainable_layers=lever_layers, **fair)
                     runs.append({"row": f"{figure}/{setting}", "round": round_, "impl": impl, "spec": spec})
             if lever_layers is not None:
                 lever = Spec(task=figure, precision="fp32", steps=steps, trainable_layers=lever_layers, **shape)
@@ -167,11 +176,11 @@ def main(
     epochs: int = typer.Option(4, help="PPO epochs per iteration (TRL's default)"),
     minibatches: int = typer.Option(1, help="PPO minibatches per epoch (TRL's default)"),
     train_batch: int = typer.Option(4, help="SFT examples / reward pairs per optimiser step"),
-    lever_layers: int = typer.Option(8, help="trainable_layers of our lever rows"),
+    lever_layers: int = typer.Option(8, help="trainable_layers of the fair rows (both) and of our lever rows"),
     lora_rank: int = typer.Option(
         16, help="rank of the LoRA policy of our PPO lever row (alpha = 2 x rank; 0: no row)"
     ),
-    levers: bool = typer.Option(True, help="run the lever rows (not with --quick)"),
+    levers: bool = typer.Option(True, help="run the fair and lever rows (not with --quick)"),
     scaling_batches: str = typer.Option("4,8,16", help="PPO batch sizes of the scaling run (response fixed)"),
     scaling_responses: str = typer.Option("32,64,128", help="PPO response lengths of the scaling run (batch fixed)"),
     scaling_steps: int = typer.Option(2, help="timed iterations per scaling point (1 with --quick)"),

@@ -36,19 +36,28 @@ PHASES = ("generation", "reward", "policy_logprobs", "reference", "values", "upd
 """The per-phase seconds the product reports as ``ppo/time/<phase>``."""
 
 
-def _runtime(precision: str, ppo: bool = False) -> tuple[Runtime, str]:
+def _runtime(precision: str) -> tuple[Runtime, str]:
     """Our trainers' device and precision, from accelerate as the stages take them (:func:`runtime_from_params`).
 
-    fp32: ``mixed_precision: no``; bf16 (our best): ``mixed_precision: bf16``, and for PPO the frozen models
-    (reference, reward) stored in bfloat16 (``frozen_bf16``: less memory, at a small KL cost; README "Speed").
+    fp32: ``mixed_precision: no``; bf16 (our best): ``mixed_precision: bf16`` with the frozen models in float32
+    as the demo runs (``frozen_bf16: false``): the reference and reward model then hold the policy's frozen
+    blocks exactly, so they are computed once (:mod:`rlhf.trunk`), which bf16 copies would prevent.
 
     Returns:
         ``(runtime, description of what runs)``.
     """
     bf16 = precision == "bf16"
-    runtime = runtime_from_params({"mixed_precision": "bf16" if bf16 else "no", "cpu": False, "frozen_bf16": bf16})
-    applied = ("bf16 (frozen models bf16)" if ppo else "bf16") if bf16 else "fp32"
+    runtime = runtime_from_params({"mixed_precision": "bf16" if bf16 else "no", "cpu": False, "frozen_bf16": False})
+    applied = "bf16" if bf16 else "fp32"
     return runtime, applied if runtime.device.type == "cpu" else f"{applied} on {runtime.device.type}"
+
+
+def compile_blocks(models, on: bool) -> None:
+    """``torch.compile`` each decoder block of ``models`` in place (dynamic shapes: the batches vary in length),
+    so every path that runs the blocks (the plain pass, the shared trunk, packed rows, generation) is compiled."""
+    for model in models if on else ():
+        for block in backbone(model).layers:
+            block.compile(dynamic=True)
 
 
 def run_ppo(spec: Spec) -> dict[str, Any]:
@@ -60,7 +69,7 @@ def run_ppo(spec: Spec) -> dict[str, Any]:
     from rlhf.training import freeze_lower_layers
     from rlhf.update import make_optimisers, ppo_update
 
-    runtime, applied = _runtime(spec.precision, ppo=True)
+    runtime, applied = _runtime(spec.precision)
     prompts = load_inputs()["prompts"]
     tokenizer = load_tokenizer(BASE)
     policy = runtime.place(load_causal_lm(BASE))
@@ -71,6 +80,7 @@ def run_ppo(spec: Spec) -> dict[str, Any]:
         reference = runtime.frozen(load_causal_lm(BASE))
     reward_model, value_model = runtime.frozen(load_scalar_model(BASE)), runtime.place(load_scalar_model(BASE))
     models = (policy, reference, reward_model, value_model)
+    compile_blocks(models, spec.compile)
     config = PPOConfig(
         rollout_batch_size=spec.batch,
         minibatch_size=max(spec.batch // spec.minibatches, 1),
@@ -166,6 +176,7 @@ def _supervised(spec: Spec, task: str) -> dict[str, Any]:
         model, examples = load_scalar_model(BASE), [row["example"] for row in inputs["pairs"]]
         config, train = RewardConfig(**common), train_reward_model
     model = runtime.place(model)
+    compile_blocks([model], spec.compile)
     counter = TokenCounter(backbone(model))
     clock = StepClock(counter)
 

@@ -23,7 +23,8 @@ import statistics
 from typing import Any
 
 PHASES = ("generation", "reference", "reward", "values", "policy_logprobs", "update")
-SETTINGS = ("fp32", "best", "lever", "lora")  # the lever rows compare with ours fp32, never with TRL
+# the fair rows freeze the same lower blocks in both; the lever rows compare with ours fp32, never with TRL
+SETTINGS = ("fp32", "best", "fair_fp32", "fair_best", "lever", "lora")
 LABELS = {"ppo": "PPO iteration (s/iteration)", "reward": "Reward model (tokens/s)", "sft": "SFT (tokens/s)"}
 
 
@@ -109,7 +110,10 @@ def _pair_row(runs: list[dict[str, Any]], figure: str, setting: str, peak: dict[
         name, trl_value = f"{LABELS[figure]}, ours {lever} (fp32)", "-"
         ratio, precision = f"n/a ({_fmt(speedup)}x ours fp32)", applied(raw_ours, "ours")
     else:
-        kind = "fp32 both" if setting == "fp32" else "best: ours bf16 / TRL bf16 autocast"
+        kind = "fp32 both" if setting.endswith("fp32") else "best: ours bf16 / TRL bf16 autocast"
+        if setting.startswith("fair"):
+            spec = next(iter(raw_ours.values()))["spec"] if raw_ours else {}
+            kind = f"both trainable_layers={spec.get('trainable_layers', '?')}, {kind}"
         name, trl_value = f"{LABELS[figure]}, {kind}", _fmt(med(trl, "value"), digits)
         ratio = _fmt(_median([faster(ours[k]["value"], trl[k]["value"]) for k in ours if k in trl]))
         precision = f"{applied(raw_ours, 'ours')}; {applied(raw_trl, 'trl')}"
@@ -223,7 +227,7 @@ def build_report(results: dict[str, Any]) -> dict[str, Any]:
         "over both and clips no gradients (ours: one step per model, each clipped at norm 1.0); TRL's trainers "
         "use adamw_torch_fused, as ours do (torch.optim.AdamW fused=True), and SFTTrainer computes "
         "entropy and token accuracy every step. Ours best = Runtime(mixed_precision='bf16'): bf16 autocast, "
-        "fp32 master weights, frozen PPO models in bf16 weights; TRL best = bf16 autocast on the trained models only.",
+        "fp32 master weights, frozen PPO models in fp32 (the demo's frozen_bf16: false); TRL best = bf16 autocast.",
         "Utilisation: model FLOPs / time / peak of the precision that ran; model FLOPs = (2 N + 4 N_trainable) x "
         "real tokens, N = weights of every nn.Linear (tied LM head included, embeddings not): 6 N x tokens when "
         "every layer trains. PPO iteration: generation, reference, reward and value forwards (2 N each) plus the "

@@ -4,7 +4,9 @@ TRL is imported from ``bench/out/trl-1.12.0`` (put first on ``sys.path`` here, n
 into the environment). Models, data and sizes are those of :mod:`bench.speed_ours`: SmolLM2-135M
 from ``bench/out/speed/base`` loaded as float32, the token ids of the shared ``inputs.json``
 (already tokenised by the product's chat encoder, so TRL's own tokenisation is skipped), the
-same batch sizes, response length, PPO epochs and minibatches, every layer trainable.
+same batch sizes, response length, PPO epochs and minibatches, every layer trainable; in the fair rows
+(``trainable_layers`` set) the same lower blocks frozen as ours freezes them (``requires_grad`` off on the
+embeddings and the lower blocks of the trained models: :func:`rlhf.training.freeze_lower_layers`).
 
 Settings changed from TRL's defaults so both implementations do the same work:
 ``gradient_checkpointing=False`` (TRL's default is True; ours has none), ``bf16`` set by the row's
@@ -41,6 +43,7 @@ from bench.speed_worker import (
     supervised_result,
     timed_summary,
 )
+from rlhf.training import freeze_lower_layers
 
 
 def _use_trl() -> str:
@@ -133,6 +136,8 @@ def run_ppo(spec: Spec) -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(BASE)
     tokenizer.padding_side = "left"  # prompts are left-padded for generation, as TRL's examples do
     policy, reference, reward_model, value_model = _load_models(["causal", "causal", "scalar", "scalar"])
+    for model in (policy, value_model):
+        freeze_lower_layers(model, spec.trainable_layers)
     generation = GenerationLog()
     force_full_length(policy, generation)
     clock = StepClock()
@@ -216,6 +221,7 @@ def _supervised(spec: Spec, task: str) -> dict[str, Any]:
             rows = inputs["pairs"]
             dataset = Dataset.from_dict({k: [r[k] for r in rows] for k in ("chosen_ids", "rejected_ids")})
             args, trainer_cls = RewardConfig(**common, max_length=None), RewardTrainer
+        freeze_lower_layers(model, spec.trainable_layers)
         counter = TokenCounter(backbone(model))
         clock_holder.append(StepClock(counter))
         trainer = trainer_cls(

@@ -55,6 +55,7 @@ class Spec:
     # PPO scaling (ours only): ``[[batch, response], ...]``; one warm-up iteration at the first size,
     # then ``steps`` timed iterations at each size, all in this one process
     sizes: list[list[int]] | None = None
+    compile: bool = False  # ours only: torch.compile every decoder block (dynamic shapes) before the first step
 
     def schedule(self) -> list[tuple[int, int]]:
         """``(batch, response)`` of each PPO iteration; the first is the warm-up."""
