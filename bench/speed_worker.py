@@ -139,10 +139,16 @@ class StepClock:
 
 
 class TokenCounter:
-    """Counts the real and padded tokens of every forward of a backbone (a forward pre-hook)."""
+    """Counts the real and padded tokens of every forward of a backbone (a forward pre-hook).
+
+    A packed batch (:mod:`rlhf.shared_prompt`: a 4D block mask) counts the tokens of the sequences it holds, as
+    a plain batch of them would (a shared prompt once per sequence), so tokens/s compares the same data: a
+    real position attends to its row's first token (a pad does not), and each sequence ends where the position
+    ids stop counting up, its length the last position id + 1. ``computed`` counts the positions computed.
+    """
 
     def __init__(self, module: torch.nn.Module) -> None:
-        self.real = self.padded = 0
+        self.real = self.padded = self.computed = 0
         self.handle = module.register_forward_pre_hook(self._hook, with_kwargs=True)
 
     def _hook(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
@@ -151,11 +157,19 @@ class TokenCounter:
         if ids is None:
             return
         self.padded += ids.numel()
+        if mask is not None and mask.dim() == 4:
+            real, positions = mask[:, 0, :, 0], kwargs["position_ids"]
+            follows = torch.zeros_like(real)
+            follows[:, :-1] = real[:, 1:] & (positions[:, 1:] == positions[:, :-1] + 1)
+            self.computed += int(real.sum())
+            self.real += int((positions + 1)[real & ~follows].sum())
+            return
         self.real += int(mask.sum()) if mask is not None else ids.numel()
+        self.computed += int(mask.sum()) if mask is not None else ids.numel()
 
     def reset(self) -> None:
         """Zero the counts."""
-        self.real = self.padded = 0
+        self.real = self.padded = self.computed = 0
 
 
 @dataclass
