@@ -62,6 +62,9 @@ def test_the_shared_blocks_are_read_from_the_weights(three_blocks):
     other.model.embed_tokens.weight.data[5, 0] += 1e-3  # other embeddings: nothing is shared
     assert shared_depth(policy, other) == 0
     assert shared_depth(policy, copy.deepcopy(reference).to(torch.bfloat16)) == 0  # frozen_bf16
+    other = copy.deepcopy(reference)
+    other.config.rms_norm_eps = 1e-3  # the same weights, normed otherwise
+    assert shared_depth(policy, other) == 0
     everything = models_of(three_blocks, trainable_layers=None)
     assert shared_depth(everything.policy, everything.reference) == 0  # trainable_layers: null
 

@@ -22,6 +22,10 @@ from transformers.masking_utils import create_causal_mask
 
 from rlhf.sharding import is_sharded
 
+# what a block computes besides its parameters: two models whose blocks hold the same weights but differ here
+# compute differently
+_BLOCK_CONFIG = ("_attn_implementation", "rms_norm_eps", "hidden_act", "head_dim", "attention_bias", "mlp_bias")
+
 
 def _backbone(model: PreTrainedModel) -> torch.nn.Module | None:
     """The model's Llama decoder stack, or None when it is anything else (a PEFT wrapper, another family)."""
@@ -62,7 +66,8 @@ def shared_depth(policy: PreTrainedModel, model: PreTrainedModel) -> int:
     """How many lower blocks ``model`` computes exactly as ``policy``'s frozen ones, decided from the weights.
 
     Counts leading blocks that are frozen in both models and hold equal parameters (same dtype, shape and
-    values), the embeddings and the rotary frequencies equal too, and the attention implementation the same.
+    values), the embeddings and the rotary frequencies equal too, and the settings a block computes with
+    (attention implementation, norm epsilon, activation, head size, biases) the same.
 
     Returns:
         ``d`` in ``[0, frozen_depth(policy)]``: the hidden states entering ``policy``'s block ``d`` are
@@ -77,7 +82,7 @@ def shared_depth(policy: PreTrainedModel, model: PreTrainedModel) -> int:
     if model is policy:
         return limit
     if (
-        policy.config._attn_implementation != model.config._attn_implementation
+        any(getattr(policy.config, key, None) != getattr(model.config, key, None) for key in _BLOCK_CONFIG)
         or not torch.equal(mine.rotary_emb.inv_freq, theirs.rotary_emb.inv_freq)
         or mine.rotary_emb.attention_scaling != theirs.rotary_emb.attention_scaling
         or not _same(mine.embed_tokens, theirs.embed_tokens)
