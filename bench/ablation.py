@@ -24,7 +24,7 @@ import yaml
 from rlhf.checkpoint import write_json
 from tasks import ppo
 from tasks.outputs import atomic_dir
-from tasks.params import read_params, stage_params
+from tasks.params import Yaml12Loader, read_params, stage_params
 from tasks.runs import StageRun
 
 OUT = "reports/ablation"
@@ -40,13 +40,13 @@ HEADLINE = [
 
 
 def overrides(pairs: list[str]) -> dict:
-    """Parse ``key=value`` pairs; values are read as YAML (numbers, null, true)."""
+    """Parse ``key=value`` pairs; values are read as params.yaml's YAML 1.2 (numbers such as 1e-05, null, true)."""
     parsed = {}
     for pair in pairs or []:
         key, sep, value = pair.partition("=")
         if not sep:
             raise typer.BadParameter(f"{pair!r} is not key=value")
-        parsed[key.strip()] = yaml.safe_load(value)
+        parsed[key.strip()] = yaml.load(value, Loader=Yaml12Loader)  # noqa: S506: a SafeLoader, as params.yaml
     return parsed
 
 

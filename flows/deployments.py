@@ -25,6 +25,8 @@ from typing import Any
 import yaml
 from prefect import flow, get_run_logger
 
+from tasks.params import load_yaml
+
 LOCK = "dvc.lock"
 DEFAULT_POOL = "cpu"
 
@@ -52,8 +54,7 @@ def read_lock() -> dict[str, Any]:
     """``dvc.lock`` of the current folder (an empty lock when there is none)."""
     if not os.path.exists(LOCK):
         return {"schema": "2.0", "stages": {}}
-    with open(LOCK, encoding="utf-8") as handle:
-        return yaml.safe_load(handle) or {"schema": "2.0", "stages": {}}
+    return load_yaml(LOCK, written_by_dvc=True) or {"schema": "2.0", "stages": {}}
 
 
 def write_lock(lock: dict[str, Any]) -> None:
@@ -69,8 +70,7 @@ def uncached_outs(stages: list[str] | None = None) -> list[str]:
 
     DVC does not push them (git carries them), so they travel with a stage's request and its result.
     """
-    with open("dvc.yaml", encoding="utf-8") as handle:
-        spec = yaml.safe_load(handle)["stages"]
+    spec = load_yaml("dvc.yaml")["stages"]
     paths = []
     for name in stages if stages is not None else list(spec):
         for key in ("outs", "metrics", "plots"):

@@ -19,11 +19,12 @@ from collections.abc import Callable
 
 import networkx as nx
 import typer
-import yaml
 from prefect import flow, get_run_logger, task
 from prefect.runtime import flow_run
 from rich.console import Console
 from rich.table import Table
+
+from tasks.params import load_yaml
 
 SUMMARY = {
     "prepare": [],
@@ -72,8 +73,7 @@ SUMMARY = {
 
 
 def _stages(dvc_file: str) -> dict:
-    with open(dvc_file, encoding="utf-8") as handle:
-        return yaml.safe_load(handle)["stages"]
+    return load_yaml(dvc_file)["stages"]
 
 
 def _paths(entries: list | None) -> list[str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlhf.models import load_base_model
+from rlhf.models import load_base_model, save_tokenizer
 from tasks.common import cli, setup_torch
 from tasks.outputs import StagedOutputs, write_metrics
 from tasks.params import stage_params
@@ -29,7 +29,7 @@ def save_source(source: str, folder: str, random_init: dict | None = None, seed:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise FileNotFoundError(f"{key} {source!r}: not a local path, and loading it failed: {first}") from None
     model.save_pretrained(folder, safe_serialization=True)
-    tokenizer.save_pretrained(folder)
+    save_tokenizer(tokenizer, folder)
     return model
 
 

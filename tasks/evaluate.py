@@ -242,7 +242,7 @@ def policy_criteria() -> Any:
     verdict (the stage asks first, before any model is loaded)."""
     from rlhf.gate_rules import PolicyCriteria
 
-    return PolicyCriteria(**stage_params("registry")["policy_gate"])
+    return config_from_params(PolicyCriteria, stage_params("registry")["policy_gate"], "registry.policy_gate")
 
 
 def gate_policy(metrics: dict[str, float], run_id: str, doubts: list[str] | None = None) -> dict[str, Any]:

@@ -44,9 +44,11 @@ def decide(client, name: str, candidate, metrics: dict[str, float], params: dict
     """The candidate's decision (:func:`tasks.registry.decide_once`): the current champion, if another version,
     is re-scored by ``rescorer(version) -> metrics`` on the current rm_eval split, only for a new decision."""
     from rlhf.gate_rules import GateCriteria, reward_gate
+    from rlhf.training import config_from_params
     from tasks.registry import decide_once, holder
 
-    criteria = GateCriteria(**params["reward_gate"])  # bad bounds stop the stage whether or not it decides
+    # bad bounds stop the stage whether or not it decides
+    criteria = config_from_params(GateCriteria, params["reward_gate"], "registry.reward_gate")
 
     def judge():
         champion = holder(client, name)

@@ -21,6 +21,8 @@ from typing import Any
 
 import yaml
 
+from tasks.params import load_yaml
+
 UNKNOWN = "unknown"
 PARAM_SECTIONS = ("sft", "reward", "ppo", "generation", "evaluate")
 EVAL, REWARD, JUDGE = "metrics/eval.json", "metrics/reward.json", "metrics/judge.json"
@@ -77,8 +79,7 @@ def _dvc_out_md5(path: str) -> str:
     """The md5 ``dvc.lock`` records for the output ``path`` (``models/policy``), or ``unknown``."""
     if not os.path.isfile(DVC_LOCK):
         return UNKNOWN
-    with open(DVC_LOCK, encoding="utf-8") as handle:
-        lock = yaml.safe_load(handle) or {}
+    lock = load_yaml(DVC_LOCK, written_by_dvc=True) or {}
     for stage, entry in (lock.get("stages") or {}).items():
         for out in entry.get("outs") or []:
             if out.get("path") == path:

@@ -236,6 +236,7 @@ def export(
     README.md, the model card. Written into a temporary folder beside --out and renamed at the end."""
     from transformers import GenerationConfig
 
+    from rlhf.models import save_tokenizer
     from tasks.model_card import card_facts, render_card
     from tasks.params import read_params, stage_params
     from tasks.registry import find_by_sha, folder_sha256
@@ -273,7 +274,7 @@ def export(
                 pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
             )  # fmt: skip
             policy.save_pretrained(staged, safe_serialization=True)
-            tokenizer.save_pretrained(staged)
+            save_tokenizer(tokenizer, staged)
             origin = given if given.startswith("models:/") else f"the folder {given}"
             render_card(card_facts(sha, found, client, origin)).save(os.path.join(staged, "README.md"))
             umask = os.umask(0)

@@ -20,7 +20,7 @@ from typing import Any
 from rlhf.chat import check_reads_whole, encode_prompt
 from rlhf.data import load_jsonl, ptx_token_ids
 from rlhf.lora import AdapterDisabledReference, add_lora, merged_copy
-from rlhf.models import load_causal_lm, load_scalar_model, load_tokenizer
+from rlhf.models import load_causal_lm, load_scalar_model, load_tokenizer, save_tokenizer
 from rlhf.plots import reward_histograms, signal_figures
 from rlhf.ppo import PPOModels, train_ppo
 from rlhf.ppo_config import PPOConfig, check_processes
@@ -105,7 +105,7 @@ def run(
     with contextlib.nullcontext(outputs) if outputs is not None else StagedOutputs() as staged:
         folder = staged.folder(out_dir)
         merged_copy(models.policy).save_pretrained(folder, safe_serialization=True)  # LoRA: adapters folded in
-        tokenizer.save_pretrained(folder)
+        save_tokenizer(tokenizer, folder)
         kept = staged.folder(out_dir + KEPT_SUFFIX)  # the policies of the over-optimisation curve (evaluate's)
         if result.kept:
             shutil.copytree(result.kept, kept, dirs_exist_ok=True)

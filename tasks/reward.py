@@ -19,7 +19,7 @@ import torch
 
 from rlhf.chat import check_reads_whole
 from rlhf.data import load_jsonl
-from rlhf.models import load_scalar_model, load_tokenizer
+from rlhf.models import load_scalar_model, load_tokenizer, save_tokenizer
 from rlhf.reward import (
     RewardConfig,
     center_rewards,
@@ -93,7 +93,7 @@ def run(
     folder = outputs.folder(out)
     model.config.reward_max_length = config.max_length  # what it was trained at: readers check they fit in it
     model.save_pretrained(folder, safe_serialization=True)
-    tokenizer.save_pretrained(folder)
+    save_tokenizer(tokenizer, folder)
     outputs.on_commit(checkpointer.clear)  # a failure before the commit resumes from the checkpoints
     figure, axis = plt.subplots(figsize=(6, 4))
     axis.hist(margins.cpu().numpy(), bins=30)

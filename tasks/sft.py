@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from rlhf.data import load_jsonl
-from rlhf.models import load_causal_lm, load_tokenizer
+from rlhf.models import load_causal_lm, load_tokenizer, save_tokenizer
 from rlhf.sft import SFTConfig, train_sft
 from rlhf.sharding import whole_model
 from rlhf.training import config_from_params, no_log
@@ -52,7 +52,7 @@ def run(
         return metrics  # rank 0 writes the model
     folder = outputs.folder(OUT_DIR)
     model.save_pretrained(folder, safe_serialization=True)
-    tokenizer.save_pretrained(folder)
+    save_tokenizer(tokenizer, folder)
     outputs.on_commit(checkpointer.clear)  # a failure before the commit resumes from the checkpoints
     return metrics
 

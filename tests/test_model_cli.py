@@ -62,6 +62,9 @@ def check_folder(out, source: str, eos_token_id: int) -> str:
         assert torch.equal(a, b), name
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert tokenizer.chat_template and tokenizer.eos_token_id == eos_token_id
+    # where both kinds of consumer look: chat_template.jinja and tokenizer_config.json's key, the same text
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    assert config["chat_template"] == (out / "chat_template.jinja").read_text() == tokenizer.chat_template
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
                                              add_generation_prompt=True)  # fmt: skip
     assert rendered.endswith("<|im_start|>assistant\n")

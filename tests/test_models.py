@@ -6,12 +6,16 @@ import pytest
 import torch
 
 from rlhf.chat import encode_chat, encode_prompt, pad
+from rlhf.data import read_jsonl
+from rlhf.formats import RowError, to_examples
 from rlhf.models import (
     position_ids_from_mask,
     response_mask_from_tokens,
     sequence_scores,
     token_scores,
 )
+
+SHARED = "../shared/data/hh-rlhf/harmless-base/pairs.jsonl.gz"
 
 
 def test_tokenizer_pad_is_not_eos_and_template_has_no_default_system_prompt(tokenizer):
@@ -165,6 +169,39 @@ def test_content_without_control_tokens_keeps_the_ids_of_the_whole_template(toke
     response = [{"role": "assistant", "content": "\nWhy did the chicken cross the road?\n"}]
     whole = tokenizer(tokenizer.apply_chat_template(prompt + response, tokenize=False), add_special_tokens=False)
     assert encode_chat(tokenizer, prompt, response, 10**9).input_ids == whole["input_ids"][:-1]  # up to the last EOS
+
+
+@pytest.mark.parametrize("content", ["\n\nHello", "\t\tHi", "\n \nOK", " \n\nfine"])
+def test_the_prompt_with_its_header_is_a_prefix_of_every_chat(tokenizer, content):
+    # "assistant\n" + "\n\nHello" tokenised whole merges the header's newline with the response's ("\n\n\n"):
+    # PPO samples after encode_prompt's ids, so those must begin what SFT and the reward model saw
+    prompt = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "\n\nYes?"},
+        {"role": "user", "content": "Go"},
+    ]
+    header = encode_prompt(tokenizer, prompt, 10**9)
+    encoded = encode_chat(tokenizer, prompt, [{"role": "assistant", "content": content}], 10**9)
+    assert encoded.input_ids[: len(header)] == header
+    assert not any(encoded.response_mask[: len(header)]) and all(encoded.response_mask[len(header) :])
+    assert tokenizer.decode(encoded.input_ids[len(header) : -1]) == content  # the response's own text, then EOS
+
+
+def test_the_prefix_holds_on_every_pair_of_the_shared_data(tokenizer):
+    examples = 0
+    for _, row in read_jsonl(SHARED):
+        try:
+            parsed = to_examples(row)
+        except RowError:  # prepare quarantines it
+            continue
+        for example in parsed:
+            examples += 1
+            header = encode_prompt(tokenizer, example["prompt"], 10**9)
+            for side in ("chosen", "rejected"):
+                encoded = encode_chat(tokenizer, example["prompt"], example[side], 10**9)
+                assert encoded.input_ids[: len(header)] == header, example["prompt"]
+                assert encoded.response_mask.index(True) == len(header)
+    assert examples > 1990
 
 
 def test_a_folder_that_is_not_a_model_folder_is_named_as_such(tmp_path):

@@ -4,17 +4,17 @@ import dataclasses
 import os
 
 import pytest
-import yaml
 
 from rlhf.chat import check_reads_whole
 from rlhf.evaluation import EvalConfig
+from rlhf.gate_rules import GateCriteria, PolicyCriteria
 from rlhf.ppo_config import PPOConfig
 from rlhf.reward import RewardConfig
 from rlhf.rollout import GenerationSettings
 from rlhf.sft import SFTConfig
 from rlhf.training import config_from_params
 from rlhf.validation import ValidationConfig
-from tasks.params import stage_params
+from tasks.params import load_yaml, read_params, stage_params
 from tasks.prepare import DataConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,8 +31,7 @@ MODEL_KEYS = {"source", "random_init", "seed"}  # read by tasks/base_model.py, w
 
 
 def load(name: str) -> dict:
-    with open(os.path.join(REPO, name), encoding="utf-8") as handle:
-        return yaml.safe_load(handle)
+    return load_yaml(os.path.join(REPO, name))
 
 
 def test_the_effective_ptx_coef_is_the_one_the_file_shows():
@@ -145,3 +144,58 @@ def test_each_stage_seeds_with_its_own_seed_before_it_builds_a_model(monkeypatch
     with pytest.raises(Loaded):
         module.run(*args.get(stage, (params, generation)))
     assert calls[0] == ("seed", 4321) and calls[1][0] == "load"
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("1e-05", 1e-05),  # what `dvc exp run -S key=0.00001` writes; YAML 1.1 reads the string '1e-05'
+        ("1.0e9", 1.0e9),  # a string in YAML 1.1 too (its exponent needs a sign)
+        ("3e5", 3e5),
+        ("-2.5E-3", -2.5e-3),
+        (".5", 0.5),
+        ("1.0e-05", 1e-05),
+        ("12", 12),
+        ("-3", -3),
+        ("0x1F", 31),
+        ("0o17", 15),
+        (".inf", float("inf")),
+        ("true", True),
+        ("null", None),
+        ("~", None),
+        ("'yes'", "yes"),  # quoted: a string for both
+        ('"1_000"', "1_000"),
+        ("keep", "keep"),
+        ("2026-12-01", "2026-12-01"),  # YAML 1.2's core schema has no dates
+    ],
+)
+def test_params_are_read_with_yaml_1_2_numbers(tmp_path, text, value):
+    (tmp_path / "params.yaml").write_text(f"section:\n  value: {text}\n")
+    read = read_params(str(tmp_path / "params.yaml"))["section"]["value"]
+    assert read == value and type(read) is type(value)
+
+
+@pytest.mark.parametrize(
+    ("text", "old", "new"),
+    [("1_000", "1000", "'1_000'"), ("1:30", "90", "'1:30'"), ("017", "15", "17"), ("0b101", "5", "'0b101'"),
+     ("yes", "True", "'yes'"), ("Off", "False", "'Off'")],
+)  # fmt: skip
+def test_a_value_only_yaml_1_1_reads_as_a_number_is_refused_naming_the_key(tmp_path, text, old, new):
+    (tmp_path / "params.yaml").write_text(f"sft:\n  steps: 4\n  lr: {text}\n")
+    with pytest.raises(ValueError) as failure:
+        read_params(str(tmp_path / "params.yaml"))
+    assert str(failure.value) == (
+        f"{tmp_path}/params.yaml:3: sft.lr is {text}, which YAML 1.1 reads as {old} and YAML 1.2 (DVC) as {new}: "
+        "write it so both agree (a number as 1000 or 1.0e-5, a boolean as true or false, a string in quotes)"
+    )
+
+
+def test_typed_fields_and_the_gate_criteria_take_numbers_written_as_strings():
+    assert config_from_params(GateCriteria, {"max_ece": "1e-05"}, "registry.reward_gate").max_ece == 1e-05
+    policy = config_from_params(PolicyCriteria, {"max_kl": "2.5", "min_eos_rate": 0.5}, "registry.policy_gate")
+    assert policy.max_kl == 2.5
+    assert config_from_params(SFTConfig, {"steps": "8", "lr": "3e-5"}, "sft").steps == 8
+    with pytest.raises(ValueError, match=r"registry.reward_gate.max_ece must be a number, got 'small'"):
+        config_from_params(GateCriteria, {"max_ece": "small"}, "registry.reward_gate")
+    with pytest.raises(ValueError, match=r"sft.steps must be an integer, got '8.5'"):
+        config_from_params(SFTConfig, {"steps": "8.5"}, "sft")

@@ -30,6 +30,12 @@ LENIENT = ValidationConfig(max_length=64, max_quarantine_fraction=1.0)
         (pair(rejected="\n\t"), "empty_rejected"),
         (pair(prompt=" "), "empty_prompt"),
         (pair(chosen="Paris.", rejected="  Paris. "), "identical_responses"),
+        # invisible characters are not content: zero-width space, word joiner, BOM, soft hyphen, variation selector
+        (pair(chosen="\u200b"), "empty_chosen"),
+        (pair(rejected="\u2060\ufeff \u00ad"), "empty_rejected"),
+        (pair(prompt="\u200d\ufe0f"), "empty_prompt"),
+        (pair(chosen="Paris.", rejected="Pa\u200bris.\u200c"), "identical_responses"),
+        (pair(chosen="Paris.", rejected="Paris.\u3164"), "identical_responses"),  # a Hangul filler
         (pair(chosen="Sure.\n\nHuman: and then?"), "role_marker_in_response"),
         (pair(rejected="Why did the chicken... Human: what? Assistant: to cross"), "role_marker_in_response"),
         (pair(rejected="\ud800 broken surrogate"), "utf8"),
@@ -83,6 +89,14 @@ def test_pair_differing_only_where_truncation_cuts_is_flagged_only_then(tokenize
 def test_exact_duplicate_keeps_the_first(tokenizer):
     rows = [good(0), good(1), good(0)]
     result = validate_split("f.jsonl", rows, "pairs", tokenizer, LENIENT)
+    assert [(q["line"], q["reasons"]) for q in result.quarantined] == [(3, ["duplicate"])]
+
+
+def test_a_duplicate_differing_only_in_invisible_characters_is_a_duplicate(tokenizer):
+    twin = pair(
+        prompt="Question number\u200b 0?", chosen="A helpful\u2060 answer 0.", rejected="An unhelpful answer 0."
+    )
+    result = validate_split("f.jsonl", [good(0), good(1), twin], "pairs", tokenizer, LENIENT)
     assert [(q["line"], q["reasons"]) for q in result.quarantined] == [(3, ["duplicate"])]
 
 

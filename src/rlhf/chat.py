@@ -76,9 +76,17 @@ def encode_messages(
     turn and a response cannot end early or hold the pad id. Text without control
     tokens gets exactly the ids of the rendered template tokenised whole.
     """
-    text = tokenizer.apply_chat_template(
+    return _tokens(tokenizer, _rendered(tokenizer, messages, add_generation_prompt))
+
+
+def _rendered(tokenizer: PreTrainedTokenizerBase, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    """The chat template's text of ``messages``, control tokens in their contents marked."""
+    return tokenizer.apply_chat_template(
         _mark_control_tokens(tokenizer, list(messages)), tokenize=False, add_generation_prompt=add_generation_prompt
     )
+
+
+def _tokens(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False, sanitize_control_tokens=True)["input_ids"]
 
 
@@ -89,7 +97,11 @@ def encode_chat(
 
     Each assistant message of the response is marked from the end of its
     generation header (``<|im_start|>assistant\\n``) to its end token; user turns
-    inside a response are context, not targets. The sequence ends at the last
+    inside a response are context, not targets. Each turn's text is tokenised on its own, after the ids
+    before it, so the ids of the prompt with its generation header (:func:`encode_prompt`, what PPO
+    samples from) are always a prefix of these: a response starting with ``"\\n\\n"`` would otherwise merge
+    with the header's newline into one token. Where no turn starts that way the ids equal the template's
+    text tokenised whole. The sequence ends at the last
     end-of-turn token (the template's trailing newline is dropped), so the reward
     model reads its score at the EOS exactly as in a PPO rollout. Sequences over
     ``max_length`` lose tokens from the left (the response end is kept). Control
@@ -104,18 +116,30 @@ def encode_chat(
 
     Returns:
         :class:`Encoded` with ``len(input_ids) <= max_length``.
+
+    Raises:
+        ValueError: the chat template renders the start of a conversation differently once a turn follows
+            (no prefix can hold then).
     """
     messages = list(prompt)
-    input_ids = encode_messages(tokenizer, messages)
+    text = _rendered(tokenizer, messages)
+    input_ids = _tokens(tokenizer, text)
     mask = [False] * len(input_ids)
+
+    def extend(longer: str, target: bool) -> None:  # tokenise only what the template added: a prefix stays one
+        nonlocal text
+        if not longer.startswith(text):
+            raise ValueError("the chat template renders a conversation's start differently once a turn follows")
+        added = _tokens(tokenizer, longer[len(text) :])
+        input_ids.extend(added)
+        mask.extend([target] * len(added))
+        text = longer
+
     for message in response:
         if message["role"] == "assistant":
-            header = encode_messages(tokenizer, messages, add_generation_prompt=True)
-            mask += [False] * (len(header) - len(mask))
+            extend(_rendered(tokenizer, messages, add_generation_prompt=True), False)
         messages.append(message)
-        full = encode_messages(tokenizer, messages)
-        mask += [message["role"] == "assistant"] * (len(full) - len(mask))
-        input_ids = full
+        extend(_rendered(tokenizer, messages), message["role"] == "assistant")
     if tokenizer.eos_token_id in input_ids:
         # end at the last end-of-turn token: the template's trailing newline is not part of
         # the response, and the reward is read at the EOS exactly as in a PPO rollout

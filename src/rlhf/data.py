@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import fsspec
 import fsspec.compression
 
-from rlhf.formats import Message, RowError, as_messages, to_examples
+from rlhf.formats import Message, RowError, as_messages, to_examples, visible_text
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -92,7 +92,8 @@ def read_jsonl(path: str, storage_options: dict[str, Any] | None = None) -> Iter
 
     Raises:
         FileNotFoundError: the path does not exist.
-        ValueError: the file is compressed with a codec that is not installed (names the path).
+        ValueError: the file is compressed with a codec that is not installed, or its stream breaks partway
+            (truncated or corrupt: names the path and the last whole line read).
     """
     with fsspec.open(path, "rb", **(storage_options or {})) as raw:
         head = b""
@@ -106,7 +107,7 @@ def read_jsonl(path: str, storage_options: dict[str, Any] | None = None) -> Iter
                     f"{path}: the file is {compression}-compressed, but no {compression} codec is installed"
                 )
             stream = fsspec.compression.compr[compression](stream, mode="rb")
-        for number, line in enumerate(stream, start=1):
+        for number, line in enumerate(_lines(stream, path, compression), start=1):
             if number == 1:
                 line = line.removeprefix(b"\xef\xbb\xbf")
             if not line.strip():
@@ -119,6 +120,25 @@ def read_jsonl(path: str, storage_options: dict[str, Any] | None = None) -> Iter
                 yield number, RowError(f"invalid JSON: {err.msg}")
 
 
+def _lines(stream: Any, path: str, compression: str | None) -> Iterator[bytes]:
+    """The lines of ``stream``; a read or decoder error partway (a truncated or corrupt gzip, bz2, xz or zstd
+    stream, a dropped connection) becomes one ``ValueError`` naming the file and the last line read whole."""
+    lines, count = iter(stream), 0
+    while True:
+        try:
+            line = next(lines)
+        except StopIteration:
+            return
+        except Exception as err:  # EOFError, zlib.error, lzma.LZMAError, ZstdError, OSError: the kind varies
+            kind = f"its {compression} stream" if compression else "it"
+            raise ValueError(
+                f"{path}: reading stopped after line {count}: {kind} is truncated or corrupt "
+                f"({type(err).__name__}: {err})"
+            ) from err
+        count += 1
+        yield line
+
+
 def prompt_key(prompt: Any) -> str:
     """Stable hex sha256 of a prompt's messages (or of any JSON value, e.g. a ptx row); the id of the prompt."""
     return hashlib.sha256(
@@ -127,7 +147,7 @@ def prompt_key(prompt: Any) -> str:
 
 
 def conversation_root(messages: list[Message]) -> str:
-    """The root of a conversation: its first user turn's content, whitespace-normalised.
+    """The root of a conversation: its first user turn's visible content (:func:`rlhf.formats.visible_text`).
 
     Every cut of one conversation (HH holds the same dialogue cut at different
     turns) has the same root, so splitting by it keeps the cuts together.
@@ -137,7 +157,7 @@ def conversation_root(messages: list[Message]) -> str:
     """
     for message in messages:
         if message["role"] == "user":
-            return " ".join(message["content"].split())
+            return visible_text(message["content"])
     raise RowError("conversation has no user turn")
 
 
@@ -204,7 +224,7 @@ def ptx_key(row: dict[str, Any]) -> str:
     if "messages" in row and any(m["role"] == "user" for m in row["messages"]):
         return conversation_root(row["messages"])
     contents = [m["content"] for m in row["messages"]] if "messages" in row else [row["text"]]
-    return " ".join(" ".join(contents).split())
+    return visible_text(" ".join(contents))
 
 
 def is_ptx_heldout(row: dict[str, Any], heldout_fraction: float) -> bool:

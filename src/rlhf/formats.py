@@ -10,7 +10,9 @@ turn (README "Input data" says what happens to rows that do not).
 
 from __future__ import annotations
 
+import math
 import re
+import unicodedata
 from typing import Any
 
 Message = dict[str, str]
@@ -22,6 +24,35 @@ ECHO_MIN_WORDS = 3
 """A plain-string response that starts with the whole prompt text is read as prompt + response (the
 "completion includes the prompt" layout) when the prompt has at least this many words; a shorter prompt is
 echoed by ordinary answers ("Hi" -> "Hi there!") and is left alone."""
+
+
+_INVISIBLE_CATEGORIES = frozenset({"Cf", "Cc", "Cs", "Cn"})
+"""Unicode categories that draw nothing: format characters (zero-width space and joiners, word joiner, BOM,
+soft hyphen, bidirectional marks, tags), controls, lone surrogates and unassigned code points."""
+_INVISIBLE_CHARACTERS = frozenset("\u034f\u115f\u1160\u3164\uffa0\u2800") | frozenset(
+    map(chr, [*range(0xFE00, 0xFE10), *range(0xE0100, 0xE01F0)])
+)
+"""Letters and marks that draw nothing: the combining grapheme joiner, the Hangul fillers, the braille blank
+and the variation selectors."""
+
+
+def visible_text(text: str) -> str:
+    """``text`` as a reader sees it: invisible characters removed, any run of whitespace one space, stripped.
+
+    What counts as an empty response, two identical responses, a whitespace-only difference, a duplicate or
+    one conversation reads this, so ``"Yes\u200b"`` is ``"Yes"`` and ``"\u200b"`` is empty.
+    """
+    kept = "".join(
+        ch
+        for ch in text
+        if ch.isspace() or (unicodedata.category(ch) not in _INVISIBLE_CATEGORIES and ch not in _INVISIBLE_CHARACTERS)
+    )
+    return " ".join(kept.split())
+
+
+def visible_turns(messages: list[Message]) -> list[tuple[str, str]]:
+    """``(role, visible content)`` of each message (:func:`visible_text`): what two responses are compared by."""
+    return [(m["role"], visible_text(m["content"])) for m in messages]
 
 
 class RowError(ValueError):
@@ -88,7 +119,7 @@ def split_pair(chosen: list[Message], rejected: list[Message]) -> tuple[list[Mes
     if cut == 0:
         raise RowError("the dialogues share no user turn")
     prompt, chosen_response, rejected_response = chosen[:cut], _trim_end(chosen[cut:]), _trim_end(rejected[cut:])
-    if chosen_response == rejected_response:
+    if visible_turns(chosen_response) == visible_turns(rejected_response):
         raise RowError("chosen and rejected responses are identical")
     for name, response in (("chosen", chosen_response), ("rejected", rejected_response)):
         if response and response[0]["role"] != "assistant":
@@ -96,7 +127,7 @@ def split_pair(chosen: list[Message], rejected: list[Message]) -> tuple[list[Mes
                 f"{name} response starts with a {response[0]['role']} turn, not an assistant turn "
                 "(the dialogues differ before the answer)"
             )
-        if not any(m["content"].strip() for m in response if m["role"] == "assistant"):
+        if not any(visible_text(m["content"]) for m in response if m["role"] == "assistant"):
             raise RowError(f"{name} response is empty")
     return prompt, chosen_response, rejected_response
 
@@ -162,10 +193,12 @@ def expand_ranking(responses: list[Any], ranks: list[Any] | None) -> list[tuple[
 
     Args:
         responses: K responses.
-        ranks: K numbers, lower is better; None means the responses are ordered best first.
+        ranks: K finite numbers, lower is better; None means the responses are ordered best first.
 
     Raises:
-        RowError: ``ranks`` is not a list of K numbers, or fewer than two responses.
+        RowError: ``ranks`` is not a list of K finite numbers (a NaN never equals itself, so it would make
+            every pair it is in a preference; JSON's ``NaN`` and ``Infinity`` parse), or fewer than two
+            responses.
     """
     if not isinstance(responses, list) or len(responses) < 2:
         raise RowError("field 'responses' must be a list of at least 2 responses")
@@ -173,9 +206,9 @@ def expand_ranking(responses: list[Any], ranks: list[Any] | None) -> list[tuple[
     if (
         not isinstance(ranks, list)
         or len(ranks) != len(responses)
-        or not all(isinstance(r, (int, float)) and not isinstance(r, bool) for r in ranks)
+        or not all(isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r) for r in ranks)
     ):
-        raise RowError(f"field 'ranks' must be a list of {len(responses)} numbers")
+        raise RowError(f"field 'ranks' must be a list of {len(responses)} finite numbers")
     pairs = []
     for i in range(len(responses)):
         for j in range(i + 1, len(responses)):
@@ -211,10 +244,8 @@ def _prompt_messages(value: Any) -> list[Message]:
 
 
 def _same(a: list[Message], b: list[Message]) -> bool:
-    """Messages equal in role and in whitespace-normalised content."""
-    return len(a) == len(b) and all(
-        x["role"] == y["role"] and x["content"].split() == y["content"].split() for x, y in zip(a, b, strict=True)
-    )
+    """Messages equal in role and in visible content (:func:`visible_text`)."""
+    return visible_turns(a) == visible_turns(b)
 
 
 def _leading_system(messages: list[Message]) -> int:

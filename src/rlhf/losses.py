@@ -12,6 +12,7 @@ Conventions: ``B`` is the batch, ``R`` the number of response tokens. Every
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -98,6 +99,12 @@ def bradley_terry_loss(
     return losses.sum() / (count if count is not None else max(len(losses), 1))
 
 
+LOG_RATIO_MAX = 80.0
+"""The largest ``|log(pi / pi_ref)|`` or ``|log rho|`` whose exponential the losses take: ``e^80 = 5.5e34``
+leaves float32 (max ``3.4e38``) room for an advantage or a sum over tokens. Past it the formula itself is inf
+in float32 (``e^88.8``), so nothing the formula gives finitely is changed."""
+
+
 def kl_k1(logratio: torch.Tensor) -> torch.Tensor:
     """k1 KL estimator per token: ``log pi(y_t|s_t) - log pi_ref(y_t|s_t)``.
 
@@ -118,12 +125,17 @@ def kl_k3(logratio: torch.Tensor) -> torch.Tensor:
     Schulman's low-variance, always non-negative estimator of KL(pi || pi_ref)
     for samples drawn from pi; logged beside k1.
 
+    ``d`` is clamped below at ``-LOG_RATIO_MAX`` (:data:`LOG_RATIO_MAX`) first: under it ``exp(-d)`` is past
+    float32's range (the formula is inf there, at ``d = -88.8`` and below), so the estimate stays finite
+    (at most ``e^80``) for every finite input; above it the value is the formula's.
+
     Args:
         logratio: ``(B, R)`` float.
 
     Returns:
-        ``(B, R)`` float, >= 0.
+        ``(B, R)`` float, >= 0 and finite for finite input.
     """
+    logratio = logratio.clamp(min=-LOG_RATIO_MAX)
     return torch.expm1(-logratio) + logratio
 
 
@@ -222,23 +234,33 @@ def ppo_clip_loss(
         count: response tokens of the whole minibatch these rows are a part of (:func:`masked_mean`);
             the loss and the stats are then this part's shares. None: this batch's own tokens.
 
+    Finite for every finite input (with advantages and token counts that float32 can multiply by ``e^80``).
+    Where the clipped term is taken (``A > 0`` and ``rho > 1 + eps``, or ``A < 0`` and ``rho < 1 - eps``) the
+    term is the constant ``-A clip(rho)`` with zero gradient, whatever ``rho`` is: the decision is made on
+    ``log rho`` and ``exp`` never sees the log-ratio there, so an overflowing ``rho`` cannot turn the zero
+    gradient into ``0 * inf = NaN``. Elsewhere ``log rho`` is clamped to ``+-LOG_RATIO_MAX``
+    (:data:`LOG_RATIO_MAX`, 80) before ``exp``: past it the formula's value is inf in float32 (``rho =
+    e^88.8``); the clamped term is ``-A e^80`` with zero gradient.
+
     Returns:
         ``(loss, stats)``: scalar loss; stats holds ``clipfrac`` (share of tokens
         where the clipped term was taken), ``approx_kl`` (k3 of old vs new,
-        ``0.5 E[(log rho)^2]``) and ``ratio`` (mean rho), all detached scalars.
+        ``0.5 E[(log rho)^2]``) and ``ratio`` (mean rho, each clamped as above), all detached scalars.
     """
     # padded positions are filled before exp, so an inf there cannot make the loss NaN
     log_ratio = torch.where(mask, logprobs - old_logprobs, torch.zeros_like(logprobs))
     advantages = torch.where(mask, advantages, torch.zeros_like(advantages))
-    ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip, 1.0 + clip)
-    loss = masked_mean(torch.maximum(unclipped, clipped), mask, count=count)
+    bounds = math.log(1.0 - clip) if clip < 1.0 else -math.inf, math.log(1.0 + clip)
+    taken = ((advantages > 0) & (log_ratio > bounds[1])) | ((advantages < 0) & (log_ratio < bounds[0]))
+    ratio = torch.exp(torch.where(taken, 0.0, log_ratio).clamp(-LOG_RATIO_MAX, LOG_RATIO_MAX))
+    clipped_ratio = torch.where(log_ratio > 0, 1.0 + clip, 1.0 - clip)  # the bound taken, where it is taken
+    terms = torch.where(taken, -advantages * clipped_ratio, -advantages * ratio)
+    loss = masked_mean(terms, mask, count=count)
     with torch.no_grad():
         stats = {
-            "clipfrac": masked_mean((clipped > unclipped).to(ratio.dtype), mask, count=count),
+            "clipfrac": masked_mean(taken.to(log_ratio.dtype), mask, count=count),
             "approx_kl": masked_mean(0.5 * log_ratio**2, mask, count=count),
-            "ratio": masked_mean(ratio, mask, count=count),
+            "ratio": masked_mean(log_ratio.clamp(-LOG_RATIO_MAX, LOG_RATIO_MAX).exp(), mask, count=count),
         }
     return loss, stats
 

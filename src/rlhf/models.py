@@ -9,6 +9,7 @@ id), and left-padded batches get ``position_ids`` from the attention mask.
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import os
 import re
@@ -190,6 +191,24 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
         raise ValueError(f"{path}: tokenizer pad token must be set and differ from EOS")
     return tokenizer
+
+
+def save_tokenizer(tokenizer: PreTrainedTokenizerBase, folder: str) -> None:
+    """Save ``tokenizer`` into a model folder with its chat template where every consumer looks.
+
+    transformers writes the template to ``chat_template.jinja`` only; tools that read ``tokenizer_config.json``
+    (older transformers, llama.cpp's converter, vLLM's and TGI's loaders of a given version) then find none
+    and fall back to a default template. The same text also goes into ``tokenizer_config.json``'s
+    ``chat_template`` key.
+    """
+    tokenizer.save_pretrained(folder)
+    if isinstance(tokenizer.chat_template, str):
+        config_path = os.path.join(folder, "tokenizer_config.json")
+        with open(config_path, encoding="utf-8") as file:
+            config = json.load(file)
+        config["chat_template"] = tokenizer.chat_template
+        with open(config_path, "w", encoding="utf-8") as file:
+            json.dump(config, file, indent=2, ensure_ascii=False)
 
 
 def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:

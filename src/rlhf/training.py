@@ -314,9 +314,9 @@ def summed_over_ranks(
 def config_from_params(cls: type, params: dict[str, Any], section: str) -> Any:
     """Build the dataclass ``cls`` from a params.yaml section, checking keys and types.
 
-    YAML 1.1 reads ``3e-5`` (no dot) as a string: numbers written that way are
-    converted for float fields. Int fields take integers, bool fields take
-    true/false; ``None`` is accepted where the field allows it.
+    A typed field takes a number written as a string too (``"3e-5"`` for a float, ``"8"`` for an int: a YAML 1.1
+    reader, or a quoted value); int fields take whole numbers only, bool fields true/false; ``None`` is accepted
+    where the field allows it.
 
     Raises:
         ValueError: a key that is not a field of ``cls``, or a value of the
@@ -339,8 +339,11 @@ def config_from_params(cls: type, params: dict[str, Any], section: str) -> Any:
                 values[key] = float(value)
             except (ValueError, TypeError):
                 raise ValueError(f"params.yaml: {section}.{key} must be a number, got {value!r}") from None
-        elif kind.startswith("int") and (not isinstance(value, int) or isinstance(value, bool)):
-            raise ValueError(f"params.yaml: {section}.{key} must be an integer, got {value!r}")
+        elif kind.startswith("int"):
+            if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+                values[key] = value = int(value)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"params.yaml: {section}.{key} must be an integer, got {value!r}")
         elif kind.startswith("bool") and not isinstance(value, bool):
             raise ValueError(f"params.yaml: {section}.{key} must be true or false, got {value!r}")
         elif kind.startswith("str") and not isinstance(value, str):

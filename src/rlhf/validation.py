@@ -29,7 +29,7 @@ from transformers import PreTrainedTokenizerBase
 
 from rlhf.chat import control_token_ids, control_tokens, encode_chat, encode_prompt, encode_text
 from rlhf.data import parse_ptx_row, ptx_token_ids
-from rlhf.formats import RowError
+from rlhf.formats import RowError, visible_text
 
 ROLE_MARKER = re.compile(r"(?:^|\s)(?:Human|Assistant|User|System):")
 """A speaker tag inside a response or a ptx message, at a line start or mid-line ("... Human: what? Assistant: ...")."""
@@ -88,7 +88,8 @@ def _safe(text: str | None) -> str:
 
 
 def _normalized(text: str | None) -> str:
-    return " ".join(unicodedata.normalize("NFKC", text or "").split())
+    """What duplicates and identical responses are compared by: NFKC, then the visible text."""
+    return visible_text(unicodedata.normalize("NFKC", text or ""))
 
 
 class _ControlTokens:
@@ -153,7 +154,7 @@ def _ptx_record(row: Any, index: int, tokenizer: PreTrainedTokenizerBase, contro
         "fields_ok": parsed is not None,
         "utf8_ok": utf8,
         "text": _safe("\n".join(contents)),
-        "contents_nonempty": bool(contents) and all(c.strip() for c in contents),
+        "contents_nonempty": bool(contents) and all(visible_text(c) for c in contents),
         "role_marker": marker is not None,
         "marker_content": _safe(marker),
         "control_text": control_text is not None,
@@ -186,7 +187,7 @@ def derive_columns(
             records.append(_ptx_record(row, len(records), tokenizer, control))
             continue
         prompt = _text(row.get("prompt"))
-        record = {"prompt": _safe(prompt), "prompt_tokens": 0}
+        record = {"prompt": _safe(prompt), "prompt_visible": _safe(visible_text(prompt or "")), "prompt_tokens": 0}
         responses = ("chosen", "rejected") if kind == "pairs" else ()
         texts = {name: _text(row.get(name)) for name in responses}
         record["fields_ok"] = (
@@ -213,7 +214,7 @@ def derive_columns(
             record["control_ids_ok"] = control.counts(prompt_ids) == control.expected("prompt", roles["prompt"])
         encoded = {}
         for name, text in texts.items():
-            record[name] = _safe(text)
+            record[name], record[f"{name}_visible"] = _safe(text), _safe(visible_text(text or ""))
             record[f"{name}_tokens"] = len(encode_text(tokenizer, text)) if text and record["utf8_ok"] else 0
             record[f"{name}_role_marker"] = bool(ROLE_MARKER.search(text or ""))
             if encodable:
@@ -261,7 +262,7 @@ def _rules(kind: str, config: ValidationConfig) -> list[tuple[str, Any]]:
     rules = [
         ("fields", E.ExpectColumnValuesToBeInSet(column="fields_ok", value_set=[True])),
         ("utf8", E.ExpectColumnValuesToBeInSet(column="utf8_ok", value_set=[True])),
-        ("empty_prompt", E.ExpectColumnValuesToMatchRegex(column="prompt", regex=r"\S")),
+        ("empty_prompt", E.ExpectColumnValuesToMatchRegex(column="prompt_visible", regex=r"\S")),
         ("duplicate", E.ExpectColumnValuesToBeInSet(column="is_duplicate", value_set=[False])),
         (
             "prompt_tokens",
@@ -272,8 +273,8 @@ def _rules(kind: str, config: ValidationConfig) -> list[tuple[str, Any]]:
     ]
     if kind == "pairs":
         rules += [
-            ("empty_chosen", E.ExpectColumnValuesToMatchRegex(column="chosen", regex=r"\S")),
-            ("empty_rejected", E.ExpectColumnValuesToMatchRegex(column="rejected", regex=r"\S")),
+            ("empty_chosen", E.ExpectColumnValuesToMatchRegex(column="chosen_visible", regex=r"\S")),
+            ("empty_rejected", E.ExpectColumnValuesToMatchRegex(column="rejected_visible", regex=r"\S")),
             (
                 "chosen_tokens",
                 E.ExpectColumnValuesToBeBetween(
@@ -407,7 +408,14 @@ def _shown_value(frame: pd.DataFrame, rule: str, index: int, value: Any) -> Any:
     if "marker_content" in frame:  # a ptx split
         column = {"role_marker_in_content": "marker_content", "empty_content": "text", "duplicate": "text"}.get(rule)
         return frame.at[index, column] if column else value
-    column = {"duplicate": "prompt", "identical_responses": "chosen", "identical_after_truncation": "chosen"}.get(rule)
+    column = {
+        "duplicate": "prompt",
+        "identical_responses": "chosen",
+        "identical_after_truncation": "chosen",
+        "empty_prompt": "prompt",  # the text as written (its invisible characters show in repr), not its visible part
+        "empty_chosen": "chosen",
+        "empty_rejected": "rejected",
+    }.get(rule)
     return frame.at[index, column] if column else value
 
 
