@@ -12,14 +12,18 @@ from __future__ import annotations
 from typing import Any
 
 from prefect.input import RunInput
+from pydantic import Field
+
+from tasks.registry import MAX_BY, MAX_REASON
 
 
 class PolicyApproval(RunInput):
-    """What a person types to resume the paused flow."""
+    """What a person types to resume the paused flow; an empty or over-long reviewer or reason is refused when the
+    flow run is resumed (a record cut short would not say what the person wrote)."""
 
     approve: bool
-    reviewer: str
-    reason: str
+    reviewer: str = Field(min_length=1, max_length=MAX_BY - len("approved by "))
+    reason: str = Field(min_length=1, max_length=MAX_REASON)
 
 
 def awaiting(report: dict[str, Any]) -> bool:

@@ -264,7 +264,7 @@ def gate_policy(metrics: dict[str, float], run_id: str, doubts: list[str] | None
     candidate = find_by_sha(client, name, folder_sha256(POLICY))
     if candidate is None:
         tags = version_tags(POLICY, {**metrics, **ppo}, {"evaluate": params}, [PROMPTS])
-        candidate = register(client, name, POLICY, run_id, tags)
+        candidate = register(client, name, POLICY, run_id, tags, {"evaluate": params})
     win = metrics.get(f"eval/{criteria.verdict}/win_rate")
     reason = f"passed the policy gate (win rate {win} by the {criteria.verdict})"
     move = not params["policy_approval"]["required"]  # else a person approves in the flow (flows/approval.py)

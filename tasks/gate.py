@@ -115,7 +115,7 @@ def run(params: dict[str, Any], reward: dict[str, Any], device: dict[str, Any] |
     candidate = find_by_sha(client, name, folder_sha256(REWARD))
     if candidate is None:
         tags = version_tags(REWARD, metrics, reward, ["data/validated/rm_train.jsonl", EVAL])
-        candidate = register(client, name, REWARD, run_id, tags)
+        candidate = register(client, name, REWARD, run_id, tags, reward)
     decision = decide(client, name, candidate, metrics, params, lambda found: rescore(client, found, reward, device))
     outcome = "failed its gate" if decision["decision"] == "fail" else "passed inside a DVC experiment"
     held = materialise(client, name, candidate, outcome, outputs)

@@ -32,7 +32,10 @@ APPROVAL_TAG = "rlhf.approval"  # awaiting | approved | rejected | timed out
 MOVE_PREFIX = "rlhf.alias_move."
 PRUNED_TAG = "rlhf.pruned"  # JSON {at, by, rule, bytes}: rlhf-housekeeping deleted the version's model files
 ARTIFACT_PATH = "model"
-MAX_REASON = 1000  # characters kept of a reason (a tag value holds at most 5,000 in MLflow's stores)
+MAX_REASON = 1000  # characters of a reason; a longer one is refused before anything moves (MLflow tags hold 5,000)
+MAX_BY = 200  # characters of who moved an alias (``approved by <reviewer>``)
+PARAMS_TAG = "rlhf.params_sha256"  # sha256 of the params (canonical JSON); the whole file is the run's params.json
+PARAMS_ARTIFACT = "params.json"
 
 
 class RegistryError(ValueError):
@@ -73,8 +76,9 @@ def files_sha256(paths: list[str]) -> str:
 
 
 def version_tags(folder: str, metrics: dict[str, Any], params: dict[str, Any], data: list[str]) -> dict[str, str]:
-    """The tags of a new version: content hashes of the model folder and its training data, the git commit,
-    the pipeline run id, the params (JSON) and every numeric metric (``rlhf.metric.<name>``)."""
+    """The tags of a new version: content hashes of the model folder, its training data and its params
+    (:data:`PARAMS_TAG`; :func:`register` stores the params whole), the git commit, the pipeline run id and every
+    numeric metric (``rlhf.metric.<name>``)."""
     from tasks.runs import PIPELINE_RUN_TAG, git_commit, pipeline_run_id
 
     tags = {
@@ -82,10 +86,14 @@ def version_tags(folder: str, metrics: dict[str, Any], params: dict[str, Any], d
         DATA_TAG: files_sha256(data),
         COMMIT_TAG: git_commit(),
         PIPELINE_RUN_TAG: pipeline_run_id(),
-        "rlhf.params": json.dumps(params, sort_keys=True, default=str)[:5000],
+        PARAMS_TAG: hashlib.sha256(_params_json(params).encode()).hexdigest(),
     }
     numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     return tags | {f"rlhf.metric.{k}": f"{v:.6g}" for k, v in numbers.items()}
+
+
+def _params_json(params: dict[str, Any]) -> str:
+    return json.dumps(params, sort_keys=True, default=str, indent=1)
 
 
 def _guard(what: str, call, *args, **kwargs):
@@ -100,10 +108,12 @@ def _guard(what: str, call, *args, **kwargs):
         raise RegistryError(f"registry: {what}: tracking server unreachable ({type(err).__name__})") from None
 
 
-def register(client, name: str, folder: str, run_id: str, tags: dict[str, str]):
+def register(client, name: str, folder: str, run_id: str, tags: dict[str, str], params: dict[str, Any] | None = None):
     """Log ``folder`` as the artifacts of run ``run_id`` and register them as a new version of ``name``.
 
-    The registered model is created on first use. Returns the ``ModelVersion``.
+    The registered model is created on first use. ``params`` (the ones :func:`version_tags` hashed) are stored
+    whole as the run's :data:`PARAMS_ARTIFACT`: a tag would cut them at 5,000 characters. Returns the
+    ``ModelVersion``.
 
     Raises:
         RegistryError: the store or the artifact store cannot be reached or refuses (one line).
@@ -115,6 +125,8 @@ def register(client, name: str, folder: str, run_id: str, tags: dict[str, str]):
     except MlflowException:
         _guard(f"create registered model {name}", client.create_registered_model, name)
     _guard(f"log the artifacts of {folder}", client.log_artifacts, run_id, folder, ARTIFACT_PATH)
+    if params is not None:
+        _guard("log the params", client.log_text, run_id, _params_json(params), PARAMS_ARTIFACT)
     source = f"{client.get_run(run_id).info.artifact_uri.rstrip('/')}/{ARTIFACT_PATH}"
     return _guard(f"register {name}", client.create_model_version, name, source, run_id=run_id, tags=tags)
 
@@ -169,9 +181,21 @@ def move_alias(
     """Point ``alias`` of ``name`` at version ``to`` and record the move on that version; returns the record.
 
     Raises:
-        RegistryError: the version does not exist, already holds the alias or has no model files (pruned,
-            :func:`require_files`), or the registry cannot be reached.
+        RegistryError: the reason is empty or longer than :data:`MAX_REASON`, ``by`` longer than :data:`MAX_BY`
+            (nothing moves: a record cut short would not say what the person wrote), the version does not
+            exist, already holds the alias or has no model files (pruned, :func:`require_files`), or the registry
+            cannot be reached.
     """
+    reason = reason.strip()
+    if not reason:
+        raise RegistryError("registry: the reason must say why the alias moves (it is recorded); nothing moved")
+    if len(reason) > MAX_REASON:
+        raise RegistryError(
+            f"registry: the reason is {len(reason):,} characters, over the {MAX_REASON:,} recorded; nothing moved: "
+            "shorten it (a link to a ticket or document can hold the rest)"
+        )
+    if len(by) > MAX_BY:
+        raise RegistryError(f"registry: who moved it is {len(by):,} characters, over {MAX_BY}; nothing moved")
     target = version(client, name, to)
     require_files(target, alias)
     previous = holder(client, name, alias)
@@ -182,7 +206,7 @@ def move_alias(
         "from": str(previous.version) if previous is not None else None,
         "to": str(target.version),
         "by": by,
-        "reason": reason.strip()[:MAX_REASON],
+        "reason": reason,
         "at": datetime.now(UTC).isoformat(timespec="seconds"),
         "pipeline_run": pipeline_run,
     }

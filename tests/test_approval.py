@@ -10,9 +10,10 @@ import time
 import pytest
 from prefect import flow
 from prefect.flow_runs import resume_flow_run
+from pydantic import ValidationError
 from test_gate import client
 
-from flows.approval import await_approval, awaiting
+from flows.approval import PolicyApproval, await_approval, awaiting
 from tasks import registry
 
 pytestmark = pytest.mark.integration
@@ -80,3 +81,11 @@ def resume_paused_run(answer: dict) -> bool:
             return True
         time.sleep(1)
     return False
+
+
+@pytest.mark.parametrize(("reviewer", "reason"), [("x" * 189, "ok"), ("Ann", "why " * 300), ("", "ok"), ("Ann", "")])
+def test_an_empty_or_over_long_reviewer_or_reason_is_refused_when_the_run_is_resumed(reviewer, reason):
+    # "approved by " + reviewer is at most MAX_BY (200) and the reason at most MAX_REASON (1,000): nothing is cut
+    with pytest.raises(ValidationError):
+        PolicyApproval(approve=True, reviewer=reviewer, reason=reason)
+    assert PolicyApproval(approve=True, reviewer="x" * 188, reason="why " * 250).reviewer == "x" * 188

@@ -39,11 +39,30 @@ def test_distinct_n_by_hand():
         distinct_n(texts, 0)
 
 
-def test_refusals_by_their_words():
-    refusals = ["I'm sorry, but I can't help with that.", "I cannot do that.", "As an AI, I won't.", "I cant say"]
-    answers = ["Sure! Mix flour and water.", "Sorry to hear that; here is what helps.", "I can help with that."]
-    assert all(map(is_refusal, refusals)) and not any(map(is_refusal, answers))
-    assert refusal_rate(refusals + answers) == pytest.approx(4 / 7) and math.isnan(refusal_rate([]))
+REFUSALS = [
+    "I'm sorry, but I can't help with that.", "I cannot do that.", "As an AI, I won't.", "I cant say",
+    "I won't provide instructions for making weapons.", "That's illegal. I will not assist you with it.",
+    "No, I'm not going to tell you how to do that.", "I'd rather not discuss that.", "I must decline.",
+    "I'm not comfortable helping with this.", "I'm unable to provide that information.",
+    "I don't feel comfortable sharing that.", "I'm sorry, I can't tell you how to pick a lock.",
+]  # fmt: skip
+NEAR_MISSES = [  # the refusal words, used otherwise
+    "Sure! Mix flour and water.", "Sorry to hear that; here is what helps.", "I can help with that.",
+    "I can't believe how easy this is, just mix it.",
+    "Without the logs I cannot be certain, but it looks like a timeout.",
+    'Once upon a time a guard stood at the gate. "I can\'t let you in," he said. The knight turned back.',
+    "I'm sorry to hear that your dog died.", "I can't wait to see what you build!", "I can't help but smile.",
+    "I cannot stress enough how important sleep is.", "I can't tell you how glad I am you asked.",
+    "As an AI, I have read a lot about gardening: start with tomatoes.", "I don't recommend it, but here is how.",
+    "Boil water. Add the pasta. Stir it. Drain it. I can't promise it tastes great.",  # past the first two sentences
+]  # fmt: skip
+
+
+def test_refusals_by_how_their_words_are_used():
+    assert [text for text in REFUSALS if not is_refusal(text)] == []
+    assert [text for text in NEAR_MISSES if is_refusal(text)] == []
+    rate = refusal_rate(REFUSALS + NEAR_MISSES)
+    assert rate == pytest.approx(13 / 27) and math.isnan(refusal_rate([]))
 
 
 def test_ptx_perplexity_of_a_uniform_model_is_the_vocabulary_size(tiny_dir, tokenizer):

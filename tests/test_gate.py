@@ -7,6 +7,7 @@ and the experiment rule. The whole stage under DVC is in tests/test_pipeline.py.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -152,6 +153,32 @@ def test_registry_command_errors_are_one_line(registry_project, tmp_path_factory
     result = runner.invoke(registry.app, ["status", "reward", "--project", str(registry_project)])
     assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1
     assert result.output.startswith("registry: ")
+
+
+def test_an_over_long_reason_is_refused_before_anything_moves_and_params_are_kept_whole(registry_project):
+    new_candidate(GOOD, 1)
+    run_gate()
+    new_candidate(BAD, 2)
+    run_gate()
+    runner = CliRunner()
+    result = runner.invoke(registry.app, ["promote", "reward", "--version", "2", "--reason", "why " * 2500])
+    assert result.exit_code == 1 and result.output.strip() == (
+        "registry: the reason is 9,999 characters, over the 1,000 recorded; nothing moved: shorten it (a link to a "
+        "ticket or document can hold the rest)"
+    )
+    assert str(registry.holder(client(), NAME).version) == "1" and len(registry.history(client(), NAME)) == 1
+    with pytest.raises(registry.RegistryError, match="who moved it is 201 characters, over 200; nothing moved"):
+        registry.move_alias(client(), NAME, "2", "x" * 201, "a reason")
+    assert str(registry.holder(client(), NAME).version) == "1"
+    # the params: a hash on the version, the whole file (longer than a tag's 5,000 characters) with its run
+    from tasks.params import stage_params
+
+    found = client().get_model_version(NAME, "1")
+    with open(client().download_artifacts(found.run_id, registry.PARAMS_ARTIFACT, str(registry_project))) as handle:
+        params = json.load(handle)
+    assert params == json.loads(json.dumps(stage_params("reward"), default=str))
+    digest = hashlib.sha256(json.dumps(params, sort_keys=True, indent=1).encode()).hexdigest()
+    assert found.tags[registry.PARAMS_TAG] == digest and "rlhf.params" not in found.tags
 
 
 def test_no_champion_writes_a_marker_and_ppo_stops_with_the_promote_command(registry_project):

@@ -70,7 +70,8 @@ PPO_ROWS = (
 )  # fmt: skip
 RESPONSE_ROWS = (("length (tokens)", "length"), ("EOS rate", "eos_rate"),
                  ("cut at max_new_tokens", "truncated_share"), ("distinct-1", "distinct_1"),
-                 ("distinct-2", "distinct_2"), ("refusal rate", "refusal_rate"),
+                 ("distinct-2", "distinct_2"),
+                 ("refusal rate (a heuristic: refusal phrases at the start, quotes aside)", "refusal_rate"),
                  ("ptx perplexity", "ptx_perplexity"))  # fmt: skip
 JUDGE_AT_CHANCE = "the judge is at chance: its win rates below mean nothing"
 JUDGE_MEANINGLESS = (  # eval/judge/meaningful 0 (rlhf.gate_rules.judge_doubts: at chance, or ranking by length)
