@@ -9,8 +9,11 @@ from rlhf.chat import encode_chat, encode_prompt, pad
 from rlhf.data import read_jsonl
 from rlhf.formats import RowError, to_examples
 from rlhf.models import (
+    cast_once,
+    load_causal_lm,
     position_ids_from_mask,
     response_mask_from_tokens,
+    sample,
     sequence_scores,
     token_scores,
 )
@@ -202,6 +205,36 @@ def test_the_prefix_holds_on_every_pair_of_the_shared_data(tokenizer):
                 assert encoded.input_ids[: len(header)] == header, example["prompt"]
                 assert encoded.response_mask.index(True) == len(header)
     assert examples > 1990
+
+
+@pytest.mark.parametrize("frozen_blocks", [2, 1])  # all frozen (evaluate, the reference); the policy's lower block
+def test_sampling_under_autocast_casts_frozen_weights_once_and_samples_the_same_tokens(tiny_dir, tokenizer,
+                                                                                       frozen_blocks):  # fmt: skip
+    model = load_causal_lm(tiny_dir).eval()
+    model.requires_grad_(False)
+    for block in model.model.layers[frozen_blocks:]:
+        block.requires_grad_(True)
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    prompts = [encode_prompt(tokenizer, [{"role": "user", "content": text}], 64) for text in ("Hi", "Tell me more")]
+    seeds = [11, 12]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cached = sample(model, tokenizer, prompts, 12, 0.7, seeds=seeds)
+        with torch.no_grad(), cast_once(model):  # inside, every weight requires grad: autocast caches its cast
+            assert all(p.requires_grad for p in model.parameters())
+        assert {name for name, p in model.named_parameters() if p.requires_grad} == trainable  # restored
+        ids, attn = pad(tokenizer, prompts, "left", model.device)
+        torch.manual_seed(0)
+        from transformers import GenerationConfig, LogitsProcessorList
+
+        from rlhf.sampling import PerPromptSampling
+
+        with torch.no_grad():  # the same generation, each frozen weight cast again at each use
+            plain = model.generate(input_ids=ids, attention_mask=attn, logits_processor=LogitsProcessorList(
+                [PerPromptSampling(seeds, 0.7, model.device)]), generation_config=GenerationConfig(
+                do_sample=False, max_new_tokens=12, min_new_tokens=0, eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id))  # fmt: skip
+    assert torch.equal(cached.input_ids, plain)
+    assert {name for name, p in model.named_parameters() if p.requires_grad} == trainable
 
 
 def test_a_folder_that_is_not_a_model_folder_is_named_as_such(tmp_path):

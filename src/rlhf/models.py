@@ -13,6 +13,8 @@ import json
 import math
 import os
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -359,6 +361,28 @@ def response_mask_from_tokens(responses: torch.Tensor, eos_token_id: int) -> tup
     return eos_before == 0, is_eos.any(dim=-1)
 
 
+@contextmanager
+def cast_once(model: PreTrainedModel) -> Iterator[None]:
+    """Under autocast, let every weight be cast to the autocast dtype once per block of work, not at each use.
+
+    torch's autocast caches the cast copy only of weights that require grad; a frozen weight (the policy's
+    lower blocks, every weight of the reference or of evaluate's models) is cast again at every matmul of every
+    decoding step. Inside this context the frozen weights require grad (nothing here computes gradients: call it
+    under ``torch.no_grad``), so each is cast once; they are frozen again on the way out. The cast copies are the
+    same either way, so the outputs are too (``tests/test_models.py``). Does nothing without autocast or on a
+    sharded (FSDP) model. Measured on this CPU: 64 tokens x 8 prompts in 4.9 s instead of 7.1-7.6 s.
+    """
+    enabled = torch.is_autocast_enabled(model.device.type) and not is_sharded(model)
+    frozen = [p for p in model.parameters() if not p.requires_grad] if enabled else []
+    for parameter in frozen:
+        parameter.requires_grad_(True)
+    try:
+        yield
+    finally:
+        for parameter in frozen:
+            parameter.requires_grad_(False)
+
+
 @torch.no_grad()
 def sample(
     model: PreTrainedModel,
@@ -400,13 +424,14 @@ def sample(
         bos_token_id=tokenizer.bos_token_id,
     )
     processors = LogitsProcessorList([PerPromptSampling(seeds, temperature, model.device)] if per_prompt else [])
-    sequences = model.generate(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        generation_config=config,
-        logits_processor=processors,
-        synced_gpus=is_sharded(model),  # FSDP: a process that has finished keeps stepping until all have
-    )
+    with cast_once(model):
+        sequences = model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            generation_config=config,
+            logits_processor=processors,
+            synced_gpus=is_sharded(model),  # FSDP: a process that has finished keeps stepping until all have
+        )
     start = input_ids.shape[1]
     mask, ended = response_mask_from_tokens(sequences[:, start:], tokenizer.eos_token_id)
     return Rollout(
