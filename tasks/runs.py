@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from tasks.params import PARAMS_FILE, mlflow_params, mlflow_text, read_params
@@ -77,10 +77,51 @@ def tracking_client():
     location = settings.get("artifact_location")
     if not location and uri.startswith(("sqlite:", "/")):
         location = f"file://{os.path.join(project_root(), 'mlruns')}"
-    client = mlflow.MlflowClient()
-    if location and client.get_experiment_by_name(name) is None:
-        client.create_experiment(name, artifact_location=location)
-    return client, mlflow.set_experiment(name).experiment_id
+    with store_setup_lock(uri):  # a new SQLite file: one process creates its tables, the others wait
+        client = mlflow.MlflowClient()
+        if location and client.get_experiment_by_name(name) is None:
+            create_if_missing(
+                lambda: client.create_experiment(name, artifact_location=location),
+                lambda: client.get_experiment_by_name(name),
+            )
+        get_or_create = lambda: mlflow.set_experiment(name)  # noqa: E731
+        return client, create_if_missing(get_or_create, get_or_create).experiment_id
+
+
+@contextlib.contextmanager
+def store_setup_lock(uri: str) -> Iterator[None]:
+    """Hold ``<file>.lock`` while a process opens a SQLite tracking store (nothing for a server).
+
+    MLflow creates a new store's tables (and migrates an old one) when a process first opens it, without a
+    lock of its own: two stages starting together on a new file both ran the migration, and the file was
+    broken for good (``table _alembic_tmp_metrics already exists``). A server sets its database up once.
+    """
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    from filelock import FileLock
+
+    path = uri[len("sqlite:///") :]
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with FileLock(f"{path}.lock"):
+        yield
+
+
+def create_if_missing(create: Callable[[], Any], read: Callable[[], Any]) -> Any:
+    """``create()``, or ``read()`` when MLflow says the object already exists: another process created it between
+    our look and our create (two stages starting together, a server with several workers), which is success.
+
+    Raises:
+        MlflowException: any other refusal (:func:`tasks.common.cli` prints its first line).
+    """
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return create()
+    except MlflowException as err:
+        if err.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+        return read()
 
 
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, name))
@@ -280,12 +321,14 @@ class StageRun:
 
     @staticmethod
     def _find_parent(client, experiment_id: str, pipeline_run: str):
+        """The parent run of ``pipeline_run``: the oldest, should two stages have created one at once."""
         found = client.search_runs(
             [experiment_id],
             filter_string=f"tags.`{PIPELINE_RUN_TAG}` = '{pipeline_run}' and tags.`rlhf.kind` = 'pipeline'",
-            max_results=1,
+            order_by=["attributes.start_time ASC"],
+            max_results=10,
         )
-        return found[0] if found else None
+        return min(found, key=lambda run: (run.info.start_time, run.info.run_id)) if found else None
 
     @staticmethod
     def end_pipeline(pipeline_run: str, status: str) -> None:
@@ -318,7 +361,12 @@ class StageRun:
             if parent is None:
                 tags = {PIPELINE_RUN_TAG: run_id, "rlhf.kind": "pipeline"}
                 name = f"pipeline {run_id}"
-                self.parent_id = client.create_run(self.experiment_id, tags=tags, run_name=name).info.run_id
+                created = client.create_run(self.experiment_id, tags=tags, run_name=name).info.run_id
+                # two stages of one pipeline run may start together: the oldest parent is the one, ours goes
+                parent = self._find_parent(client, self.experiment_id, run_id)
+                if parent.info.run_id != created:
+                    client.delete_run(created)
+                self.parent_id = parent.info.run_id
             else:
                 self.parent_id = parent.info.run_id
                 if parent.info.status != "RUNNING":  # a later stage of the same pipeline run continues it

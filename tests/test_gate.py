@@ -11,6 +11,9 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -179,6 +182,34 @@ def test_an_over_long_reason_is_refused_before_anything_moves_and_params_are_kep
     assert params == json.loads(json.dumps(stage_params("reward"), default=str))
     digest = hashlib.sha256(json.dumps(params, sort_keys=True, indent=1).encode()).hexdigest()
     assert found.tags[registry.PARAMS_TAG] == digest and "rlhf.params" not in found.tags
+
+
+def test_stages_that_open_a_new_sqlite_store_together_all_succeed(registry_project):
+    # four processes open a store that does not exist yet, create the experiment, the pipeline's parent run and
+    # the registered model at the same moment: MLflow's table setup, and each check-then-create, would race
+    os.remove("mlflow.db")
+    os.makedirs("folder")
+    (registry_project / "folder" / "weights.txt").write_text("w")
+    worker = os.path.join(os.path.dirname(__file__), "store_worker.py")
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(__file__)), os.environ.get("PYTHONPATH", "")]),
+    }
+    workers = [subprocess.Popen([sys.executable, worker, str(i)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=env) for i in range(4)]  # fmt: skip
+    while not all(os.path.exists(f"ready-{i}") for i in range(4)):
+        time.sleep(0.05)
+    open("go", "w").close()
+    results = [worker.communicate(timeout=300) for worker in workers]
+    assert [worker.returncode for worker in workers] == [0, 0, 0, 0], [err[-500:] for _, err in results]
+    assert sorted(int(out.split()[-1]) for out, _ in results) == [1, 2, 3, 4]  # one registered model, 4 versions
+    from tasks.runs import PIPELINE_RUN_TAG, tracking_client
+
+    store, experiment = tracking_client()
+    parents = store.search_runs(
+        [experiment], filter_string=f"tags.`{PIPELINE_RUN_TAG}` = 'gate-test' and tags.`rlhf.kind` = 'pipeline'"
+    )
+    assert len(parents) == 1 and len(store.search_experiments()) == 2  # Default and the project's
 
 
 def test_no_champion_writes_a_marker_and_ppo_stops_with_the_promote_command(registry_project):
