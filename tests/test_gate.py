@@ -212,6 +212,28 @@ def test_stages_that_open_a_new_sqlite_store_together_all_succeed(registry_proje
     assert len(parents) == 1 and len(store.search_experiments()) == 2  # Default and the project's
 
 
+def test_a_damaged_champion_in_the_store_is_refused_before_it_is_rescored_and_a_damaged_folder_in_one_line(
+    registry_project,
+):
+    new_candidate(GOOD, 1)
+    run_gate()
+    champion = client().get_model_version(NAME, "1")
+    stored = os.path.join(champion.source.removeprefix("file://"), "model.safetensors")
+    with open(stored, "r+b") as handle:  # truncated in the artifact store
+        handle.truncate(os.path.getsize(stored) // 2)
+    new_candidate(GOOD, 2)  # the champion is downloaded to be re-scored against it
+    with pytest.raises(registry.RegistryError) as failure:
+        run_gate()
+    assert str(failure.value).startswith(
+        f"registry: {NAME} version 1 downloaded with other content than registered (sha256 "
+    )
+    shutil.copy(stored, "models/reward/model.safetensors")  # a local folder: one line, not a SafetensorError
+    with pytest.raises(
+        ValueError, match=r"^models/reward: cannot load the model \(\w+: .*\): the folder is incomplete"
+    ):
+        load_scalar_model("models/reward")
+
+
 def test_no_champion_writes_a_marker_and_ppo_stops_with_the_promote_command(registry_project):
     import tasks.ppo
     from tasks.params import stage_params

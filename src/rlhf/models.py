@@ -156,16 +156,28 @@ def _refuse_non_finite(model: PreTrainedModel, path: str) -> PreTrainedModel:
     return model
 
 
+def _from_pretrained(auto: Any, path: str, **kwargs: Any) -> PreTrainedModel:
+    """``auto.from_pretrained(path)`` in float32, safetensors only, no remote code; any failure to read the folder
+    (a truncated or corrupt ``model.safetensors``, a broken ``config.json``, a missing file) is one ValueError
+    naming ``path``, never a loader's traceback."""
+    try:
+        return auto.from_pretrained(path, dtype=torch.float32, use_safetensors=True, trust_remote_code=False, **kwargs)
+    except Exception as err:  # SafetensorError, OSError, JSONDecodeError, RuntimeError: the kind varies by loader
+        first = (str(err).strip().splitlines() or [""])[0][:200]
+        raise ValueError(
+            f"{path}: cannot load the model ({type(err).__name__}: {first}): the folder is incomplete or corrupt; "
+            "rerun the stage that wrote it (or download the version again)"
+        ) from err
+
+
 def load_causal_lm(path: str) -> PreTrainedModel:
     """Load a causal LM saved by this project (safetensors only, no remote code), dropout off.
 
     Raises:
-        ValueError: a weight is NaN or infinite (the message names ``path``).
+        ValueError: the folder cannot be read (:func:`_from_pretrained`), or a weight is NaN or infinite (the
+            message names ``path``).
     """
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, use_safetensors=True, trust_remote_code=False
-    )
-    return disable_dropout(_refuse_non_finite(model, path))
+    return disable_dropout(_refuse_non_finite(_from_pretrained(AutoModelForCausalLM, path), path))
 
 
 def load_scalar_model(path: str) -> PreTrainedModel:
@@ -175,11 +187,10 @@ def load_scalar_model(path: str) -> PreTrainedModel:
     a reward-model folder it is the trained head.
 
     Raises:
-        ValueError: a weight is NaN or infinite (the message names ``path``).
+        ValueError: the folder cannot be read (:func:`_from_pretrained`), or a weight is NaN or infinite (the
+            message names ``path``).
     """
-    model = AutoModelForSequenceClassification.from_pretrained(
-        path, num_labels=1, dtype=torch.float32, use_safetensors=True, trust_remote_code=False
-    )
+    model = _from_pretrained(AutoModelForSequenceClassification, path, num_labels=1)
     return disable_dropout(_refuse_non_finite(model, path))
 
 
