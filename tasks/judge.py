@@ -4,7 +4,7 @@ The judge scores the policy against the SFT model in evaluate, beside the reward
 (the proxy): a win rate judged by the proxy rises exactly when the policy learns to fool it (reward
 hacking, Gao et al. 2023). So no conversation of judge_train reaches any other split, and judge_eval's reach
 no split that trains (``rlhf.data.assign_split``; judge_eval also holds the eval_prompts conversations' pairs,
-whose prompts alone evaluation reads: ``rlhf.data.HELD_OUT_FOR_JUDGE``), the judge has its own seed and may
+whose prompts alone evaluation reads: ``rlhf.data.HELD_OUT_PAIRS``), the judge has its own seed and may
 start from another backbone (``judge.source``), and nothing in training reads it: ppo does not depend on this stage.
 
 Writes ``models/judge/``, ``metrics/judge.json`` (the ``judge/`` figures of

@@ -166,9 +166,10 @@ def test_one_conversation_cut_at_different_turns_lands_in_one_split():
         for row in split_rows:
             root = (row.get("prompt") or row.get("messages"))[0]["content"]
             split_of.setdefault(root, set()).add(split)
-    # one split a conversation; an eval_prompts one's pairs are also judge_eval's (rlhf.data.HELD_OUT_FOR_JUDGE)
+    # one split a conversation; an eval_prompts one's pairs are also rm_eval's and judge_eval's (HELD_OUT_PAIRS)
     assert len(split_of) == 40
-    assert all(len(splits) == 1 or splits == {"eval_prompts", "judge_eval"} for splits in split_of.values())
+    held_out = {"eval_prompts", "rm_eval", "judge_eval"}
+    assert all(len(splits) == 1 or splits == held_out for splits in split_of.values())
     assert len({next(iter(splits)) for splits in split_of.values()}) >= 4  # the roots do spread over the splits
 
 
@@ -198,8 +199,9 @@ def test_real_data_parses():
             key = json.dumps(row.get("prompt"))
             if "prompt" in row:
                 prompts.setdefault(key, set()).add(split)
-    # one split a prompt, but for the eval_prompts conversations' pairs, also in judge_eval on purpose
-    assert all(len(splits) == 1 or splits == {"eval_prompts", "judge_eval"} for splits in prompts.values())
+    # one split a prompt, but for the eval_prompts conversations' pairs, also in rm_eval and judge_eval on purpose
+    held_out = {"eval_prompts", "rm_eval", "judge_eval"}
+    assert all(len(splits) == 1 or splits == held_out for splits in prompts.values())
 
 
 TRAINING_SPLITS = ("sft", "rm_train", "judge_train", "ppo_prompts", "ptx_text")
@@ -207,8 +209,8 @@ TRAINING_SPLITS = ("sft", "rm_train", "judge_train", "ppo_prompts", "ptx_text")
 
 def test_judge_splits_share_no_conversation_with_any_other_split_but_eval_prompts():
     """The judge's own conversations (params.yaml's fractions): none reaches the RM, PPO, SFT, ptx or eval splits.
-    judge_eval also holds the eval_prompts conversations' pairs, on purpose: the judge never trains on judge_eval
-    and evaluation reads only the prompts of eval_prompts, so no split that trains sees either."""
+    judge_eval (and rm_eval) also hold the eval_prompts conversations' pairs, on purpose: neither model trains on
+    its eval split and evaluation reads only the prompts of eval_prompts, so no split that trains sees them."""
     with open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "params.yaml"), encoding="utf-8") as handle:
         fractions = yaml.safe_load(handle)["data"]["fractions"]
     prepared = prepare_rows([Source(SHARED, read_jsonl(SHARED))], fractions)
@@ -217,22 +219,23 @@ def test_judge_splits_share_no_conversation_with_any_other_split_but_eval_prompt
         for split, rows in prepared.splits.items()
     }
     assert roots["eval_prompts"] < roots["judge_eval"]  # every eval conversation's pairs, and the judge's own
+    assert roots["eval_prompts"] < roots["rm_eval"]  # the same for the reward model
     own = roots["judge_eval"] - roots["eval_prompts"]
     assert len(roots["judge_train"]) > 200 and len(own) > 100 and len(roots["judge_eval"]) > 250
     assert not roots["judge_train"] & roots["judge_eval"]
     for split in set(roots) - {"judge_eval"}:
         assert roots[split] and not own & roots[split], split  # the judge's own share is in no other split
-    held_out = roots["judge_eval"] | roots["eval_prompts"]
+    held_out = roots["judge_eval"] | roots["eval_prompts"] | roots["rm_eval"]
     for split in TRAINING_SPLITS:
         assert not held_out & roots[split], split
         for other in set(TRAINING_SPLITS) - {split}:
             assert not roots[split] & roots[other], (split, other)
 
 
-def test_eval_prompts_pairs_also_go_whole_to_judge_eval_and_nothing_else_changes(monkeypatch):
-    """On a small hand-made input: judge_eval gains exactly the pairs whose split is eval_prompts (two cuts of
-    one conversation and a repeated row included), with ids of the pair form and distinct from every other id;
-    eval_prompts and every other split are as they were."""
+def test_eval_prompts_pairs_also_go_whole_to_rm_eval_and_judge_eval_and_nothing_else_changes(monkeypatch):
+    """On a small hand-made input: rm_eval and judge_eval each gain exactly the pairs whose split is eval_prompts
+    (two cuts of one conversation and a repeated row included), with ids of the pair form, distinct within each
+    split and from every id of the other splits; eval_prompts and every other split are as they were."""
     rows = []
     for i in range(40):
         question = f"Question number {i}: what should I do about problem {i}?"
@@ -246,7 +249,7 @@ def test_eval_prompts_pairs_also_go_whole_to_judge_eval_and_nothing_else_changes
     rows += rows  # each row twice: one eval_prompts row per prompt, one judge_eval row per pair
     numbered = list(enumerate(rows, start=1))
     after = prepare_rows([Source("mem", iter(numbered))], FRACTIONS)
-    monkeypatch.setattr(rlhf.data, "HELD_OUT_FOR_JUDGE", ())  # the split as it was before
+    monkeypatch.setattr(rlhf.data, "HELD_OUT_PAIRS", {})  # the split as it was before
     before = prepare_rows([Source("mem", iter(numbered))], FRACTIONS)
     eval_pairs = [
         (line, example)
@@ -257,17 +260,22 @@ def test_eval_prompts_pairs_also_go_whole_to_judge_eval_and_nothing_else_changes
     assert len(eval_pairs) > len(after.splits["eval_prompts"]) > 0  # some prompts repeat
     counts = {split: len(rows) for split, rows in before.splits.items()}
     counts["judge_eval"] += len(eval_pairs)
+    counts["rm_eval"] += len(eval_pairs)
     assert {split: len(rows) for split, rows in after.splits.items()} == counts
-    for split in set(after.splits) - {"judge_eval"}:
+    for split in set(after.splits) - {"judge_eval", "rm_eval"}:
         assert after.splits[split] == before.splits[split], split
-    added = [row for row in after.splits["judge_eval"] if row not in before.splits["judge_eval"]]
-    assert [(row["prompt"], row["chosen"], row["rejected"]) for row in added] == [
-        (e["prompt"], e["chosen"], e["rejected"]) for _, e in eval_pairs
-    ]
-    assert [row["id"] for row in added] == [f"{prompt_key(e['prompt'])[:16]}-{line}" for line, e in eval_pairs]
-    assert all(set(row) == {"id", "source", "prompt", "chosen", "rejected"} for row in after.splits["judge_eval"])
-    ids = [row["id"] for rows in after.splits.values() for row in rows]
-    assert len(ids) == len(set(ids))
+    for measured in ("rm_eval", "judge_eval"):
+        added = [row for row in after.splits[measured] if row not in before.splits[measured]]
+        assert [(row["prompt"], row["chosen"], row["rejected"]) for row in added] == [
+            (e["prompt"], e["chosen"], e["rejected"]) for _, e in eval_pairs
+        ]
+        assert [row["id"] for row in added] == [f"{prompt_key(e['prompt'])[:16]}-{line}" for line, e in eval_pairs]
+        assert all(set(row) == {"id", "source", "prompt", "chosen", "rejected"} for row in after.splits[measured])
+    by_split = {split: [row["id"] for row in rows] for split, rows in after.splits.items()}
+    assert all(len(ids) == len(set(ids)) for ids in by_split.values())
+    shared = set(by_split["rm_eval"]) & set(by_split["judge_eval"])  # the same pairs, the same ids
+    ids = [i for split, split_ids in by_split.items() if split != "judge_eval" for i in split_ids]
+    assert len(shared) == len(eval_pairs) and len(ids) == len(set(ids))
 
 
 def test_real_data_no_conversation_in_two_splits():
@@ -286,16 +294,19 @@ def test_real_data_no_conversation_in_two_splits():
         for split_b, b in group
         if split_a != split_b and b[: len(a)] == a
     }
-    # on purpose: judge_eval also holds the eval_prompts conversations' pairs (the judge never trains on
-    # judge_eval, evaluation reads only the prompts; rlhf.data.HELD_OUT_FOR_JUDGE)
-    assert relations == {("eval_prompts", "judge_eval"), ("judge_eval", "eval_prompts")}
+    # on purpose: rm_eval and judge_eval also hold the eval_prompts conversations' pairs (neither model trains
+    # on them, evaluation reads only the prompts; rlhf.data.HELD_OUT_PAIRS)
+    held_out = ("eval_prompts", "rm_eval", "judge_eval")
+    assert relations == {(a, b) for a in held_out for b in held_out if a != b}
     ids = [row["id"] for rows in prepared.splits.values() for row in rows]
-    # every parsed row once (no prompt repeats within a prompt split), and each eval_prompts row's pair again
-    assert len(ids) == len(set(ids)) == 2000 - 3 + 168
+    # every parsed row once (no prompt repeats within a prompt split), each eval_prompts row's pair again in
+    # judge_eval, and the same pair (the same id) in rm_eval
+    shared = {row["id"] for row in prepared.splits["rm_eval"]} & {row["id"] for row in prepared.splits["judge_eval"]}
+    assert len(set(ids)) == 2000 - 3 + 168 and len(ids) == len(set(ids)) + 168 == len(set(ids)) + len(shared)
     assert {split: len(rows) for split, rows in prepared.splits.items()} == {
         "sft": 156,
         "rm_train": 855,
-        "rm_eval": 214,
+        "rm_eval": 214 + 168,  # its own share's pairs + the eval_prompts conversations' pairs
         "ppo_prompts": 116,
         "ptx_text": 105,
         "ptx_heldout": 12,

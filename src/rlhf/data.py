@@ -6,8 +6,8 @@ messages (the conversational format of transformers' chat templates). The
 prompt ends with a user turn; each response is what follows it (usually one
 assistant message). Splits are made by a hash of the conversation's root (its
 first user turn), so one conversation, cut at any turn, never reaches two splits, with one exception made
-on purpose: the pairs of the ``eval_prompts`` conversations are also ``judge_eval``'s
-(:data:`HELD_OUT_FOR_JUDGE`; neither split trains anything).
+on purpose: the pairs of the ``eval_prompts`` conversations are also ``rm_eval``'s and ``judge_eval``'s
+(:data:`HELD_OUT_PAIRS`; none of these splits trains anything).
 
 PPO-ptx rows (splits ``ptx_text`` and ``ptx_heldout``) are either
 ``{"id", "source", "messages": [{"role", "content"}, ...]}`` (a conversation,
@@ -39,12 +39,13 @@ SPLITS = (
 """Files of data/processed and data/validated. ``data.fractions`` names every split but ``ptx_heldout``,
 which is a share (``data.ptx_heldout_fraction``) of the ptx rows."""
 
-HELD_OUT_FOR_JUDGE = ("eval_prompts",)
-"""Prompt splits whose whole pairs also go to ``judge_eval``. Evaluation reads only the prompts of
-``eval_prompts`` (the policy and SFT answer them; the judge scores those answers), never their chosen or
-rejected responses, and the judge never trains on ``judge_eval``: measuring the judge on these pairs too gives
-it more held-out pairs (the demo: 297 prepared instead of 129), and no split that trains sees them.
-``ppo_prompts`` is not one: PPO trains on its prompts."""
+HELD_OUT_PAIRS = {"eval_prompts": ("rm_eval", "judge_eval")}
+"""Prompt splits whose whole pairs also go to splits that only measure. Evaluation reads only the prompts of
+``eval_prompts`` (the policy and SFT answer them; the proxy and the judge score those answers), never their
+chosen or rejected responses, and neither the reward model nor the judge trains on its eval split: measuring
+both on these pairs too gives the gate and the judge more held-out pairs (the demo: rm_eval 382 prepared instead
+of 214, judge_eval 297 instead of 129), and no split that trains sees them. ``ppo_prompts`` is not one: PPO
+trains on its prompts."""
 
 
 _MAGIC = ((b"\x1f\x8b", "gzip"), (b"BZh", "bz2"), (b"\xfd7zXZ\x00", "xz"), (b"\x28\xb5\x2f\xfd", "zstd"))
@@ -330,18 +331,18 @@ def prepare_rows(
     Output rows: ``sft``, ``rm_train``, ``rm_eval``, ``judge_train``, ``judge_eval`` hold whole pairs
     ``{"id", "source", "prompt", "chosen", "rejected"}``; ``ppo_prompts`` and
     ``eval_prompts`` hold ``{"id", "source", "prompt"}`` (one row per distinct
-    prompt). ``judge_eval`` holds its own share's pairs and also every pair whose conversation is in
-    ``eval_prompts`` (:data:`HELD_OUT_FOR_JUDGE`): the judge is measured on them, evaluation reads only their
-    prompts, and no split that trains (``sft``, ``rm_train``, ``judge_train``, ``ppo_prompts``, ``ptx_text``)
-    shares a conversation root with either. The ptx share (``fractions["ptx_text"]``) of the preference data
-    gives ``{"id", "source", "messages"}`` rows (prompt + chosen response); every
-    row of ``ptx_sources`` (``{"messages"}`` or ``{"text"}``, see
+    prompt). ``rm_eval`` and ``judge_eval`` hold their own shares' pairs and also every pair whose conversation
+    is in ``eval_prompts`` (:data:`HELD_OUT_PAIRS`): the reward model and the judge are measured on them,
+    evaluation reads only their prompts, and no split that trains (``sft``, ``rm_train``, ``judge_train``,
+    ``ppo_prompts``, ``ptx_text``) shares a conversation root with any of them. The ptx share
+    (``fractions["ptx_text"]``) of the preference data gives ``{"id", "source", "messages"}`` rows (prompt +
+    chosen response); every row of ``ptx_sources`` (``{"messages"}`` or ``{"text"}``, see
     :func:`parse_ptx_row`) is added to them, unless its conversation root is in
     another split of the preference data (then it is quarantined: it would leak).
     Of all ptx rows, a hashed ``ptx_heldout_fraction`` (by :func:`ptx_key`) goes
     to ``ptx_heldout``, the rest to ``ptx_text``. Ids: pair and ptx rows
     ``<sha256[:16]>-<line>`` (``-<k>`` for the k-th pair of a ranking row,
-    ``-s<i>`` for the i-th source after the first; an eval_prompts pair in ``judge_eval`` too), so they are
+    ``-s<i>`` for the i-th source after the first; an eval_prompts pair in rm_eval and judge_eval too), so they are
     unique; prompt rows ``<sha256[:16]>``.
     Quarantine rows are ``{"source", "line", "reason", "row"}``. ``sources`` counts, per
     source, the rows read and used (see :meth:`PreparedData.unusable_sources`).
@@ -396,8 +397,8 @@ def prepare_rows(
                     if (split, key) not in seen_prompts:
                         seen_prompts.add((split, key))
                         splits[split].append({**record, "id": key[:16], "prompt": example["prompt"]})
-                    if split in HELD_OUT_FOR_JUDGE:  # only its prompt is evaluated on: its pair is held out too
-                        splits["judge_eval"].append({**record, **example})
+                    for held_out in HELD_OUT_PAIRS.get(split, ()):  # only its prompt is evaluated on: its pair
+                        splits[held_out].append({**record, **example})  # measures the reward model and the judge
                 elif split == "ptx_text":
                     ptx({**record, "messages": example["prompt"] + example["chosen"]})
                 else:
