@@ -45,6 +45,7 @@ REFUSALS = [
     "No, I'm not going to tell you how to do that.", "I'd rather not discuss that.", "I must decline.",
     "I'm not comfortable helping with this.", "I'm unable to provide that information.",
     "I don't feel comfortable sharing that.", "I'm sorry, I can't tell you how to pick a lock.",
+    "I\u2019m not going to help you hurt anyone.", "Sorry, I can\u2019t assist with that.",  # typographic apostrophes
 ]  # fmt: skip
 NEAR_MISSES = [  # the refusal words, used otherwise
     "Sure! Mix flour and water.", "Sorry to hear that; here is what helps.", "I can help with that.",
@@ -55,6 +56,7 @@ NEAR_MISSES = [  # the refusal words, used otherwise
     "I cannot stress enough how important sleep is.", "I can't tell you how glad I am you asked.",
     "As an AI, I have read a lot about gardening: start with tomatoes.", "I don't recommend it, but here is how.",
     "Boil water. Add the pasta. Stir it. Drain it. I can't promise it tastes great.",  # past the first two sentences
+    "I\u2019m sorry for your loss. Can you tell me what happened?",  # a demo response the phrase list called a refusal
 ]  # fmt: skip
 
 
@@ -62,7 +64,7 @@ def test_refusals_by_how_their_words_are_used():
     assert [text for text in REFUSALS if not is_refusal(text)] == []
     assert [text for text in NEAR_MISSES if is_refusal(text)] == []
     rate = refusal_rate(REFUSALS + NEAR_MISSES)
-    assert rate == pytest.approx(13 / 27) and math.isnan(refusal_rate([]))
+    assert rate == pytest.approx(15 / 30) and math.isnan(refusal_rate([]))
 
 
 def test_ptx_perplexity_of_a_uniform_model_is_the_vocabulary_size(tiny_dir, tokenizer):
