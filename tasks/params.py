@@ -52,7 +52,7 @@ class Yaml12Loader(yaml.SafeLoader):
 
 Yaml12Loader.yaml_implicit_resolvers = {}
 for _tag, _pattern, _first in _CORE_SCALARS:
-    Yaml12Loader.add_implicit_resolver(_tag, _pattern, list(_first))
+    Yaml12Loader.add_implicit_resolver(_tag, _pattern, list(_first) + ([""] if _tag == _NULL else []))  # "a:" is null
 for _tag, _pattern in yaml.SafeLoader.yaml_implicit_resolvers.get(
     "<", []
 ) + yaml.SafeLoader.yaml_implicit_resolvers.get("=", []):

@@ -163,6 +163,7 @@ def test_each_stage_seeds_with_its_own_seed_before_it_builds_a_model(monkeypatch
         ("true", True),
         ("null", None),
         ("~", None),
+        ("", None),  # nothing written
         ("'yes'", "yes"),  # quoted: a string for both
         ('"1_000"', "1_000"),
         ("keep", "keep"),
