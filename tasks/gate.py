@@ -113,8 +113,7 @@ def run(params: dict[str, Any], reward: dict[str, Any], device: dict[str, Any] |
         tags = version_tags(REWARD, metrics, reward, ["data/validated/rm_train.jsonl", EVAL])
         candidate = register(client, name, REWARD, run_id, tags, reward)
     decision = decide(client, name, candidate, metrics, params, lambda found: rescore(client, found, reward, device))
-    outcome = "failed its gate" if decision["decision"] == "fail" else "passed inside a DVC experiment"
-    held = materialise(client, name, candidate, outcome, outputs)
+    held = materialise(client, name, candidate, _outcome(decision), outputs)
     return {
         "candidate": {"name": name, "version": str(candidate.version)},
         **decision,
@@ -124,6 +123,18 @@ def run(params: dict[str, Any], reward: dict[str, Any], device: dict[str, Any] |
         "gate/candidate_version": float(candidate.version),
         "gate/champion_version": float(held["version"]) if held else None,
     }
+
+
+def _outcome(decision: dict[str, Any]) -> str:
+    """What became of the candidate, for the no-champion line: the true cause, not a guess."""
+    if decision["decision"] == "fail":
+        return "failed its gate"
+    if decision.get("experiment"):
+        return f"passed inside DVC experiment {decision['experiment']}, where the champion never moves"
+    return (
+        "passed its gate and took the alias, which was removed in the registry since (the alias, or the version "
+        "holding it, deleted by hand)"
+    )
 
 
 def report_lines(report: dict[str, Any]) -> list[str]:

@@ -246,6 +246,21 @@ def test_no_champion_writes_a_marker_and_ppo_stops_with_the_promote_command(regi
         tasks.ppo.run(stage_params("ppo"), stage_params("generation"), print)
 
 
+def test_a_champion_alias_removed_by_hand_is_named_as_the_cause(registry_project):
+    new_candidate(GOOD, 1)
+    assert run_gate()["champion"]["version"] == "1"
+    client().delete_registered_model_alias(NAME, "champion")  # a person, in the MLflow UI
+    report = run_gate()
+    assert (report["decided"], report["decision"], report["champion"]) == ("before", "pass", None)
+    with open(os.path.join(OUT_DIR, MARKER)) as handle:
+        message = json.load(handle)["message"]
+    assert (
+        "(the last candidate, version 1, passed its gate and took the alias, which was removed in the registry"
+        in message
+    )
+    assert "experiment" not in message  # it used to blame a DVC experiment
+
+
 def test_inside_a_dvc_experiment_a_passing_candidate_is_only_a_challenger(registry_project, monkeypatch):
     new_candidate(GOOD, 1)
     run_gate()
