@@ -102,14 +102,16 @@ def materialise(client, name: str, candidate, decision: str, outputs) -> dict[st
 def run(params: dict[str, Any], reward: dict[str, Any], device: dict[str, Any] | None, outputs, run_id: str) -> dict:
     """Find (or register) the candidate, decide once, write the champion; returns the report."""
     from tasks.outputs import load_json
-    from tasks.registry import experiment_name, find_by_sha, folder_sha256, register, version_tags
+    from tasks.registry import experiment_name, find_by_sha, folder_sha256, refuse_deleted, register, version_tags
     from tasks.runs import tracking_client
 
     client, _ = tracking_client()
     name = params["reward_model"]
     metrics = load_json(METRICS)
-    candidate = find_by_sha(client, name, folder_sha256(REWARD))
+    sha = folder_sha256(REWARD)
+    candidate = find_by_sha(client, name, sha)
     if candidate is None:
+        refuse_deleted(client, name, sha, 'rlhf-registry restore reward --version {version} --reason "..."')
         tags = version_tags(REWARD, metrics, reward, ["data/validated/rm_train.jsonl", EVAL])
         candidate = register(client, name, REWARD, run_id, tags, reward)
     decision = decide(client, name, candidate, metrics, params, lambda found: rescore(client, found, reward, device))

@@ -4,9 +4,12 @@ Everything that talks to the registry lives here (the core imports no MLflow; th
 :mod:`rlhf.gate_rules`). A version holds the ``save_pretrained`` safetensors folder as run artifacts (no
 pickled module) and is read back only by downloading that folder for the project's own loaders.
 
-Every alias move (by a gate, ``promote`` or ``rollback``) is one tag on the version moved to,
-``rlhf.alias_move.<alias>.<nanoseconds>`` = JSON ``{alias, from, to, by, reason, at, pipeline_run}``: MLflow
-keeps only the current alias, and one tag per move never outgrows a tag's size limit.
+Every alias move (by a gate, ``promote`` or ``rollback``) is one tag, on the version moved to and on the
+registered model (where deleting the version cannot take it), ``rlhf.alias_move.<alias>.<nanoseconds>`` = JSON
+``{alias, from, to, by, reason, at, pipeline_run}``: MLflow keeps only the current alias, and one tag per move
+never outgrows a tag's size limit. The registered model also keeps each version's content hash
+(``rlhf.content.<version>``), so content a person deleted is not registered again until restored
+(:func:`refuse_deleted`, ``rlhf-registry restore``). The command for people is :mod:`tasks.registry_cli`.
 
 A version whose model files ``rlhf-housekeeping`` deleted (:mod:`tasks.housekeeping`, ``registry.keep_versions``)
 carries ``rlhf.pruned`` = JSON ``{at, by, rule, bytes}`` and can never take an alias again.
@@ -22,9 +25,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import typer
-import yaml
-
 CHAMPION = "champion"
 SHA_TAG, DATA_TAG, COMMIT_TAG = "rlhf.model_sha256", "rlhf.data_sha256", "rlhf.git_commit"
 DECISION_TAG, CHECKS_TAG, CHALLENGER_TAG = "rlhf.gate.decision", "rlhf.gate.checks", "rlhf.challenger"
@@ -36,6 +36,8 @@ MAX_REASON = 1000  # characters of a reason; a longer one is refused before anyt
 MAX_BY = 200  # characters of who moved an alias (``approved by <reviewer>``)
 PARAMS_TAG = "rlhf.params_sha256"  # sha256 of the params (canonical JSON); the whole file is the run's params.json
 PARAMS_ARTIFACT = "params.json"
+CONTENT_PREFIX = "rlhf.content."  # on the registered model: rlhf.content.<version> = the version's content hash
+RESTORED_PREFIX = "rlhf.restored."  # on the registered model: rlhf.restored.<version> = JSON {reason, at}
 
 
 class RegistryError(ValueError):
@@ -131,7 +133,68 @@ def register(client, name: str, folder: str, run_id: str, tags: dict[str, str], 
     if params is not None:
         _guard("log the params", client.log_text, run_id, _params_json(params), PARAMS_ARTIFACT)
     source = f"{client.get_run(run_id).info.artifact_uri.rstrip('/')}/{ARTIFACT_PATH}"
-    return _guard(f"register {name}", client.create_model_version, name, source, run_id=run_id, tags=tags)
+    found = _guard(f"register {name}", client.create_model_version, name, source, run_id=run_id, tags=tags)
+    if tags.get(SHA_TAG):  # kept where deleting the version cannot take it: refuse_deleted() reads it
+        _guard("record the content", client.set_registered_model_tag, name, f"{CONTENT_PREFIX}{found.version}",
+               tags[SHA_TAG])  # fmt: skip
+    return found
+
+
+def _versions(client, name: str) -> list:
+    return _guard(f"search {name}", client.search_model_versions, f"name = '{name}'")
+
+
+def _model_tags(client, name: str) -> dict[str, str]:
+    """The registered model's own tags (none before its first version)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return dict(client.get_registered_model(name).tags)
+    except MlflowException as err:
+        if err.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return {}
+        raise RegistryError(f"registry: read {name}: {str(err.message).strip().splitlines()[0]}") from None
+
+
+def refuse_deleted(client, name: str, sha: str, restore: str) -> None:
+    """Refuse to register content a person deleted from the registry, until a person restores it.
+
+    A version deleted in the MLflow UI leaves its content hash on the registered model (:func:`register`); the
+    same bytes coming back through ``dvc repro`` would otherwise become a new version and could take the alias
+    again, undoing what the person did.
+
+    Raises:
+        RegistryError: ``sha`` was a version that no longer exists and was not restored; names the version and
+            ``restore``, the command that brings it back.
+    """
+    tags = _model_tags(client, name)
+    for key, value in tags.items():
+        number = key[len(CONTENT_PREFIX) :]
+        if key.startswith(CONTENT_PREFIX) and value == sha and f"{RESTORED_PREFIX}{number}" not in tags:
+            raise RegistryError(
+                f"registry: this content was {name} version {number}, which was deleted from the registry; it is "
+                f"not registered again until a person restores it: {restore.format(version=number)} (or retrain)"
+            )
+
+
+def restore(client, name: str, number: str, reason: str) -> None:
+    """Let the content of deleted version ``number`` be registered again (the next gate run gates it anew).
+
+    Raises:
+        RegistryError: no such version was recorded, it still exists, it was restored already, or no reason.
+    """
+    tags = _model_tags(client, name)
+    if f"{CONTENT_PREFIX}{number}" not in tags:
+        raise RegistryError(f"registry: {name} has no record of a version {number}; nothing to restore")
+    if any(str(found.version) == str(number) for found in _versions(client, name)):
+        raise RegistryError(f"registry: {name} version {number} exists; nothing to restore")
+    if f"{RESTORED_PREFIX}{number}" in tags:
+        raise RegistryError(f"registry: {name} version {number} was restored already; run the gate (dvc repro)")
+    if not reason.strip() or len(reason.strip()) > MAX_REASON:
+        raise RegistryError(f"registry: --reason must say why, in at most {MAX_REASON:,} characters; nothing done")
+    record = {"reason": reason.strip(), "at": datetime.now(UTC).isoformat(timespec="seconds")}
+    _guard("record the restore", client.set_registered_model_tag, name, f"{RESTORED_PREFIX}{number}",
+           json.dumps(record))  # fmt: skip
 
 
 def find_by_sha(client, name: str, sha: str):
@@ -216,18 +279,20 @@ def move_alias(
     _guard(f"move {alias} of {name}", client.set_registered_model_alias, name, alias, target.version)
     key = f"{MOVE_PREFIX}{alias}.{time.time_ns()}"
     _guard(f"record the move of {alias}", client.set_model_version_tag, name, target.version, key, json.dumps(record))
+    # and on the registered model, where deleting the version cannot take it (history() reads both)
+    _guard(f"record the move of {alias}", client.set_registered_model_tag, name, key, json.dumps(record))
     return record
 
 
 def history(client, name: str, alias: str = CHAMPION) -> list[dict[str, Any]]:
-    """Every recorded move of ``alias`` of ``name``, oldest first. Raises RegistryError (one line)."""
+    """Every recorded move of ``alias`` of ``name``, oldest first, also the moves to a version deleted since (kept
+    on the registered model). Raises RegistryError (one line)."""
     prefix = f"{MOVE_PREFIX}{alias}."
-    moves = []
-    for found in _guard(f"search {name}", client.search_model_versions, f"name = '{name}'"):
-        for key, value in found.tags.items():
-            if key.startswith(prefix):
-                moves.append((int(key[len(prefix) :]), json.loads(value)))
-    return [record for _, record in sorted(moves, key=lambda item: item[0])]
+    tags = _model_tags(client, name)
+    for found in _versions(client, name):
+        tags |= found.tags  # moves recorded before the registered model kept them too
+    moves = {int(key[len(prefix) :]): json.loads(value) for key, value in tags.items() if key.startswith(prefix)}
+    return [moves[at] for at in sorted(moves)]
 
 
 def previous_holder(client, name: str, alias: str = CHAMPION) -> str:
@@ -341,18 +406,6 @@ def download(client, found, folder: str) -> None:
         )
 
 
-# ---------------------------------------------------------------------------------------------- the command for people
-
-app = typer.Typer(
-    help="The champions (reward model, policy) of this project's MLflow registry: status, promote, rollback."
-)
-MODELS = {"reward": "reward_model", "policy": "policy_model"}  # the command's model -> params.yaml registry key
-STATUS_METRICS = ("rm/accuracy", "rm/accuracy_low", "rm/accuracy_high", "rm/ece", "rm/accuracy_chosen_shorter",
-                  "rm/accuracy_chosen_longer", "rm/pairs", "eval/judge/win_rate", "eval/judge/win_rate_low",
-                  "eval/judge/accuracy_low", "eval/proxy/win_rate", "eval/policy/kl",
-                  "eval/policy/eos_rate")  # fmt: skip
-
-
 def _project(project: str | None) -> str:
     """The project folder: ``project``, else the nearest folder up from here holding params.yaml and dvc.yaml.
     Raises RegistryError when there is none (never another project's registry by default)."""
@@ -362,127 +415,3 @@ def _project(project: str | None) -> str:
             return folder
     where = project or f"or above {os.getcwd()}"
     raise RegistryError(f"registry: no project (params.yaml and dvc.yaml) at {where}; run it there or pass --project")
-
-
-def _open(model: str, project: str | None):
-    """``(client, registered model name, a line naming the project and its store)``; the current folder becomes
-    the project's. Raises RegistryError (one line) on a bad model, project, params file or store."""
-    import mlflow
-
-    from tasks.params import stage_params
-    from tasks.runs import tracking_uri
-
-    if model not in MODELS:
-        raise RegistryError(f"registry: unknown model {model!r}; known: {', '.join(MODELS)}")
-    folder = _project(project)
-    os.chdir(folder)
-    try:
-        name = stage_params("registry")[MODELS[model]]
-        uri = tracking_uri()
-    except (ValueError, KeyError, OSError, yaml.YAMLError) as err:
-        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise RegistryError(f"registry: {folder}/params.yaml: {type(err).__name__}: {message}") from None
-    if uri.startswith("sqlite:///") and not os.path.exists(uri[len("sqlite:///") :]):
-        raise RegistryError(f"registry: no tracking store at {uri} yet (no stage has run in {folder})")
-    # a person is waiting: a server that is down fails in seconds, not after MLflow's minutes of retries
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
-    client = mlflow.MlflowClient(tracking_uri=uri)
-    _guard(f"registered model {name}", client.get_registered_model, name)
-    return client, name, f"project {folder}, tracking store {uri}"
-
-
-def _command(action) -> None:
-    """Run a command; a registry error ends with its one line and exit 1."""
-    try:
-        action()
-    except RegistryError as err:
-        typer.echo(str(err), err=True)
-        raise typer.Exit(1) from None
-
-
-def _move(model: str, to: str, by: str, reason: str, project: str | None) -> None:
-    if not reason.strip():
-        raise RegistryError("registry: --reason must say why the alias moves (it is recorded)")
-    client, name, where = _open(model, project)
-    decision = version(client, name, to).tags.get(DECISION_TAG)
-    record = move_alias(client, name, to, by, reason)  # a refusal (a pruned version, say) is its one line
-    typer.echo(where)
-    typer.echo(f"{name}: {CHAMPION} moved from version {record['from']} to {record['to']} ({by}: {record['reason']})")
-    if decision != "pass":  # by hand a person may override the gate: say what was overridden
-        typer.echo(
-            f"note: version {to} {'failed its gate' if decision == 'fail' else 'was never gated'}; moved by hand"
-        )
-    if model == "reward":
-        typer.echo("Run `dvc repro` (or the pipeline flow): the gate stage writes the new champion, ppo reruns on it.")
-
-
-@app.command()
-def promote(
-    model: str = typer.Argument("reward", help="reward or policy"),
-    version_: str = typer.Option(..., "--version", help="the version to make champion"),
-    reason: str = typer.Option(..., help="why (recorded with the move)"),
-    project: str = typer.Option(None, help="the project folder (default: found from here)"),
-) -> None:
-    """Give the champion alias to a version by hand."""
-    _command(lambda: _move(model, version_, "promote", reason, project))
-
-
-@app.command()
-def rollback(
-    model: str = typer.Argument("reward", help="reward or policy"),
-    reason: str = typer.Option(..., help="why (recorded with the move)"),
-    project: str = typer.Option(None, help="the project folder (default: found from here)"),
-) -> None:
-    """Give the champion alias back to the version that held it before the current holder."""
-
-    def action() -> None:
-        client, name, _ = _open(model, project)
-        _move(model, previous_holder(client, name), "rollback", reason, project)
-
-    _command(action)
-
-
-@app.command()
-def status(
-    model: str = typer.Argument("reward", help="reward or policy"),
-    project: str = typer.Option(None, help="the project folder (default: found from here)"),
-) -> None:
-    """The champion with its metrics and gate decision, every recorded move of the alias, then the versions whose
-    model files were pruned (``rlhf-housekeeping``)."""
-
-    def action() -> None:
-        client, name, where = _open(model, project)
-        typer.echo(where)
-        found = holder(client, name)
-        if found is None:
-            latest = _guard(f"search {name}", client.search_model_versions, f"name = '{name}'")
-            newest = max(latest, key=lambda v: int(v.version)) if latest else None
-            last = f"; newest version {newest.version}, gate: {newest.tags.get(DECISION_TAG, 'none')}" if newest else ""
-            typer.echo(f"{name}: no version holds {CHAMPION}{last}")
-        else:
-            metrics = {k[len("rlhf.metric.") :]: v for k, v in found.tags.items() if k.startswith("rlhf.metric.")}
-            shown = ", ".join(f"{k}={metrics[k]}" for k in STATUS_METRICS if k in metrics)
-            decision = found.tags.get(DECISION_TAG, "none")
-            typer.echo(f"{name}: {CHAMPION} = version {found.version} (gate: {decision}); {shown}")
-        for move in history(client, name):
-            typer.echo(
-                f"  {move['at']}  {move['from'] or '(none)'} -> {move['to']}  by {move['by']}: {move['reason']}"
-                + (f" (pipeline {move['pipeline_run']})" if move.get("pipeline_run") else "")
-            )
-        gone = sorted(
-            (v for v in _guard(f"search {name}", client.search_model_versions, f"name = '{name}'") if pruned(v)),
-            key=lambda v: int(v.version),
-        )
-        if gone:
-            rules = sorted({pruned(v)["rule"] for v in gone})
-            typer.echo(
-                f"{name}: model files pruned by rlhf-housekeeping ({', '.join(rules)}), so they cannot be promoted: "
-                f"version {', '.join(str(v.version) for v in gone)}"
-            )
-
-    _command(action)
-
-
-if __name__ == "__main__":
-    app()

@@ -21,7 +21,7 @@ from conftest import PAIR
 from typer.testing import CliRunner
 
 from rlhf.models import load_scalar_model
-from tasks import gate, registry
+from tasks import gate, registry, registry_cli
 from tasks.champion import MARKER, OUT_DIR, VERSION_FILE, require_champion
 from tasks.outputs import StagedOutputs
 
@@ -116,17 +116,17 @@ def test_promote_and_rollback_by_hand_are_recorded_and_survive_the_next_gate_run
     new_candidate(BAD, 2)
     run_gate()
     runner = CliRunner()
-    result = runner.invoke(registry.app, ["promote", "reward", "--version", "2", "--reason", "reviewed by hand"])
+    result = runner.invoke(registry_cli.app, ["promote", "reward", "--version", "2", "--reason", "reviewed by hand"])
     assert result.exit_code == 0, result.output
     assert "moved from version 1 to 2" in result.output
     report = run_gate()  # does not re-decide version 2 (failed) and does not undo the move
     assert (report["decided"], report["decision"], require_champion()["version"]) == ("before", "fail", "2")
     assert registry.folder_sha256(OUT_DIR) != ""  # written from the registry
-    result = runner.invoke(registry.app, ["rollback", "reward", "--reason", "version 2 misbehaves"])
+    result = runner.invoke(registry_cli.app, ["rollback", "reward", "--reason", "version 2 misbehaves"])
     assert result.exit_code == 0, result.output
     run_gate()
     assert require_champion()["version"] == "1"
-    status = runner.invoke(registry.app, ["status", "reward"])
+    status = runner.invoke(registry_cli.app, ["status", "reward"])
     assert status.exit_code == 0 and "champion = version 1 (gate: pass)" in status.output
     assert status.output.startswith(f"project {registry_project}, tracking store sqlite:///")
     assert [line.split("  ")[2] for line in status.output.splitlines()[2:]] == ["(none) -> 1", "1 -> 2", "2 -> 1"]
@@ -135,25 +135,25 @@ def test_promote_and_rollback_by_hand_are_recorded_and_survive_the_next_gate_run
 
 def test_registry_command_errors_are_one_line(registry_project, tmp_path_factory, monkeypatch):
     runner = CliRunner()
-    result = runner.invoke(registry.app, ["status", "reward"])  # nothing registered yet
+    result = runner.invoke(registry_cli.app, ["status", "reward"])  # nothing registered yet
     assert result.exit_code == 1 and result.output.strip().startswith("registry: registered model rlhf-reward-model")
     new_candidate(GOOD, 1)
     run_gate()
-    result = runner.invoke(registry.app, ["promote", "reward", "--version", "7", "--reason", "x"])
+    result = runner.invoke(registry_cli.app, ["promote", "reward", "--version", "7", "--reason", "x"])
     assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1 and "version 7" in result.output
-    result = runner.invoke(registry.app, ["rollback", "reward", "--reason", "x"])
+    result = runner.invoke(registry_cli.app, ["rollback", "reward", "--reason", "x"])
     assert result.exit_code == 1 and "no earlier holder" in result.output
-    result = runner.invoke(registry.app, ["promote", "reward", "--version", "1", "--reason", " "])
+    result = runner.invoke(registry_cli.app, ["promote", "reward", "--version", "1", "--reason", " "])
     assert result.exit_code == 1 and "--reason must say why" in result.output
     # from another folder, naming the project
     monkeypatch.chdir(tmp_path_factory.mktemp("elsewhere"))
-    result = runner.invoke(registry.app, ["status", "reward", "--project", str(registry_project)])
+    result = runner.invoke(registry_cli.app, ["status", "reward", "--project", str(registry_project)])
     assert result.exit_code == 0 and "champion = version 1" in result.output
     # a tracking server that is down: one line, in seconds
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
-    result = runner.invoke(registry.app, ["status", "reward", "--project", str(registry_project)])
+    result = runner.invoke(registry_cli.app, ["status", "reward", "--project", str(registry_project)])
     assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1
     assert result.output.startswith("registry: ")
 
@@ -164,7 +164,7 @@ def test_an_over_long_reason_is_refused_before_anything_moves_and_params_are_kep
     new_candidate(BAD, 2)
     run_gate()
     runner = CliRunner()
-    result = runner.invoke(registry.app, ["promote", "reward", "--version", "2", "--reason", "why " * 2500])
+    result = runner.invoke(registry_cli.app, ["promote", "reward", "--version", "2", "--reason", "why " * 2500])
     assert result.exit_code == 1 and result.output.strip() == (
         "registry: the reason is 9,999 characters, over the 1,000 recorded; nothing moved: shorten it (a link to a "
         "ticket or document can hold the rest)"
@@ -261,6 +261,31 @@ def test_a_champion_alias_removed_by_hand_is_named_as_the_cause(registry_project
     assert "experiment" not in message  # it used to blame a DVC experiment
 
 
+def test_a_version_deleted_by_hand_keeps_its_history_and_its_content_stays_out_until_restored(registry_project):
+    new_candidate(GOOD, 1)
+    assert run_gate()["champion"]["version"] == "1"
+    client().delete_model_version(NAME, "1")  # a person, in the MLflow UI
+    assert [(m["from"], m["to"], m["by"]) for m in registry.history(client(), NAME)] == [(None, "1", "gate")]
+    with pytest.raises(registry.RegistryError) as failure:  # the same bytes are still in models/reward
+        run_gate()
+    assert str(failure.value) == (
+        f"registry: this content was {NAME} version 1, which was deleted from the registry; it is not registered "
+        'again until a person restores it: rlhf-registry restore reward --version 1 --reason "..." (or retrain)'
+    )
+    assert client().search_model_versions(f"name = '{NAME}'") == []  # nothing registered again
+    runner = CliRunner()
+    result = runner.invoke(registry_cli.app, ["restore", "reward", "--version", "1", "--reason", "deleted by mistake"])
+    assert result.exit_code == 0 and "may be registered again" in result.output, result.output
+    again = runner.invoke(registry_cli.app, ["restore", "reward", "--version", "1", "--reason", "twice"])
+    assert (
+        again.exit_code == 1
+        and again.output.strip() == f"registry: {NAME} version 1 was restored already; run the gate (dvc repro)"
+    )
+    report = run_gate()  # registered anew and gated like any candidate
+    assert (report["candidate"]["version"], report["decision"], report["champion"]["version"]) == ("2", "pass", "2")
+    assert [m["to"] for m in registry.history(client(), NAME)] == ["1", "2"]
+
+
 def test_inside_a_dvc_experiment_a_passing_candidate_is_only_a_challenger(registry_project, monkeypatch):
     new_candidate(GOOD, 1)
     run_gate()
@@ -348,16 +373,16 @@ def test_rollbacks_step_back_one_holder_at_a_time_and_a_move_to_the_holder_is_re
                                   "min_length_accuracy": 0.35}})  # fmt: skip
     assert require_champion()["version"] == "3"
     for expected in ("moved from version 3 to 2", "moved from version 2 to 1"):
-        result = runner.invoke(registry.app, ["rollback", "reward", "--reason", "step back"])
+        result = runner.invoke(registry_cli.app, ["rollback", "reward", "--reason", "step back"])
         assert result.exit_code == 0 and expected in result.output, result.output
-    result = runner.invoke(registry.app, ["rollback", "reward", "--reason", "again"])
+    result = runner.invoke(registry_cli.app, ["rollback", "reward", "--reason", "again"])
     assert result.exit_code == 1 and "no earlier holder" in result.output
-    result = runner.invoke(registry.app, ["promote", "reward", "--version", "1", "--reason", "again"])
+    result = runner.invoke(registry_cli.app, ["promote", "reward", "--version", "1", "--reason", "again"])
     assert result.exit_code == 1 and "version 1 already holds champion; nothing moved" in result.output
     # a promotion past the gate says what it overrides
     new_candidate(BAD, 9)
     run_gate()
-    result = runner.invoke(registry.app, ["promote", "reward", "--version", "4", "--reason", "reviewed"])
+    result = runner.invoke(registry_cli.app, ["promote", "reward", "--version", "4", "--reason", "reviewed"])
     assert result.exit_code == 0 and "note: version 4 failed its gate; moved by hand" in result.output
 
 
@@ -365,18 +390,18 @@ def test_the_command_never_guesses_a_project_and_reports_bad_params_in_one_line(
                                                                                  monkeypatch):  # fmt: skip
     runner = CliRunner()
     monkeypatch.chdir(tmp_path_factory.mktemp("no-project"))
-    result = runner.invoke(registry.app, ["status", "reward"])
+    result = runner.invoke(registry_cli.app, ["status", "reward"])
     assert result.exit_code == 1 and result.output.startswith("registry: no project (params.yaml and dvc.yaml)")
     (registry_project / "params.yaml").write_text("registry: [unclosed\n")
-    result = runner.invoke(registry.app, ["status", "reward", "--project", str(registry_project)])
+    result = runner.invoke(registry_cli.app, ["status", "reward", "--project", str(registry_project)])
     assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1
     assert result.output.startswith(f"registry: {registry_project}/params.yaml: ")
     (registry_project / "params.yaml").write_text("mlflow: {tracking_uri: sqlite:///other.db}\nregistry: {}\n")
-    result = runner.invoke(registry.app, ["status", "reward", "--project", str(registry_project)])
+    result = runner.invoke(registry_cli.app, ["status", "reward", "--project", str(registry_project)])
     assert result.exit_code == 1 and "KeyError" in result.output and len(result.output.strip().splitlines()) == 1
     (registry_project / "params.yaml").write_text(
         "mlflow: {tracking_uri: sqlite:///other.db}\nregistry: {reward_model: rlhf-reward-model}\n"
     )
-    result = runner.invoke(registry.app, ["status", "reward", "--project", str(registry_project)])
+    result = runner.invoke(registry_cli.app, ["status", "reward", "--project", str(registry_project)])
     assert result.exit_code == 1 and "no tracking store at sqlite:///" in result.output
     assert not (registry_project / "other.db").exists()  # looking never creates a store

@@ -18,7 +18,7 @@ import yaml
 from rich.filesize import decimal
 from typer.testing import CliRunner
 
-from tasks import housekeeping, registry
+from tasks import housekeeping, registry, registry_cli
 from tasks.resume import run_checkpointer
 
 NAME = "rlhf-reward-model"
@@ -70,7 +70,7 @@ def test_retention_keeps_aliased_rollback_approval_and_the_newest_and_prunes_the
     assert (record["rule"], record["bytes"], record["by"]) == ("registry.keep_versions 1", 1000, "rlhf-housekeeping")
     assert client.get_run(registry.version(client, NAME, 5).run_id).info.lifecycle_stage == "active"  # run kept
     assert housekeeping.prune_versions(client, NAME, 1, True, lines.append)[0] == []  # nothing left to do
-    status = CliRunner().invoke(registry.app, ["status", "reward"])
+    status = CliRunner().invoke(registry_cli.app, ["status", "reward"])
     assert status.exit_code == 0 and status.output.splitlines()[-1] == (
         f"{NAME}: model files pruned by rlhf-housekeeping (registry.keep_versions 1), so they cannot be promoted: "
         "version 5, 6"
@@ -84,12 +84,14 @@ def test_promote_or_rollback_to_a_pruned_version_is_refused_in_one_line(registry
         registry.move_alias(client, NAME, number, "gate", "passed")
     assert [r.what[-1] for r in housekeeping.prune_versions(client, NAME, 0, True, lambda line: None)[0]] == ["1"]
     runner = CliRunner()
-    result = runner.invoke(registry.app, ["promote", "reward", "--version", "1", "--reason", "it was fine"])
+    result = runner.invoke(registry_cli.app, ["promote", "reward", "--version", "1", "--reason", "it was fine"])
     assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1, result.output
     assert result.output.startswith(f"registry: {NAME} version 1 cannot hold champion: its model files were pruned on")
     assert "(registry.keep_versions 0)" in result.output
-    assert "moved from version 3 to 2" in runner.invoke(registry.app, ["rollback", "reward", "--reason", "r"]).output
-    result = runner.invoke(registry.app, ["rollback", "reward", "--reason", "further back"])  # to 1: pruned
+    assert (
+        "moved from version 3 to 2" in runner.invoke(registry_cli.app, ["rollback", "reward", "--reason", "r"]).output
+    )
+    result = runner.invoke(registry_cli.app, ["rollback", "reward", "--reason", "further back"])  # to 1: pruned
     assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1
     assert "version 1 cannot hold champion" in result.output
     assert str(registry.holder(client, NAME).version) == "2"

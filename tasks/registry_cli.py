@@ -1,0 +1,176 @@
+"""``rlhf-registry``: the champions (reward model, policy) of this project's MLflow registry for people: status,
+promote, rollback and restore (the library they use is :mod:`tasks.registry`)."""
+
+from __future__ import annotations
+
+import os
+
+import typer
+import yaml
+
+from tasks.registry import (
+    CHAMPION,
+    DECISION_TAG,
+    RegistryError,
+    _guard,
+    _project,
+    history,
+    holder,
+    move_alias,
+    previous_holder,
+    pruned,
+    restore,
+    version,
+)
+
+app = typer.Typer(
+    help="The champions (reward model, policy) of this project's MLflow registry: status, promote, rollback, restore."
+)
+MODELS = {"reward": "reward_model", "policy": "policy_model"}  # the command's model -> params.yaml registry key
+STATUS_METRICS = ("rm/accuracy", "rm/accuracy_low", "rm/accuracy_high", "rm/ece", "rm/accuracy_chosen_shorter",
+                  "rm/accuracy_chosen_longer", "rm/pairs", "eval/judge/win_rate", "eval/judge/win_rate_low",
+                  "eval/judge/accuracy_low", "eval/proxy/win_rate", "eval/policy/kl",
+                  "eval/policy/eos_rate")  # fmt: skip
+
+
+def _open(model: str, project: str | None):
+    """``(client, registered model name, a line naming the project and its store)``; the current folder becomes
+    the project's. Raises RegistryError (one line) on a bad model, project, params file or store."""
+    import mlflow
+
+    from tasks.params import stage_params
+    from tasks.runs import tracking_uri
+
+    if model not in MODELS:
+        raise RegistryError(f"registry: unknown model {model!r}; known: {', '.join(MODELS)}")
+    folder = _project(project)
+    os.chdir(folder)
+    try:
+        name = stage_params("registry")[MODELS[model]]
+        uri = tracking_uri()
+    except (ValueError, KeyError, OSError, yaml.YAMLError) as err:
+        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise RegistryError(f"registry: {folder}/params.yaml: {type(err).__name__}: {message}") from None
+    if uri.startswith("sqlite:///") and not os.path.exists(uri[len("sqlite:///") :]):
+        raise RegistryError(f"registry: no tracking store at {uri} yet (no stage has run in {folder})")
+    # a person is waiting: a server that is down fails in seconds, not after MLflow's minutes of retries
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    _guard(f"registered model {name}", client.get_registered_model, name)
+    return client, name, f"project {folder}, tracking store {uri}"
+
+
+def _command(action) -> None:
+    """Run a command; a registry error ends with its one line and exit 1."""
+    try:
+        action()
+    except RegistryError as err:
+        typer.echo(str(err), err=True)
+        raise typer.Exit(1) from None
+
+
+def _move(model: str, to: str, by: str, reason: str, project: str | None) -> None:
+    if not reason.strip():
+        raise RegistryError("registry: --reason must say why the alias moves (it is recorded)")
+    client, name, where = _open(model, project)
+    decision = version(client, name, to).tags.get(DECISION_TAG)
+    record = move_alias(client, name, to, by, reason)  # a refusal (a pruned version, say) is its one line
+    typer.echo(where)
+    typer.echo(f"{name}: {CHAMPION} moved from version {record['from']} to {record['to']} ({by}: {record['reason']})")
+    if decision != "pass":  # by hand a person may override the gate: say what was overridden
+        typer.echo(
+            f"note: version {to} {'failed its gate' if decision == 'fail' else 'was never gated'}; moved by hand"
+        )
+    if model == "reward":
+        typer.echo("Run `dvc repro` (or the pipeline flow): the gate stage writes the new champion, ppo reruns on it.")
+
+
+@app.command()
+def promote(
+    model: str = typer.Argument("reward", help="reward or policy"),
+    version_: str = typer.Option(..., "--version", help="the version to make champion"),
+    reason: str = typer.Option(..., help="why (recorded with the move)"),
+    project: str = typer.Option(None, help="the project folder (default: found from here)"),
+) -> None:
+    """Give the champion alias to a version by hand."""
+    _command(lambda: _move(model, version_, "promote", reason, project))
+
+
+@app.command()
+def rollback(
+    model: str = typer.Argument("reward", help="reward or policy"),
+    reason: str = typer.Option(..., help="why (recorded with the move)"),
+    project: str = typer.Option(None, help="the project folder (default: found from here)"),
+) -> None:
+    """Give the champion alias back to the version that held it before the current holder."""
+
+    def action() -> None:
+        client, name, _ = _open(model, project)
+        _move(model, previous_holder(client, name), "rollback", reason, project)
+
+    _command(action)
+
+
+@app.command(name="restore")
+def restore_command(
+    model: str = typer.Argument("reward", help="reward or policy"),
+    version_: str = typer.Option(..., "--version", help="the deleted version whose content may be registered again"),
+    reason: str = typer.Option(..., help="why (recorded)"),
+    project: str = typer.Option(None, help="the project folder (default: found from here)"),
+) -> None:
+    """Let the content of a version deleted from the registry be registered again by the next gate run."""
+
+    def action() -> None:
+        client, name, where = _open(model, project)
+        restore(client, name, version_, reason)
+        typer.echo(where)
+        typer.echo(f"{name}: the content of deleted version {version_} may be registered again; the next gate run "
+                   "(dvc repro) registers it as a new version and gates it like any candidate")  # fmt: skip
+
+    _command(action)
+
+
+@app.command()
+def status(
+    model: str = typer.Argument("reward", help="reward or policy"),
+    project: str = typer.Option(None, help="the project folder (default: found from here)"),
+) -> None:
+    """The champion with its metrics and gate decision, every recorded move of the alias, then the versions whose
+    model files were pruned (``rlhf-housekeeping``)."""
+
+    def action() -> None:
+        client, name, where = _open(model, project)
+        typer.echo(where)
+        found = holder(client, name)
+        if found is None:
+            latest = _guard(f"search {name}", client.search_model_versions, f"name = '{name}'")
+            newest = max(latest, key=lambda v: int(v.version)) if latest else None
+            last = f"; newest version {newest.version}, gate: {newest.tags.get(DECISION_TAG, 'none')}" if newest else ""
+            typer.echo(f"{name}: no version holds {CHAMPION}{last}")
+        else:
+            metrics = {k[len("rlhf.metric.") :]: v for k, v in found.tags.items() if k.startswith("rlhf.metric.")}
+            shown = ", ".join(f"{k}={metrics[k]}" for k in STATUS_METRICS if k in metrics)
+            decision = found.tags.get(DECISION_TAG, "none")
+            typer.echo(f"{name}: {CHAMPION} = version {found.version} (gate: {decision}); {shown}")
+        for move in history(client, name):
+            typer.echo(
+                f"  {move['at']}  {move['from'] or '(none)'} -> {move['to']}  by {move['by']}: {move['reason']}"
+                + (f" (pipeline {move['pipeline_run']})" if move.get("pipeline_run") else "")
+            )
+        gone = sorted(
+            (v for v in _guard(f"search {name}", client.search_model_versions, f"name = '{name}'") if pruned(v)),
+            key=lambda v: int(v.version),
+        )
+        if gone:
+            rules = sorted({pruned(v)["rule"] for v in gone})
+            typer.echo(
+                f"{name}: model files pruned by rlhf-housekeeping ({', '.join(rules)}), so they cannot be promoted: "
+                f"version {', '.join(str(v.version) for v in gone)}"
+            )
+
+    _command(action)
+
+
+if __name__ == "__main__":
+    app()
