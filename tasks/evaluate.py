@@ -254,15 +254,17 @@ def gate_policy(metrics: dict[str, float], run_id: str, doubts: list[str] | None
     """
     from rlhf.gate_rules import policy_gate
     from tasks.outputs import load_json
-    from tasks.registry import decide_once, find_by_sha, folder_sha256, register, version_tags
+    from tasks.registry import decide_once, find_by_sha, folder_sha256, refuse_deleted, register, version_tags
     from tasks.runs import tracking_client
 
     params = stage_params("registry")
     criteria = policy_criteria()  # a bad bound stops before anything is registered
     client, _ = tracking_client()
     name, ppo = params["policy_model"], load_json(PPO_METRICS)
-    candidate = find_by_sha(client, name, folder_sha256(POLICY))
+    sha = folder_sha256(POLICY)
+    candidate = find_by_sha(client, name, sha)
     if candidate is None:
+        refuse_deleted(client, name, sha, 'rlhf-registry restore policy --version {version} --reason "..."')
         tags = version_tags(POLICY, {**metrics, **ppo}, {"evaluate": params}, [PROMPTS])
         candidate = register(client, name, POLICY, run_id, tags, {"evaluate": params})
     win = metrics.get(f"eval/{criteria.verdict}/win_rate")
