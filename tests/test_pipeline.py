@@ -130,12 +130,12 @@ def test_dvc_repro_runs_everything_then_only_what_a_ppo_param_touches(tmp_path):
     assert ran_stages(run(project, "dvc", "repro")) == [s for s in STAGES if s not in ("base_model", "sft")]
     assert champion(project) == "2"
     # a promotion by hand reaches DVC through the gate: ppo and what is downstream of it rerun, nothing else
-    output = run(project, "tasks.registry", "promote", "reward", "--version", "1", "--reason", "test")
+    output = run(project, "tasks.registry_cli", "promote", "reward", "--version", "1", "--reason", "test")
     assert "moved from version 2 to 1" in output
     assert ran_stages(run(project, "dvc", "repro")) == ["gate", "ppo", "evaluate", "report"]
     assert champion(project) == "1"
     # so does a rollback, and the next repro keeps it (the gate never re-decides a version)
-    assert "moved from version 1 to 2" in run(project, "tasks.registry", "rollback", "reward", "--reason", "test")
+    assert "moved from version 1 to 2" in run(project, "tasks.registry_cli", "rollback", "reward", "--reason", "test")
     assert ran_stages(run(project, "dvc", "repro")) == ["gate", "ppo", "evaluate", "report"]
     assert ran_stages(run(project, "dvc", "repro")) == ["gate", "report"]
     assert champion(project) == "2"

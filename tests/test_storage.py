@@ -137,7 +137,7 @@ def test_the_gate_registers_through_the_server_with_artifacts_on_s3(project):
     assert any(key.endswith("/artifacts/model/model.safetensors") for key in keys), keys
     with open(os.path.join(project.folder, "models/reward_champion/registry_version.json")) as handle:
         assert json.load(handle)["version"] == "1"
-    status = project.run("tasks.registry", "status", "reward")  # the command people run, against the server
+    status = project.run("tasks.registry_cli", "status", "reward")  # the command people run, against the server
     assert f"tracking store {project.server}" in status and f"{REGISTERED}: champion = version 1" in status
 
 
