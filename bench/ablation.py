@@ -46,7 +46,7 @@ def overrides(pairs: list[str]) -> dict:
         key, sep, value = pair.partition("=")
         if not sep:
             raise typer.BadParameter(f"{pair!r} is not key=value")
-        parsed[key.strip()] = yaml.load(value, Loader=Yaml12Loader)  # noqa: S506: a SafeLoader, as params.yaml
+        parsed[key.strip()] = yaml.load(value, Loader=Yaml12Loader)  # a SafeLoader, reading numbers as params.yaml
     return parsed
 
 
