@@ -22,6 +22,7 @@ import json
 import os
 import time
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -127,8 +128,8 @@ def register(client, name: str, folder: str, run_id: str, tags: dict[str, str], 
     try:
         client.get_registered_model(name)
     except MlflowException:  # first use; another process may register the first version at the same moment
-        create = lambda: client.create_registered_model(name)  # noqa: E731
-        _guard(f"create registered model {name}", create_if_missing, create, lambda: client.get_registered_model(name))
+        create, read = partial(client.create_registered_model, name), partial(client.get_registered_model, name)
+        _guard(f"create registered model {name}", create_if_missing, create, read)
     _guard(f"log the artifacts of {folder}", client.log_artifacts, run_id, folder, ARTIFACT_PATH)
     if params is not None:
         _guard("log the params", client.log_text, run_id, _params_json(params), PARAMS_ARTIFACT)

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 from tasks.params import PARAMS_FILE, mlflow_params, mlflow_text, read_params
@@ -84,7 +85,7 @@ def tracking_client():
                 lambda: client.create_experiment(name, artifact_location=location),
                 lambda: client.get_experiment_by_name(name),
             )
-        get_or_create = lambda: mlflow.set_experiment(name)  # noqa: E731
+        get_or_create = partial(mlflow.set_experiment, name)  # a second call finds what another process made
         return client, create_if_missing(get_or_create, get_or_create).experiment_id
 
 

@@ -16,7 +16,7 @@ open(f"ready-{index}", "w").close()
 while not os.path.exists("go"):
     time.sleep(0.01)
 client, experiment = tracking_client()
-with StageRun("gate", {"index": index}):  # the pipeline's parent run: created once, however many start together
-    pass
+with StageRun("gate", {"index": index}) as stage:  # the pipeline's parent run: created once, however many start
+    stage.log({"worker": float(index)}, 0)
 run_id = client.create_run(experiment).info.run_id
 print(register(client, "rlhf-reward-model", "folder", run_id, {"rlhf.sha256": index}).version)
