@@ -25,6 +25,8 @@ from typing import Any
 import yaml
 from prefect import flow, get_run_logger
 
+from flows.pools import PoolLimits, check_live_worker, wait_for_stage
+from flows.stages import DVC, checkout_lock, run_stage, stage_graph
 from tasks.params import load_yaml
 
 LOCK = "dvc.lock"
@@ -47,7 +49,7 @@ def _run(*command: str) -> str:
 
 
 def _dvc(*args: str) -> str:
-    return _run(sys.executable, "-m", "dvc", *args)
+    return _run(*DVC, *args)
 
 
 def read_lock() -> dict[str, Any]:
@@ -103,8 +105,8 @@ def write_files(files: dict[str, str]) -> None:
 def clean_revision() -> str:
     """The commit checked out here. Raises RuntimeError when tracked files differ from it: a worker starts
     from the commit, so uncommitted params or code would not be what it runs."""
-    dirty = _run("git", "status", "--porcelain", "--untracked-files=no").strip().splitlines()
-    changed = [line[3:] for line in dirty if line[3:] != LOCK]  # dvc.lock travels with the request
+    dirty = _run("git", "status", "--porcelain", "--untracked-files=no").splitlines()  # "XY path"; X may be " "
+    changed = [line[3:] for line in dirty if line.strip() and line[3:] != LOCK]  # dvc.lock travels with the request
     if changed:
         raise RuntimeError(f"commit first: a stage on a work pool runs the committed tree, and {changed[0]} differs")
     return _run("git", "rev-parse", "HEAD").strip()
@@ -123,51 +125,95 @@ def run_stage_flow(
     Raises:
         RuntimeError: git, ``dvc pull``/``push`` or the stage failed (the output's tail in the message).
     """
-    from flows.pipeline import run_stage, stage_graph
-
     logger = get_run_logger()
-    if _run("git", "rev-parse", "HEAD").strip() != revision:
-        _run("git", "fetch", "--quiet", "origin")
-        _run("git", "checkout", "--quiet", "--detach", revision)
-    write_lock(lock)
-    write_files(files)
-    upstream = sorted(stage_graph().predecessors(stage))
-    if upstream:
-        _dvc("pull", "--quiet", *upstream)  # what this stage reads, as the lock records it
-    run_stage.fn(stage, pipeline_run_id)
-    _dvc("push", "--quiet", stage)
+    with checkout_lock():
+        if _run("git", "rev-parse", "HEAD").strip() != revision:
+            _run("git", "fetch", "--quiet", "origin")
+            _run("git", "checkout", "--quiet", "--detach", revision)
+        write_lock(lock)
+        write_files(files)
+        upstream = sorted(stage_graph().predecessors(stage))
+        if upstream:
+            _dvc("pull", "--quiet", *upstream)  # what this stage reads, as the lock records it
+        run_stage.fn(stage, pipeline_run_id)
+        _dvc("push", "--quiet", stage)
+        result = {"entry": read_lock()["stages"].get(stage), "files": read_files(uncached_outs([stage]))}
     logger.info("stage %s done on %s, outputs pushed", stage, os.uname().nodename)
-    return {"entry": read_lock()["stages"].get(stage), "files": read_files(uncached_outs([stage]))}
+    return result
 
 
-def run_on_pool(stage: str, pool: str, pipeline_run_id: str, revision: str, timeout_s: float | None = None) -> None:
+def run_on_pool(stage: str, pool: str, pipeline_run_id: str, revision: str, limits: PoolLimits) -> None:
     """Run ``stage`` as a ``run-stage-<pool>`` flow run and wait; then record its lock entry and pull its outputs.
 
+    Nothing is submitted to a paused pool or one without a live worker; a run no worker starts within
+    ``limits.start_timeout_s`` is cancelled; a running one whose pool goes silent for ``limits.lost_worker_s``
+    is marked Crashed (:mod:`flows.pools`).
+
     Raises:
+        PoolWaitError: no live worker, not started in time, or its worker lost (one line naming stage and pool).
         RuntimeError: the flow run did not complete (its state and message), or returned no lock entry.
     """
+    from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
 
-    lock = read_lock()
-    run = run_deployment(
-        f"run-stage/run-stage-{pool}",
-        parameters={
-            "stage": stage,
-            "pipeline_run_id": pipeline_run_id,
-            "revision": revision,
-            "lock": lock,
-            "files": read_files(uncached_outs()),
-        },
-        timeout=timeout_s,
-        poll_interval=2,
-    )
+    with get_client(sync_client=True) as client:
+        check_live_worker(client, stage, pool, limits)
+        submitted = run_deployment(
+            f"run-stage/run-stage-{pool}",
+            parameters={
+                "stage": stage,
+                "pipeline_run_id": pipeline_run_id,
+                "revision": revision,
+                "lock": read_lock(),
+                "files": read_files(uncached_outs()),
+            },
+            timeout=0,  # wait_for_stage waits, with the limits
+        )
+        run = wait_for_stage(client, submitted.id, stage, pool, limits)
     if not run.state.is_completed():
         raise RuntimeError(f"stage {stage} on work pool {pool}: {run.state.type.value} ({run.state.message})")
     result = run.state.result()
     if not result.get("entry"):
         raise RuntimeError(f"stage {stage} on work pool {pool} handed back no dvc.lock entry")
-    write_files(result["files"])
-    lock = read_lock()
-    lock.setdefault("stages", {})[stage] = result["entry"]
-    write_lock(lock)
-    _dvc("pull", "--quiet", stage)
+    with checkout_lock():
+        write_files(result["files"])
+        lock = read_lock()
+        lock.setdefault("stages", {})[stage] = result["entry"]
+        write_lock(lock)
+        _dvc("pull", "--quiet", stage)
+
+
+PREFECT_FILE = os.path.join("infra", "prefect.yaml")
+
+
+def project_folder(start: str) -> str:
+    """The nearest folder from ``start`` upward that holds ``dvc.yaml`` and ``infra/prefect.yaml``.
+
+    Raises:
+        FileNotFoundError: none does (one line naming ``start``).
+    """
+    folder = os.path.abspath(start)
+    while True:
+        if os.path.isfile(os.path.join(folder, "dvc.yaml")) and os.path.isfile(os.path.join(folder, PREFECT_FILE)):
+            return folder
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            raise FileNotFoundError(
+                f"rlhf-deploy: no project (dvc.yaml and {PREFECT_FILE}) at or above {os.path.abspath(start)}: "
+                "run it in a checkout of the project"
+            )
+        folder = parent
+
+
+def deploy() -> None:
+    """``rlhf-deploy``: ``prefect deploy --all --prefect-file infra/prefect.yaml`` from the project's root, found
+    from the current folder upward (the entrypoints in prefect.yaml are paths from the root, so Prefect itself
+    fails with a traceback anywhere else). Outside a project: one line and exit 1; else Prefect's exit status."""
+    try:
+        root = project_folder(os.getcwd())
+    except FileNotFoundError as err:
+        print(err, file=sys.stderr)
+        raise SystemExit(1) from None
+    prefect = os.path.join(os.path.dirname(sys.executable), "prefect")
+    command = [prefect, "--no-prompt", "deploy", "--all", "--prefect-file", PREFECT_FILE, *sys.argv[1:]]
+    raise SystemExit(subprocess.run(command, cwd=root).returncode)

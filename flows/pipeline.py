@@ -10,21 +10,33 @@ Usage: ``python -m flows.pipeline [--stage NAME ...]``.
 
 from __future__ import annotations
 
+import io
 import json
 import os
-import re
-import subprocess
-import sys
-from collections.abc import Callable
+from typing import Any
 
 import networkx as nx
 import typer
-from prefect import flow, get_run_logger, task
+from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
+from prefect.states import Completed
 from rich.console import Console
 from rich.table import Table
 
-from tasks.params import load_yaml
+from flows.deployments import clean_revision, run_on_pool, stage_pool
+from flows.pools import pool_limits
+from flows.stages import (
+    StageRefused,
+    dvc_stages,
+    dvc_status,
+    entry_paths,
+    run_in_order,
+    run_stage,
+    stage_graph,
+    stage_order,
+    stale_reasons,
+    stale_stages,
+)
 
 SUMMARY = {
     "prepare": [],
@@ -72,189 +84,38 @@ SUMMARY = {
 }
 
 
-def _stages(dvc_file: str) -> dict:
-    return load_yaml(dvc_file)["stages"]
-
-
-def _paths(entries: list | None) -> list[str]:
-    """Paths of a dvc.yaml deps/outs/metrics list (entries are strings or one-key dicts)."""
-    return [next(iter(e)) if isinstance(e, dict) else e for e in entries or []]
-
-
-def stage_graph(dvc_file: str = "dvc.yaml") -> nx.DiGraph:
-    """The stages of ``dvc.yaml`` as a graph: an edge from a stage to every stage that reads one of its outs."""
-    stages = _stages(dvc_file)
-    graph = nx.DiGraph()
-    graph.add_nodes_from(stages)
-    for name, stage in stages.items():
-        for other, upstream in stages.items():
-            outs = _paths(upstream.get("outs")) + _paths(upstream.get("metrics")) + _paths(upstream.get("plots"))
-            if other != name and any(
-                dep == out or dep.startswith(out.rstrip("/") + "/") for dep in _paths(stage.get("deps")) for out in outs
-            ):
-                graph.add_edge(other, name)
-    return graph
-
-
-def stage_order(dvc_file: str = "dvc.yaml") -> list[str]:
-    """Stage names of ``dvc.yaml`` in dependency order (a stage after every stage whose outs it reads).
-
-    Raises:
-        ValueError: the stages form a cycle.
-    """
-    graph = stage_graph(dvc_file)
-    if not nx.is_directed_acyclic_graph(graph):
-        raise ValueError(f"{dvc_file}: the stages form a cycle")
-    return list(nx.lexicographical_topological_sort(graph, key=list(_stages(dvc_file)).index))
-
-
-ALWAYS_CHANGED = "always changed"  # `always_changed: true` stages: DVC reports them so after every run
-
-
-def dvc_status(targets: list[str] | None = None) -> dict[str, list]:
-    """``dvc status --json`` of ``targets`` (each stage by itself, not its upstream; all stages by default).
+@flow(name="rlhf-pipeline", log_prints=False)
+def rlhf_pipeline(stages: list[str] | None = None, pools: bool = False) -> Any:
+    """:func:`run_pipeline` as a Prefect flow: its log and its final state's message carry the summary table
+    (:func:`summary_text`); a failure logs ``FAILED: <reason>`` and the failed state's message is that reason.
 
     Returns:
-        stage -> what DVC says changed, e.g. ``{"reward": [{"changed deps": {"params.yaml": {"reward":
-        "modified"}}}], "source": ["always changed"]}``; empty when all are up to date.
-
-    Raises:
-        RuntimeError: ``dvc status`` failed (its message).
-    """
-    result = subprocess.run(
-        [sys.executable, "-m", "dvc", "status", "--json", *(targets or [])], capture_output=True, text=True
-    )
-    if result.returncode != 0:
-        raise RuntimeError(f"dvc status failed (exit {result.returncode}): {result.stderr.strip()[-2000:]}")
-    return json.loads(result.stdout.strip() or "{}")
-
-
-def _change(entry) -> str:
-    """One entry of a stage's ``dvc status --json`` list as words: ``changed deps params.yaml:reward (modified)``."""
-    if isinstance(entry, str):
-        return entry
-    phrases = []
-    for kind, files in entry.items():
-        if not isinstance(files, dict):
-            phrases.append(f"{kind} ({files})")
-            continue
-        for path, change in files.items():
-            if isinstance(change, dict):  # params.yaml: {param: change}
-                phrases += [f"{kind} {path}:{param} ({what})" for param, what in change.items()]
-            else:
-                phrases.append(f"{kind} {path} ({change})")
-    return ", ".join(phrases)
-
-
-def stale_reasons(status: dict[str, list]) -> dict[str, str]:
-    """Stage -> why DVC says it is stale, from :func:`dvc_status`'s dict.
-
-    e.g. ``{"reward": "changed deps params.yaml:reward (modified)", "source": "always changed"}``.
-    """
-    return {stage: "; ".join(_change(e) for e in entries) or "changed" for stage, entries in status.items()}
-
-
-def stale_stages(status: dict[str, list]) -> dict[str, str]:
-    """:func:`stale_reasons` without the ``always_changed`` stages (DVC reports them after every run, by design)."""
-    return {stage: why for stage, why in stale_reasons(status).items() if why != ALWAYS_CHANGED}
-
-
-def run_in_order(
-    order: list[str],
-    graph: nx.DiGraph,
-    wanted: set[str],
-    run: Callable[[str], None],
-    why_stale: Callable[[str], str | None],
-    say: Callable[[str], None] = print,
-) -> list[str]:
-    """Run the ``wanted`` stages in ``order``, each after every stage upstream of it that is stale when reached.
-
-    A stage upstream of a wanted one runs when ``why_stale(stage)`` (asked just before, so a stage made stale
-    by one that ran before it counts) gives a reason, and ``say`` names it, the reason and the wanted stages
-    it feeds; an up-to-date upstream stage does not run. A wanted stage always goes to ``run`` (DVC skips it
-    when it is up to date).
-
-    Returns:
-        the stages run, in order.
-    """
-    feeds = {
-        stage: [w for w in order if w in wanted and stage in nx.ancestors(graph, w)]
-        for stage in order
-        if stage not in wanted
-    }
-    ran = []
-    for stage in order:
-        if stage not in wanted:
-            if not feeds[stage]:
-                continue
-            why = why_stale(stage)
-            if not why:
-                continue
-            say(f"[flow] {stage} is stale ({why}) and upstream of {', '.join(feeds[stage])}: running it first")
-        run(stage)
-        ran.append(stage)
-    return ran
-
-
-class StageRefused(RuntimeError):
-    """A stage ended with its own one-line error (bad input, bad params, divergence): a retry would fail the same."""
-
-
-STAGE_ERROR = re.compile(r"^\[\w+\] (error: |stopped by )")  # the line tasks.common.cli prints
-
-
-def retry_unless_refused(task, task_run, state) -> bool:
-    """Prefect retry condition: retry a crash (a lost worker, a killed process), never a :class:`StageRefused`."""
-    try:
-        state.result()
-    except StageRefused:
-        return False
-    except Exception:  # any other failure may be transient
-        return True
-    return True
-
-
-@task(retries=1, retry_delay_seconds=5, retry_condition_fn=retry_unless_refused, task_run_name="{stage}")
-def run_stage(stage: str, pipeline_run_id: str) -> None:
-    """Run one DVC stage (skipped by DVC when it is up to date); a retry resumes from the stage's checkpoint.
-
-    A stage that ends with its own error line (:data:`STAGE_ERROR`) is not retried: bad input, bad
-    params and divergence fail the same way twice.
-
-    Raises:
-        StageRefused: the stage printed its one-line error (that line is the message).
-        RuntimeError: the stage failed otherwise (its output tail is in the message).
+        a Completed state with the metrics as data (a caller of the flow gets the metrics).
     """
     logger = get_run_logger()
-    # a stage's `python -m tasks.<stage>` is this interpreter, activated or not (else PATH's first python runs it)
-    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
-    env = {**os.environ, "RLHF_PIPELINE_RUN_ID": pipeline_run_id, "PATH": path}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "dvc", "repro", "--single-item", stage],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    tail: list[str] = []
-    for line in process.stdout:
-        print(line, end="", flush=True)
-        tail = (tail + [line.rstrip()])[-20:]
-    if process.wait() != 0:
-        refused = [line for line in tail if STAGE_ERROR.match(line)]
-        if refused:
-            raise StageRefused(refused[-1])
-        raise RuntimeError(f"stage {stage} failed (exit {process.returncode}):\n" + "\n".join(tail))
-    logger.info("stage %s done", stage)
+    try:
+        metrics = run_pipeline(stages, pools)
+    except Exception as err:
+        logger.error("FAILED: %s", first_line(err))
+        raise
+    text = summary_text(metrics)
+    logger.info("summary\n%s", text)
+    return Completed(message=text, data=metrics)
 
 
-@flow(name="rlhf-pipeline", log_prints=False)
-def rlhf_pipeline(stages: list[str] | None = None, pools: bool = False) -> dict[str, dict]:
+def first_line(err: BaseException) -> str:
+    """The first line of an error's message, else its type's name."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def run_pipeline(stages: list[str] | None = None, pools: bool = False) -> dict[str, dict]:
     """Run the stages of ``dvc.yaml`` in order (all by default) and return their metrics files.
 
     ``pools``: run each stage as a ``run-stage`` flow run on its work pool (params.yaml
-    ``orchestration.work_pools``; :mod:`flows.deployments`), its data moving through the DVC remote; the
-    scheduled deployment of ``infra/prefect.yaml`` sets it. False (``make pipeline``): every stage runs here.
+    ``orchestration.work_pools``; :mod:`flows.deployments`), its data moving through the DVC remote, waiting
+    within ``orchestration.start_timeout_s`` and ``lost_worker_s`` (:mod:`flows.pools`); the scheduled
+    deployment of ``infra/prefect.yaml`` sets it. False (``make pipeline``): every stage runs here.
 
     Asked for a subset, it also runs every stage upstream of it that is stale (a changed param, dep or
     command; an ``always_changed`` stage such as ``source``), in order, naming each and why, as
@@ -265,12 +126,12 @@ def rlhf_pipeline(stages: list[str] | None = None, pools: bool = False) -> dict[
         stages: a subset of stage names; None runs all.
 
     Raises:
-        ValueError: an unknown stage name, or credentials in params.yaml.
-        RuntimeError: a stage failed, or a stage is still stale after the run.
+        ValueError: an unknown stage name, credentials in params.yaml, or a bad ``orchestration`` limit.
+        RuntimeError: a stage failed (:class:`flows.pools.PoolWaitError`: its pool had no live worker, did not
+            start it in time or lost it), or a stage is still stale after the run.
     """
-    from flows.deployments import clean_revision, run_on_pool, stage_pool
     from tasks.params import read_params
-    from tasks.runs import StageRun
+    from tasks.runs import StageRun  # MLflow: imported when a flow runs, not when a worker loads the entrypoint
 
     params = read_params()  # refuses credentials in params.yaml before any stage runs
     order, graph = stage_order(), stage_graph()
@@ -280,10 +141,11 @@ def rlhf_pipeline(stages: list[str] | None = None, pools: bool = False) -> dict[
     run_id = f"prefect-{flow_run.get_id() or 'local'}"
     wanted = set(order if stages is None else stages)
     revision = clean_revision() if pools else ""  # a worker runs the committed tree
+    limits = pool_limits(params) if pools else None
 
     def run(stage: str) -> None:
         if pools:
-            run_on_pool(stage, stage_pool(stage, params), run_id, revision)
+            run_on_pool(stage, stage_pool(stage, params), run_id, revision, limits)
         else:
             run_stage(stage, run_id)
 
@@ -310,8 +172,8 @@ def rlhf_pipeline(stages: list[str] | None = None, pools: bool = False) -> dict[
     finally:
         StageRun.end_pipeline(run_id, status)
     metrics = {}
-    for stage, spec in _stages("dvc.yaml").items():
-        for path in _paths(spec.get("metrics")):
+    for stage, spec in dvc_stages("dvc.yaml").items():
+        for path in entry_paths(spec.get("metrics")):
             if os.path.exists(path):
                 with open(path, encoding="utf-8") as handle:
                     metrics.setdefault(stage, {}).update(json.load(handle))
@@ -397,12 +259,15 @@ def stage_seconds(stage: str) -> float | None:
         return json.load(handle).get("seconds")
 
 
-def print_summary(metrics: dict[str, dict], timings: dict[str, float | None] | None = None) -> None:
+def print_summary(
+    metrics: dict[str, dict], timings: dict[str, float | None] | None = None, console: Console | None = None
+) -> None:
     """Print the time of each stage and the headline figures (rates with their interval), then any warning.
 
     Args:
-        metrics: stage -> its metrics file's content (as :func:`rlhf_pipeline` returns them).
+        metrics: stage -> its metrics file's content (as :func:`run_pipeline` returns them).
         timings: stage -> seconds of its last run; by default :func:`stage_seconds` of each stage.
+        console: where to print (the terminal by default).
     """
     table = Table(title="RLHF pipeline")
     table.add_column("stage")
@@ -412,23 +277,30 @@ def print_summary(metrics: dict[str, dict], timings: dict[str, float | None] | N
         seconds = stage_seconds(stage) if timings is None else timings.get(stage)
         figures = ", ".join(f for f in (_figure(values, k) for k in SUMMARY.get(stage, [])) if f)
         table.add_row(stage, f"{seconds:.0f}" if isinstance(seconds, (int, float)) else "-", figures)
-    console = Console()
+    console = console or Console()
     console.print(table)
     for line in summary_warnings(metrics):
         console.print(line, style="bold red", markup=False, highlight=False, soft_wrap=True)
 
 
+def summary_text(metrics: dict[str, dict]) -> str:
+    """:func:`print_summary`'s table and warnings as plain text (for the flow's log and its final state)."""
+    buffer = io.StringIO()
+    print_summary(metrics, console=Console(file=buffer, width=160, color_system=None, force_terminal=False))
+    return buffer.getvalue().rstrip()
+
+
 def main(stage: list[str] = typer.Option(None, help="run only these stages (repeatable)")) -> None:
-    """Run the pipeline flow and print the summary and ``dvc status`` (stale stages with why; ``up to date``).
+    """Run the pipeline flow (its log ends with the summary table) and print ``dvc status`` (stale stages with
+    why; ``up to date``).
 
     A failed flow ends with its reason on one line (Prefect has logged the details) and exit 1.
     """
     try:
-        metrics = rlhf_pipeline(stages=stage or None)
+        rlhf_pipeline(stages=stage or None)
     except (StageRefused, ValueError, RuntimeError) as err:
-        print(f"[flow] FAILED: {str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}")
+        print(f"[flow] FAILED: {first_line(err)}")
         raise SystemExit(1) from None
-    print_summary(metrics)
     status = dvc_status()
     stale = stale_stages(status)
     always = sorted(set(status) - set(stale))

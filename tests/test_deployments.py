@@ -52,6 +52,20 @@ def stop(process: subprocess.Popen) -> None:
         process.wait()
 
 
+def start_server_with_pools(project: str, env: dict, log: str, port: int) -> subprocess.Popen:
+    """A Prefect server on 127.0.0.1:``port``, answering, with a ``cpu`` and a ``gpu`` process work pool."""
+    server = start(project, env, log, f"{BIN}/prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port))
+    for _ in range(90):
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/api/health", timeout=2)
+            break
+        except OSError:
+            time.sleep(1)
+    for pool in ("cpu", "gpu"):
+        command(project, env, f"{BIN}/prefect", "work-pool", "create", pool, "--type", "process")
+    return server
+
+
 def test_scheduled_deployment_runs_every_stage_on_its_pool(tmp_path):
     project = make_project(tmp_path)
     port = free_port()
@@ -72,16 +86,7 @@ def test_scheduled_deployment_runs_every_stage_on_its_pool(tmp_path):
     os.symlink(os.path.realpath(os.path.join(project, "..", "shared")), gpu_root / "shared")
     processes = []
     try:
-        processes.append(start(project, env, str(tmp_path / "server.log"), f"{BIN}/prefect", "server", "start",
-                               "--host", "127.0.0.1", "--port", str(port)))  # fmt: skip
-        for _ in range(90):
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/api/health", timeout=2)
-                break
-            except OSError:
-                time.sleep(1)
-        for pool in ("cpu", "gpu"):
-            command(project, env, f"{BIN}/prefect", "work-pool", "create", pool, "--type", "process")
+        processes.append(start_server_with_pools(project, env, str(tmp_path / "server.log"), port))
         command(
             project, env, f"{BIN}/prefect", "--no-prompt", "deploy", "--all", "--prefect-file", "infra/prefect.yaml"
         )

@@ -141,7 +141,7 @@ def test_the_flow_fails_when_a_stage_it_relied_on_is_still_stale(tmp_path, monke
     with pytest.raises(
         RuntimeError, match=r"stale after the run: b: changed deps params\.yaml:b\.lr \(modified\) \(dvc status\)"
     ):
-        pipeline.rlhf_pipeline.fn(stages=["c"])
+        pipeline.run_pipeline(stages=["c"])
     assert ran == ["a", "c"]  # a was stale before its turn; b was not (yet): what is left stale fails the run
 
 
@@ -169,7 +169,7 @@ def test_a_subset_run_after_an_upstream_param_change_runs_the_stale_stage_first(
         assert result.returncode == 0
 
     monkeypatch.setattr(pipeline, "run_stage", run_stage)
-    monkeypatch.setattr(pipeline, "rlhf_pipeline", pipeline.rlhf_pipeline.fn)
+    monkeypatch.setattr(pipeline, "rlhf_pipeline", pipeline.run_pipeline)  # the flow's body, without Prefect
     pipeline.main(stage=["c"])
     output = capsys.readouterr().out
     assert "[flow] b is stale (changed deps params.yaml:b (modified)) and upstream of c: running it first" in output
@@ -189,7 +189,7 @@ class _State:
 
 
 def test_a_stage_that_printed_its_own_error_is_not_retried_a_crash_is():
-    from flows.pipeline import STAGE_ERROR, StageRefused, retry_unless_refused
+    from flows.stages import STAGE_ERROR, StageRefused, retry_unless_refused
 
     assert STAGE_ERROR.match("[ppo] error: ValueError: params.yaml: ppo.ptx_coef is set both ...")
     assert STAGE_ERROR.match("[sft] stopped by SIGTERM")

@@ -162,7 +162,7 @@ def test_the_flow_refuses_before_it_runs_a_stage(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(pipeline, "run_stage", lambda *a: pytest.fail("a stage ran"))
     with pytest.raises(ValueError, match=r"data\.source \(a URL with a user and password\)"):
-        pipeline.rlhf_pipeline.fn()
+        pipeline.run_pipeline()
 
 
 def test_mlflow_params_flatten_lists_and_keep_values_as_text():

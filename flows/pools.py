@@ -1,0 +1,123 @@
+"""Waiting for a stage on a work pool, with limits: a pool without a live worker, a run no worker starts and a
+run whose worker is gone each end the wait with one line naming the stage and the pool.
+
+A worker is live while its heartbeats reach the Prefect server (``prefect worker start`` sends one every
+``PREFECT_WORKER_HEARTBEAT_SECONDS``, 30 s by default). params.yaml ``orchestration`` holds the two limits:
+
+- ``start_timeout_s``: how long a stage may wait for a worker of its pool to start it. Past it the stage's
+  flow run is cancelled (a worker started later runs nothing) and the pipeline fails.
+- ``lost_worker_s``: how long a running stage's pool may go without a heartbeat from any of its workers. Past
+  it the stage's flow run is marked Crashed and the pipeline fails, within ``lost_worker_s`` plus one poll.
+  A pool with several workers is watched as a whole: a run whose own worker died while another worker of the
+  pool lives is not noticed (Prefect does not record which worker took a flow run).
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from prefect.client.orchestration import SyncPrefectClient
+from prefect.client.schemas.objects import FlowRun, Worker
+from prefect.states import Cancelled, Crashed
+
+POLL_S = 2.0  # how often the pipeline reads the stage's flow run and its pool's workers
+
+
+class PoolWaitError(RuntimeError):
+    """A stage on a work pool could not run: no live worker, not started in time, or its worker was lost."""
+
+
+@dataclass(frozen=True)
+class PoolLimits:
+    """How long the pipeline waits on a work pool (params.yaml ``orchestration``), in seconds."""
+
+    start_timeout_s: float  # a submitted stage not started by then is cancelled
+    lost_worker_s: float  # a running stage whose pool sent no heartbeat for this long is lost
+
+
+def pool_limits(params: dict[str, Any]) -> PoolLimits:
+    """:class:`PoolLimits` from params.yaml's ``orchestration`` section (numbers, or numbers written as strings).
+
+    Raises:
+        ValueError: a limit is missing, not a number, not finite or not above 0 (one line naming the key).
+    """
+    section = params.get("orchestration") or {}
+    values = {}
+    for key in ("start_timeout_s", "lost_worker_s"):
+        value = section.get(key)
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            number = math.nan
+        if isinstance(value, bool) or not math.isfinite(number) or number <= 0:
+            raise ValueError(f"params.yaml: orchestration.{key} is {value!r}: it must be a number of seconds above 0")
+        values[key] = number
+    return PoolLimits(**values)
+
+
+def live_workers(workers: list[Worker], now: datetime.datetime, within_s: float) -> list[str]:
+    """Names of the workers whose last heartbeat is at most ``within_s`` seconds before ``now`` (timezone-aware)."""
+    return [
+        worker.name
+        for worker in workers
+        if worker.last_heartbeat_time is not None and (now - worker.last_heartbeat_time).total_seconds() <= within_s
+    ]
+
+
+def _now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.UTC)
+
+
+def check_live_worker(client: SyncPrefectClient, stage: str, pool: str, limits: PoolLimits) -> None:
+    """Refuse to submit ``stage`` to ``pool`` when the pool is paused or none of its workers is live.
+
+    Raises:
+        PoolWaitError: one line naming the stage, the pool and what to do.
+    """
+    if client.read_work_pool(pool).is_paused:
+        raise PoolWaitError(f"stage {stage}: work pool {pool} is paused (prefect work-pool resume {pool})")
+    if not live_workers(client.read_workers_for_work_pool(pool), _now(), limits.lost_worker_s):
+        raise PoolWaitError(
+            f"stage {stage}: work pool {pool} has no live worker (no heartbeat in {limits.lost_worker_s:.0f} s, "
+            f"orchestration.lost_worker_s); start one: prefect worker start --pool {pool}"
+        )
+
+
+def wait_for_stage(
+    client: SyncPrefectClient,
+    flow_run_id: Any,
+    stage: str,
+    pool: str,
+    limits: PoolLimits,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> FlowRun:
+    """Poll the stage's flow run until it ends; cancel it when not started in time, crash it when its pool is lost.
+
+    Returns:
+        the flow run in its final state (completed, failed, crashed or cancelled by someone else).
+
+    Raises:
+        PoolWaitError: not started within ``start_timeout_s`` (the run is cancelled first), or running while
+            the pool sent no heartbeat for ``lost_worker_s`` (the run is marked Crashed first).
+    """
+    submitted = clock()
+    while True:
+        run = client.read_flow_run(flow_run_id)
+        if run.state is not None and run.state.is_final():
+            return run
+        started = run.state is not None and run.state.is_running()
+        if not started and clock() - submitted > limits.start_timeout_s:
+            why = f"no worker of work pool {pool} started it within {limits.start_timeout_s:.0f} s"
+            client.set_flow_run_state(flow_run_id, Cancelled(message=why), force=True)
+            raise PoolWaitError(f"stage {stage}: {why} (orchestration.start_timeout_s); its flow run is cancelled")
+        if started and not live_workers(client.read_workers_for_work_pool(pool), _now(), limits.lost_worker_s):
+            why = f"its worker is lost: work pool {pool} sent no heartbeat for {limits.lost_worker_s:.0f} s"
+            client.set_flow_run_state(flow_run_id, Crashed(message=why), force=True)
+            raise PoolWaitError(f"stage {stage}: {why} (orchestration.lost_worker_s); its flow run is marked crashed")
+        sleep(POLL_S)
