@@ -184,19 +184,23 @@ def test_an_over_long_reason_is_refused_before_anything_moves_and_params_are_kep
     assert found.tags[registry.PARAMS_TAG] == digest and "rlhf.params" not in found.tags
 
 
-def test_stages_that_open_a_new_sqlite_store_together_all_succeed(registry_project):
-    # four processes open a store that does not exist yet, create the experiment, the pipeline's parent run and
-    # the registered model at the same moment: MLflow's table setup, and each check-then-create, would race
-    os.remove("mlflow.db")
+def start_together(folder, extra_env: dict[str, str]) -> None:
+    """Four processes (tests/store_worker.py) create the experiment, the pipeline's parent run and the registered
+    model at the same moment; each must succeed, with one registered model of four versions and one parent."""
     os.makedirs("folder")
-    (registry_project / "folder" / "weights.txt").write_text("w")
+    (folder / "folder" / "weights.txt").write_text("w")
     worker = os.path.join(os.path.dirname(__file__), "store_worker.py")
     env = {
         **os.environ,
+        **extra_env,
         "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(__file__)), os.environ.get("PYTHONPATH", "")]),
     }
-    workers = [subprocess.Popen([sys.executable, worker, str(i)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, env=env) for i in range(4)]  # fmt: skip
+    workers = [
+        subprocess.Popen(
+            [sys.executable, worker, str(i)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        )
+        for i in range(4)
+    ]
     while not all(os.path.exists(f"ready-{i}") for i in range(4)):
         time.sleep(0.05)
     open("go", "w").close()
@@ -210,6 +214,41 @@ def test_stages_that_open_a_new_sqlite_store_together_all_succeed(registry_proje
         [experiment], filter_string=f"tags.`{PIPELINE_RUN_TAG}` = 'gate-test' and tags.`rlhf.kind` = 'pipeline'"
     )
     assert len(parents) == 1 and len(store.search_experiments()) == 2  # Default and the project's
+
+
+def test_stages_that_open_a_new_sqlite_store_together_all_succeed(registry_project):
+    # MLflow's table setup on a file that does not exist yet, and each check-then-create, would race
+    os.remove("mlflow.db")
+    start_together(registry_project, {})
+
+
+@pytest.mark.integration
+def test_stages_that_start_together_against_a_tracking_server_with_two_workers_all_succeed(
+    registry_project, monkeypatch
+):
+    # two server processes answer the four clients: each create-if-missing meets RESOURCE_ALREADY_EXISTS
+    from servers import free_port, quiet_env, serving
+
+    port = free_port()
+    folder = str(registry_project)
+    args = [
+        f"{os.path.dirname(sys.executable)}/mlflow",
+        "server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--workers",
+        "2",
+        "--backend-store-uri",
+        f"sqlite:///{folder}/server.db",
+        "--artifacts-destination",
+        f"{folder}/server-artifacts",
+    ]
+    uri = f"http://127.0.0.1:{port}"
+    with serving(args, quiet_env(folder), os.path.join(folder, "mlflow-server.log"), f"{uri}/health"):
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+        start_together(registry_project, {"MLFLOW_TRACKING_URI": uri})
 
 
 def test_a_damaged_champion_in_the_store_is_refused_before_it_is_rescored_and_a_damaged_folder_in_one_line(
