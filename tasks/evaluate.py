@@ -30,9 +30,9 @@ from rlhf.evaluation import EvalConfig, Scorers, evaluate_policy, generate_and_s
 from rlhf.gate_rules import judge_doubts
 from rlhf.models import load_causal_lm, load_scalar_model, load_tokenizer
 from rlhf.rollout import GenerationSettings
-from rlhf.training import config_from_params
 from tasks.champion import require_champion
 from tasks.common import cli, setup_torch, stage_runtime
+from tasks.configs import config_from_params
 from tasks.outputs import StagedOutputs, load_json, write_metrics
 from tasks.params import stage_params
 from tasks.runs import StageRun

@@ -44,7 +44,7 @@ def decide(client, name: str, candidate, metrics: dict[str, float], params: dict
     """The candidate's decision (:func:`tasks.registry.decide_once`): the current champion, if another version,
     is re-scored by ``rescorer(version) -> metrics`` on the current rm_eval split, only for a new decision."""
     from rlhf.gate_rules import GateCriteria, reward_gate
-    from rlhf.training import config_from_params
+    from tasks.configs import config_from_params
     from tasks.registry import decide_once, holder
 
     # bad bounds stop the stage whether or not it decides

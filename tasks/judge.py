@@ -19,9 +19,10 @@ from typing import Any
 
 from rlhf.chat import check_reads_whole
 from rlhf.reward import RewardConfig
-from rlhf.training import config_from_params, no_log
+from rlhf.training import no_log
 from tasks import reward
 from tasks.common import cli
+from tasks.configs import config_from_params
 from tasks.launch import other_rank
 from tasks.outputs import StagedOutputs
 from tasks.params import stage_params

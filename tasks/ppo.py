@@ -26,9 +26,10 @@ from rlhf.ppo import PPOModels, train_ppo
 from rlhf.ppo_config import PPOConfig, check_processes
 from rlhf.rollout import GenerationSettings
 from rlhf.sharding import whole_model
-from rlhf.training import config_from_params, no_log
+from rlhf.training import no_log
 from tasks.champion import require_champion
 from tasks.common import cli, setup_torch, stage_runtime
+from tasks.configs import config_from_params
 from tasks.launch import distributed_type, other_rank
 from tasks.outputs import StagedOutputs, write_metrics
 from tasks.params import stage_params

@@ -14,8 +14,8 @@ from itertools import islice
 from typing import Any
 
 from rlhf.data import SPLITS, Source, prepare_rows, read_jsonl, write_jsonl
-from rlhf.training import config_from_params
 from tasks.common import cli
+from tasks.configs import config_from_params
 from tasks.outputs import StagedOutputs, write_metrics
 from tasks.params import stage_params
 from tasks.runs import StageRun

@@ -12,8 +12,9 @@ from rlhf.data import load_jsonl
 from rlhf.models import load_causal_lm, load_tokenizer, save_tokenizer
 from rlhf.sft import SFTConfig, train_sft
 from rlhf.sharding import whole_model
-from rlhf.training import config_from_params, no_log
+from rlhf.training import no_log
 from tasks.common import cli, setup_torch, stage_runtime
+from tasks.configs import config_from_params
 from tasks.launch import other_rank
 from tasks.outputs import StagedOutputs, write_metrics
 from tasks.params import stage_params

@@ -21,9 +21,9 @@ from typing import Any
 from rlhf.checkpoint import write_json
 from rlhf.data import SPLITS, load_jsonl, write_jsonl
 from rlhf.models import load_tokenizer
-from rlhf.training import config_from_params
 from rlhf.validation import ValidationConfig, split_kind, validate_split
 from tasks.common import cli
+from tasks.configs import config_from_params
 from tasks.outputs import StagedOutputs, write_metrics
 from tasks.params import stage_params
 from tasks.runs import StageRun

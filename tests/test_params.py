@@ -12,8 +12,8 @@ from rlhf.ppo_config import PPOConfig
 from rlhf.reward import RewardConfig
 from rlhf.rollout import GenerationSettings
 from rlhf.sft import SFTConfig
-from rlhf.training import config_from_params
 from rlhf.validation import ValidationConfig
+from tasks.configs import config_from_params
 from tasks.params import load_yaml, read_params, stage_params
 from tasks.prepare import DataConfig
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from transformers import PreTrainedModel, get_scheduler
@@ -309,46 +309,6 @@ def summed_over_ranks(
     keys = ranks.union(figures)
     stacked = torch.stack([torch.as_tensor(figures.get(key, 0.0), dtype=torch.float32, device=device) for key in keys])
     return dict(zip(keys, ranks.sum(stacked).unbind(), strict=True))
-
-
-def config_from_params(cls: type, params: dict[str, Any], section: str) -> Any:
-    """Build the dataclass ``cls`` from a params.yaml section, checking keys and types.
-
-    A typed field takes a number written as a string too (``"3e-5"`` for a float, ``"8"`` for an int: a YAML 1.1
-    reader, or a quoted value); int fields take whole numbers only, bool fields true/false; ``None`` is accepted
-    where the field allows it.
-
-    Raises:
-        ValueError: a key that is not a field of ``cls``, or a value of the
-            wrong type (names the section and key).
-    """
-    fields = {f.name: str(f.type) for f in dataclasses.fields(cls)}
-    unknown = sorted(set(params) - set(fields))
-    if unknown:
-        raise ValueError(f"params.yaml: section {section!r} has unknown keys {unknown}; known: {sorted(fields)}")
-    values = dict(params)
-    for key, value in params.items():
-        kind = fields[key]
-        if value is None:
-            if "None" not in kind:
-                raise ValueError(f"params.yaml: {section}.{key} must be set (got null)")
-        elif kind.startswith("float"):
-            try:
-                if isinstance(value, bool):
-                    raise TypeError
-                values[key] = float(value)
-            except (ValueError, TypeError):
-                raise ValueError(f"params.yaml: {section}.{key} must be a number, got {value!r}") from None
-        elif kind.startswith("int"):
-            if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
-                values[key] = value = int(value)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise ValueError(f"params.yaml: {section}.{key} must be an integer, got {value!r}")
-        elif kind.startswith("bool") and not isinstance(value, bool):
-            raise ValueError(f"params.yaml: {section}.{key} must be true or false, got {value!r}")
-        elif kind.startswith("str") and not isinstance(value, str):
-            raise ValueError(f"params.yaml: {section}.{key} must be a string, got {value!r}")
-    return cls(**values)
 
 
 def freeze_lower_layers(model: PreTrainedModel, trainable_layers: int | None) -> int:
