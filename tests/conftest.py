@@ -88,6 +88,18 @@ def empty_db(tmp_path_factory) -> str:
     return path
 
 
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory) -> str:
+    """A project (tests/test_pipeline.py ``make_project``) after one ``dvc repro`` of the whole tiny pipeline, which
+    ran every stage: the integration tests that start from a finished run copy it (``copy_project``), never write
+    it, so the suite pays for the whole pipeline once."""
+    from test_pipeline import STAGES, make_project, ran_stages, run
+
+    project = make_project(tmp_path_factory.mktemp("tiny_run"))
+    assert ran_stages(run(project, "dvc", "repro")) == STAGES
+    return project
+
+
 @pytest.fixture
 def registry_project(tmp_path, tiny_dir, empty_db, monkeypatch):
     """A project folder, the current folder during the test: the repository's params (the demo's gate bounds,

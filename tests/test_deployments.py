@@ -14,7 +14,7 @@ import urllib.request
 
 import pytest
 import yaml
-from test_pipeline import STAGES, assert_outputs, make_project
+from test_pipeline import assert_outputs, copy_project, set_param
 
 pytestmark = pytest.mark.integration
 
@@ -66,8 +66,14 @@ def start_server_with_pools(project: str, env: dict, log: str, port: int) -> sub
     return server
 
 
-def test_scheduled_deployment_runs_every_stage_on_its_pool(tmp_path):
-    project = make_project(tmp_path)
+RERUN = ["source", "reward", "gate", "ppo", "evaluate", "report"]  # after a reward param change, for evaluate, report
+
+
+def test_scheduled_deployment_runs_each_stale_stage_on_its_pool(tiny_run, tmp_path):
+    """A finished tiny run, pushed to the DVC remote; then a new reward lr and the deployment run for evaluate
+    and report: the stale stages run on their pools (reward, ppo and evaluate on the gpu host, reading what
+    they need from the remote), the rest is not run again."""
+    project = copy_project(tiny_run, tmp_path)
     port = free_port()
     env = {
         **os.environ,
@@ -79,7 +85,9 @@ def test_scheduled_deployment_runs_every_stage_on_its_pool(tmp_path):
         "RLHF_PIPELINE_RUN_ID": "",
     }
     command(project, env, sys.executable, "-m", "dvc", "remote", "add", "-d", "store", str(tmp_path / "dvc-remote"))
-    command(project, env, "git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "DVC remote")
+    command(project, env, sys.executable, "-m", "dvc", "push", "--quiet")
+    set_param(project, "  lr: 1.0e-4            # on a dev split", "  lr: 2.0e-4            # on a dev split")
+    command(project, env, "git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "remote, reward lr")
     gpu_root = tmp_path / "gpu-host"
     gpu_root.mkdir()
     command(str(gpu_root), env, "git", "clone", "-q", project, "main")
@@ -96,7 +104,8 @@ def test_scheduled_deployment_runs_every_stage_on_its_pool(tmp_path):
                                    "worker", "start", "--pool", pool, "--type", "process"))  # fmt: skip
         trigger = (
             "from prefect.deployments import run_deployment; "
-            "run = run_deployment('rlhf-pipeline/scheduled', timeout=1200, poll_interval=3); "
+            "run = run_deployment('rlhf-pipeline/scheduled', parameters={'stages': ['evaluate', 'report']}, "
+            "timeout=1200, poll_interval=3); "
             "print(run.state.type.value, run.state.message)"
         )
         out = command(project, env, sys.executable, "-c", trigger, timeout=1300)
@@ -107,12 +116,12 @@ def test_scheduled_deployment_runs_every_stage_on_its_pool(tmp_path):
             stop(process)
     with open(os.path.join(project, "params.yaml")) as handle:
         pools = yaml.safe_load(handle)["orchestration"]["work_pools"]
-    expected = {stage: pools.get(stage, pools["default"]) for stage in ["source", *STAGES]}
+    expected = {stage: pools.get(stage, pools["default"]) for stage in RERUN}
     assert {r["stage"]: r["pool"] for r in runs if r["state"] == "COMPLETED"} == expected
     assert expected["ppo"] == "gpu" and expected["gate"] == "cpu"
     assert_outputs(project)  # every output came back to the flow's checkout, and dvc status is up to date
     with open(os.path.join(project, "models/reward_champion/registry_version.json")) as handle:
-        assert json.load(handle)["version"] == "1"  # the gate (cpu) saw the reward model the gpu host registered
+        assert json.load(handle)["version"] == "2"  # the gate (cpu) saw the reward model the gpu host registered
 
 
 READ_RUNS = """
