@@ -4,8 +4,9 @@ run whose worker is gone each end the wait with one line naming the stage and th
 A worker is live while its heartbeats reach the Prefect server (``prefect worker start`` sends one every
 ``PREFECT_WORKER_HEARTBEAT_SECONDS``, 30 s by default). params.yaml ``orchestration`` holds the two limits:
 
-- ``start_timeout_s``: how long a stage may wait for a worker of its pool to start it. Past it the stage's
-  flow run is cancelled (a worker started later runs nothing) and the pipeline fails.
+- ``start_timeout_s``: how long a stage may wait for a worker of its pool to take it (its flow run Pending or
+  Running). Past it the stage's flow run is cancelled (a worker started later runs nothing) and the pipeline
+  fails.
 - ``lost_worker_s``: how long a running stage's pool may go without a heartbeat from any of its workers. Past
   it the stage's flow run is marked Crashed and the pipeline fails, within ``lost_worker_s`` plus one poll.
   A pool with several workers is watched as a whole: a run whose own worker died while another worker of the
@@ -36,7 +37,7 @@ class PoolWaitError(RuntimeError):
 class PoolLimits:
     """How long the pipeline waits on a work pool (params.yaml ``orchestration``), in seconds."""
 
-    start_timeout_s: float  # a submitted stage not started by then is cancelled
+    start_timeout_s: float  # a submitted stage no worker took by then is cancelled
     lost_worker_s: float  # a running stage whose pool sent no heartbeat for this long is lost
 
 
@@ -97,13 +98,14 @@ def wait_for_stage(
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
 ) -> FlowRun:
-    """Poll the stage's flow run until it ends; cancel it when not started in time, crash it when its pool is lost.
+    """Poll the stage's flow run until it ends; cancel it when no worker took it in time (still Scheduled or
+    Late), crash it when it runs and its pool is lost.
 
     Returns:
         the flow run in its final state (completed, failed, crashed or cancelled by someone else).
 
     Raises:
-        PoolWaitError: not started within ``start_timeout_s`` (the run is cancelled first), or running while
+        PoolWaitError: not taken within ``start_timeout_s`` (the run is cancelled first), or running while
             the pool sent no heartbeat for ``lost_worker_s`` (the run is marked Crashed first).
     """
     submitted = clock()
@@ -111,12 +113,12 @@ def wait_for_stage(
         run = client.read_flow_run(flow_run_id)
         if run.state is not None and run.state.is_final():
             return run
-        started = run.state is not None and run.state.is_running()
-        if not started and clock() - submitted > limits.start_timeout_s:
-            why = f"no worker of work pool {pool} started it within {limits.start_timeout_s:.0f} s"
+        taken = run.state is not None and (run.state.is_pending() or run.state.is_running())
+        if not taken and clock() - submitted > limits.start_timeout_s:
+            why = f"no worker of work pool {pool} took it within {limits.start_timeout_s:.0f} s"
             client.set_flow_run_state(flow_run_id, Cancelled(message=why), force=True)
             raise PoolWaitError(f"stage {stage}: {why} (orchestration.start_timeout_s); its flow run is cancelled")
-        if started and not live_workers(client.read_workers_for_work_pool(pool), _now(), limits.lost_worker_s):
+        if taken and not live_workers(client.read_workers_for_work_pool(pool), _now(), limits.lost_worker_s):
             why = f"its worker is lost: work pool {pool} sent no heartbeat for {limits.lost_worker_s:.0f} s"
             client.set_flow_run_state(flow_run_id, Crashed(message=why), force=True)
             raise PoolWaitError(f"stage {stage}: {why} (orchestration.lost_worker_s); its flow run is marked crashed")

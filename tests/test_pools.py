@@ -90,10 +90,10 @@ def test_a_stage_no_worker_starts_in_time_is_cancelled_and_named():
     with pytest.raises(PoolWaitError) as caught:
         wait_for_stage(client, "id", "sft", "gpu", LIMITS, clock=clock, sleep=clock.sleep)
     assert str(caught.value) == (
-        "stage sft: no worker of work pool gpu started it within 10 s (orchestration.start_timeout_s); "
+        "stage sft: no worker of work pool gpu took it within 10 s (orchestration.start_timeout_s); "
         "its flow run is cancelled"
     )
-    assert client.set_states == [("CANCELLED", "no worker of work pool gpu started it within 10 s", True)]
+    assert client.set_states == [("CANCELLED", "no worker of work pool gpu took it within 10 s", True)]
     assert 10 < clock.now <= 12  # one poll (2 s) past the limit at most
 
 
@@ -107,7 +107,8 @@ def test_a_running_stage_whose_pool_went_silent_is_marked_crashed_and_named():
 
 def test_a_stage_that_starts_and_ends_while_its_worker_lives_is_returned_untouched():
     clock = Clock()
-    states = [Scheduled()] * 4 + [Running()] * 20 + [Completed()]  # starts at 8 s (< 10), runs 40 s (> 10)
+    # taken at 6 s (< 10), its process starting for 20 s and running 40 s (both past the start limit)
+    states = [Scheduled()] * 3 + [Pending()] * 10 + [Running()] * 20 + [Completed()]
     client = FakeClient(states=states, workers=[worker("w", 3)])
     run = wait_for_stage(client, "id", "sft", "gpu", LIMITS, clock=clock, sleep=clock.sleep)
     assert run.state.is_completed() and client.set_states == []
