@@ -37,6 +37,7 @@ from flows.stages import (
     stale_reasons,
     stale_stages,
 )
+from tasks.common import one_line
 
 SUMMARY = {
     "prepare": [],
@@ -104,9 +105,8 @@ def rlhf_pipeline(stages: list[str] | None = None, pools: bool = False) -> Any:
 
 
 def first_line(err: BaseException) -> str:
-    """The first line of an error's message, else its type's name."""
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
+    """The first line of an error's message (:func:`tasks.common.one_line`: a URL's password cut), else its type."""
+    return one_line(str(err)) or type(err).__name__
 
 
 def run_pipeline(stages: list[str] | None = None, pools: bool = False) -> dict[str, dict]:
