@@ -23,9 +23,9 @@ import yaml
 
 from rlhf.checkpoint import write_json
 from tasks import ppo
-from tasks.outputs import atomic_dir
-from tasks.params import Yaml12Loader, read_params, stage_params
-from tasks.runs import StageRun
+from tasks.kit.outputs import atomic_dir
+from tasks.kit.params import Yaml12Loader, read_params, stage_params
+from tasks.kit.runs import StageRun
 
 OUT = "reports/ablation"
 HEADLINE = [

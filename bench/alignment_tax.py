@@ -23,10 +23,10 @@ from rlhf.data import load_jsonl
 from rlhf.evaluation import EvalConfig, ptx_perplexity
 from rlhf.models import load_causal_lm, load_tokenizer
 from tasks import ppo
-from tasks.common import stage_runtime
 from tasks.evaluate import PTX_HELDOUT, SFT
-from tasks.params import stage_params
-from tasks.runs import StageRun
+from tasks.kit.common import stage_runtime
+from tasks.kit.params import stage_params
+from tasks.kit.runs import StageRun
 
 OUT = "reports/alignment_tax.json"
 
@@ -37,7 +37,7 @@ def main(
 ) -> None:
     """Train with and without PPO-ptx and print the held-out ptx perplexity of SFT and both policies."""
     generation, evaluate = stage_params("generation"), stage_params("evaluate")
-    config = EvalConfig(batch_size=evaluate["batch_size"], ptx_max_length=evaluate["ptx_max_length"])
+    config = EvalConfig(batch_size=evaluate["batch_size"], ptx_max_length=stage_params("ppo")["ptx_max_length"])
     heldout, tokenizer, runtime = load_jsonl(PTX_HELDOUT), load_tokenizer(SFT), stage_runtime("evaluate")
     base = {**stage_params("ppo"), "iterations": iterations, **overrides(set_)}
     os.environ["RLHF_PIPELINE_RUN_ID"] = os.environ.get("RLHF_PIPELINE_RUN_ID") or "alignment-tax"

@@ -24,10 +24,10 @@ from rlhf.checkpoint import write_json
 from rlhf.data import conversation_root, load_jsonl, unit_point
 from rlhf.models import load_scalar_model, load_tokenizer
 from rlhf.reward import RewardConfig, center_rewards, encode_pairs, evaluate_reward_model, train_reward_model
-from tasks.common import setup_torch, stage_runtime
-from tasks.configs import config_from_params
-from tasks.params import stage_params
-from tasks.runs import StageRun
+from tasks.kit.common import setup_torch, stage_runtime
+from tasks.kit.configs import config_from_params
+from tasks.kit.params import stage_params
+from tasks.kit.runs import StageRun
 
 TRAIN, EVAL, SFT, OUT = (
     "data/validated/rm_train.jsonl",

@@ -14,7 +14,8 @@ from typing import Any
 from prefect.input import RunInput
 from pydantic import Field
 
-from tasks.registry import MAX_BY, MAX_REASON
+from tasks.kit.registry import APPROVAL_TAG, MAX_BY, MAX_REASON, move_alias, version
+from tasks.kit.runs import tracking_client
 
 
 class PolicyApproval(RunInput):
@@ -29,9 +30,6 @@ class PolicyApproval(RunInput):
 def awaiting(report: dict[str, Any]) -> bool:
     """Whether the policy of ``report`` passed its gate and still waits for a person (its ``rlhf.approval`` tag),
     so a later run with evaluate up to date does not ask again about a version already answered."""
-    from tasks.registry import APPROVAL_TAG, version
-    from tasks.runs import tracking_client
-
     if not report.get("awaiting_approval"):
         return False
     client, _ = tracking_client()
@@ -53,11 +51,8 @@ def await_approval(report: dict[str, Any], timeout_s: int, poll_s: int = 10, say
     Raises:
         RegistryError: the registry cannot be reached (one line).
     """
-    from prefect.exceptions import FlowPauseTimeout
-    from prefect.flow_runs import pause_flow_run
-
-    from tasks.registry import APPROVAL_TAG, move_alias
-    from tasks.runs import tracking_client
+    from prefect.exceptions import FlowPauseTimeout  # noqa: PLC0415 (Prefect: seconds to import)
+    from prefect.flow_runs import pause_flow_run  # noqa: PLC0415 (Prefect: seconds to import)
 
     name, version = report["candidate"]["name"], report["candidate"]["version"]
     say(

@@ -27,7 +27,7 @@ from prefect import flow, get_run_logger
 
 from flows.pools import PoolLimits, check_live_worker, wait_for_stage
 from flows.stages import DVC, checkout_lock, run_stage, stage_graph
-from tasks.params import load_yaml
+from tasks.kit.params import load_yaml
 
 LOCK = "dvc.lock"
 DEFAULT_POOL = "cpu"
@@ -96,7 +96,7 @@ def read_files(paths: list[str]) -> dict[str, str]:
 
 def write_files(files: dict[str, str]) -> None:
     """Write each ``{path: text}`` atomically (a folder is made where needed)."""
-    from rlhf.checkpoint import atomic_write_text
+    from rlhf.checkpoint import atomic_write_text  # noqa: PLC0415 (imports torch and transformers)
 
     for path, text in files.items():
         atomic_write_text(path, text)
@@ -153,8 +153,8 @@ def run_on_pool(stage: str, pool: str, pipeline_run_id: str, revision: str, limi
         PoolWaitError: no live worker, not started in time, or its worker lost (one line naming stage and pool).
         RuntimeError: the flow run did not complete (its state and message), or returned no lock entry.
     """
-    from prefect.client.orchestration import get_client
-    from prefect.deployments import run_deployment
+    from prefect.client.orchestration import get_client  # noqa: PLC0415 (Prefect: seconds to import)
+    from prefect.deployments import run_deployment  # noqa: PLC0415 (Prefect: seconds to import)
 
     with get_client(sync_client=True) as client:
         check_live_worker(client, stage, pool, limits)

@@ -37,7 +37,12 @@ from flows.stages import (
     stale_reasons,
     stale_stages,
 )
-from tasks.common import one_line
+from rlhf.stats import chance_warning
+from tasks.kit import paths
+from tasks.kit.common import one_line
+from tasks.kit.outputs import load_json, timing_path
+from tasks.kit.params import read_params, stage_params
+from tasks.kit.runs import StageRun
 
 SUMMARY = {
     "prepare": [],
@@ -105,7 +110,7 @@ def rlhf_pipeline(stages: list[str] | None = None, pools: bool = False) -> Any:
 
 
 def first_line(err: BaseException) -> str:
-    """The first line of an error's message (:func:`tasks.common.one_line`: a URL's password cut), else its type."""
+    """The first line of an error's message (:func:`tasks.kit.common.one_line`: a URL's password cut), else its type."""
     return one_line(str(err)) or type(err).__name__
 
 
@@ -130,9 +135,6 @@ def run_pipeline(stages: list[str] | None = None, pools: bool = False) -> dict[s
         RuntimeError: a stage failed (:class:`flows.pools.PoolWaitError`: its pool had no live worker, did not
             start it in time or lost it), or a stage is still stale after the run.
     """
-    from tasks.params import read_params
-    from tasks.runs import StageRun  # MLflow: imported when a flow runs, not when a worker loads the entrypoint
-
     params = read_params()  # refuses credentials in params.yaml before any stage runs
     order, graph = stage_order(), stage_graph()
     unknown = sorted(set(stages or []) - set(order))
@@ -180,12 +182,10 @@ def run_pipeline(stages: list[str] | None = None, pools: bool = False) -> dict[s
     return metrics
 
 
-def approve_policy(report_path: str = "reports/policy_gate.json") -> str | None:
+def approve_policy(report_path: str = paths.POLICY_GATE) -> str | None:
     """With ``registry.policy_approval.required``, wait for a person's approval of a policy that passed its gate
     and waits for one (:mod:`flows.approval`); returns the outcome, or None when nothing waits."""
-    from flows.approval import await_approval, awaiting
-    from tasks.outputs import load_json
-    from tasks.params import stage_params
+    from flows.approval import await_approval, awaiting  # noqa: PLC0415 (Prefect's pause: only an approval needs it)
 
     if not os.path.exists(report_path):  # no policy gate ran (nor a project with a registry section)
         return None
@@ -220,8 +220,6 @@ def summary_warnings(metrics: dict[str, dict]) -> list[str]:
     are :func:`rlhf.stats.chance_warning`'s, as printed by the reward stage. The
     gates' lines come from ``reports/reward_gate.json`` and ``reports/policy_gate.json``.
     """
-    from rlhf.stats import chance_warning
-
     lines = []
     reward = metrics.get("reward", {})
     if "rm/accuracy_low" in reward:
@@ -247,11 +245,9 @@ def summary_warnings(metrics: dict[str, dict]) -> list[str]:
 def stage_seconds(stage: str) -> float | None:
     """The wall time of the stage's last run, from ``timings/<stage>.json``; None when it has none.
 
-    ``tasks.outputs.write_metrics`` writes it there, apart from the metrics file: a time differs between two
+    ``tasks.kit.outputs.write_metrics`` writes it there, apart from the metrics file: a time differs between two
     runs of the same inputs, so it is neither committed nor compared by ``dvc exp show``/``dvc metrics diff``.
     """
-    from tasks.outputs import timing_path
-
     path = timing_path(stage)
     if not os.path.exists(path):
         return None

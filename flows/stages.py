@@ -18,7 +18,7 @@ import networkx as nx
 from filelock import FileLock, Timeout
 from prefect import get_run_logger, task
 
-from tasks.params import load_yaml
+from tasks.kit.params import load_yaml
 
 DVC = (sys.executable, "-m", "dvc", "--wait-for-lock")  # another run's stage holds the repository lock: wait for it
 
@@ -150,7 +150,7 @@ class StageRefused(RuntimeError):
     """A stage ended with its own one-line error (bad input, bad params, divergence): a retry would fail the same."""
 
 
-STAGE_ERROR = re.compile(r"^\[\w+\] (error: |stopped by )")  # the line tasks.common.cli prints
+STAGE_ERROR = re.compile(r"^\[\w+\] (error: |stopped by )")  # the line tasks.kit.common.cli prints
 
 
 def retry_unless_refused(task, task_run, state) -> bool:

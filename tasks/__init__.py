@@ -1,4 +1,5 @@
-"""One module per pipeline stage; each is a DVC stage command (``python -m tasks.<stage>``).
+"""The pipeline's stages, one module each, each a DVC stage command (``python -m tasks.<stage>``); what they are
+built from is in :mod:`tasks.kit`, the console commands in :mod:`tasks.cli`. No stage imports another.
 
 The machines this runs on have no internet: telemetry of MLflow, Prefect and
 DVC is off unless the environment says otherwise.

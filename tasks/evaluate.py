@@ -7,7 +7,7 @@ on a fixed set of prompts against its KL to the SFT model (Gao et al. 2023).
 Writes ``metrics/eval.json``, ``metrics/overoptimisation.json`` (a DVC plot), ``reports/eval/``
 (``samples.json``: every prompt with both responses and their scores, and the MLflow run id;
 ``samples.md``; ``scores.png``) and ``reports/policy_gate.json`` together, after
-everything that can fail (:class:`tasks.outputs.StagedOutputs`): a failed or stopped run leaves the previous
+everything that can fail (:class:`tasks.kit.outputs.StagedOutputs`): a failed or stopped run leaves the previous
 ones as they were.
 """
 
@@ -27,22 +27,24 @@ from rlhf.checkpoint import load_kept_policy, write_json
 from rlhf.comparison import best_of_n, best_of_n_kl, paired_difference
 from rlhf.data import load_jsonl
 from rlhf.evaluation import EvalConfig, Scorers, evaluate_policy, generate_and_score, sample_rows
-from rlhf.gate_rules import judge_doubts
+from rlhf.gate_rules import PolicyCriteria, judge_doubts, policy_gate
 from rlhf.models import load_causal_lm, load_scalar_model, load_tokenizer
 from rlhf.rollout import GenerationSettings
-from tasks.champion import require_champion
-from tasks.common import cli, setup_torch, stage_runtime
-from tasks.configs import config_from_params
-from tasks.outputs import StagedOutputs, load_json, write_metrics
-from tasks.params import stage_params
-from tasks.runs import StageRun
+from tasks.kit import paths
+from tasks.kit.champion import require_champion
+from tasks.kit.common import cli, setup_torch, stage_runtime
+from tasks.kit.configs import config_from_params, derived_values
+from tasks.kit.outputs import StagedOutputs, load_json, write_metrics
+from tasks.kit.params import stage_params
+from tasks.kit.registry import decide_once, find_by_sha, folder_sha256, refuse_deleted, register, version_tags
+from tasks.kit.runs import StageRun, tracking_client
 
-PROMPTS, PTX_HELDOUT = "data/validated/eval_prompts.jsonl", "data/validated/ptx_heldout.jsonl"
-SFT, POLICY, KEPT = "models/sft", "models/policy", "models/policy_kept"
-REWARD = "models/reward_champion"  # the reward model the policy was trained against: the proxy (tasks/champion.py)
-JUDGE, JUDGE_METRICS = "models/judge", "metrics/judge.json"  # the independent judge (tasks/judge.py)
-REPORTS, METRICS, CURVE = "reports/eval", "metrics/eval.json", "metrics/overoptimisation.json"
-PPO_METRICS, POLICY_GATE = "metrics/ppo.json", "reports/policy_gate.json"
+PROMPTS, PTX_HELDOUT = paths.split("eval_prompts"), paths.split("ptx_heldout")
+SFT, POLICY, KEPT = paths.SFT, paths.POLICY, paths.POLICY_KEPT
+REWARD = paths.CHAMPION  # the reward model the policy was trained against: the proxy (tasks/kit/champion.py)
+JUDGE, JUDGE_METRICS = paths.JUDGE, paths.metrics("judge")  # the independent judge (tasks/judge.py)
+REPORTS, METRICS, CURVE = paths.EVAL_REPORTS, paths.metrics("eval"), paths.OVEROPTIMISATION
+PPO_METRICS, POLICY_GATE = paths.metrics("ppo"), paths.POLICY_GATE
 
 
 def _cell(text: str) -> str:
@@ -155,7 +157,7 @@ def run(
     ``device``: the params.yaml ``device`` section (None: read from params.yaml). The SFT model (the
     reference of the KL) and the policy are placed alike, so identical weights give identical logprobs.
     """
-    config = config_from_params(EvalConfig, params, "evaluate")
+    config = config_from_params(EvalConfig, params, "evaluate", derived_values("evaluate", stage_params))
     settings = config_from_params(GenerationSettings, generation, "generation")
     champion = require_champion(REWARD)  # the reward model the policy was trained against
     setup_torch(config.seed)
@@ -172,7 +174,7 @@ def run(
     for reader, model, reads in (
         (f"{REWARD} (trained at max_length)", scorers.proxy, config.max_prompt_length),
         (f"{JUDGE} (trained at max_length)", scorers.judge, config.max_prompt_length),
-        ("evaluate.judge_max_length", None, config.max_prompt_length),
+        ("judge.max_length (evaluate's judge_max_length)", None, config.max_prompt_length),
     ):
         length = config.judge_max_length if model is None else getattr(model.config, "reward_max_length", None)
         check_reads_whole(reader, length, ("evaluate.max_prompt_length", reads), longest)
@@ -240,8 +242,6 @@ def scores_figure(samples: list[dict[str, Any]], folder: str) -> None:
 def policy_criteria() -> Any:
     """``registry.policy_gate`` as :class:`rlhf.gate_rules.PolicyCriteria`; raises ValueError on a bad bound or
     verdict (the stage asks first, before any model is loaded)."""
-    from rlhf.gate_rules import PolicyCriteria
-
     return config_from_params(PolicyCriteria, stage_params("registry")["policy_gate"], "registry.policy_gate")
 
 
@@ -250,13 +250,8 @@ def gate_policy(metrics: dict[str, float], run_id: str, doubts: list[str] | None
 
     The verdict is ``registry.policy_gate.verdict``'s (the judge by default; ``doubts``: why its verdicts
     mean nothing, for the report); a pass moves the policy's ``champion`` alias
-    (:func:`tasks.registry.decide_once`). Returns the report for ``reports/policy_gate.json``.
+    (:func:`tasks.kit.registry.decide_once`). Returns the report for ``reports/policy_gate.json``.
     """
-    from rlhf.gate_rules import policy_gate
-    from tasks.outputs import load_json
-    from tasks.registry import decide_once, find_by_sha, folder_sha256, refuse_deleted, register, version_tags
-    from tasks.runs import tracking_client
-
     params = stage_params("registry")
     criteria = policy_criteria()  # a bad bound stops before anything is registered
     client, _ = tracking_client()
@@ -280,7 +275,7 @@ def gate_policy(metrics: dict[str, float], run_id: str, doubts: list[str] | None
 
 def main() -> None:
     """DVC stage command."""
-    import mlflow
+    import mlflow  # noqa: PLC0415 (MLflow: seconds to import)
 
     params, generation, device = stage_params("evaluate"), stage_params("generation"), stage_params("device")
     policy_criteria()  # a bad registry.policy_gate stops here, not after the evaluation

@@ -16,19 +16,36 @@ import os
 import tempfile
 from typing import Any
 
-from tasks.champion import MARKER, OUT_DIR, VERSION_FILE, held_version, promote_command
+from rlhf.gate_rules import GateCriteria, reward_gate
+from tasks.kit import paths
+from tasks.kit.champion import MARKER, OUT_DIR, VERSION_FILE, held_version, promote_command
+from tasks.kit.common import stage_runtime
+from tasks.kit.configs import config_from_params
+from tasks.kit.outputs import StagedOutputs, load_json, write_metrics
+from tasks.kit.params import stage_params
+from tasks.kit.registry import (
+    SHA_TAG,
+    decide_once,
+    download,
+    experiment_name,
+    find_by_sha,
+    folder_sha256,
+    holder,
+    refuse_deleted,
+    register,
+    version_tags,
+)
+from tasks.kit.runs import StageRun, tracking_client
 
-REWARD, METRICS, EVAL = "models/reward", "metrics/reward.json", "data/validated/rm_eval.jsonl"
-REPORT = "reports/reward_gate.json"
+REWARD, METRICS, EVAL = paths.REWARD, paths.metrics("reward"), paths.split("rm_eval")
+REPORT = paths.REWARD_GATE
 
 
 def rescore(client, found, reward: dict[str, Any], device: dict[str, Any] | None) -> dict[str, float]:
     """The champion's preference metrics on the current rm_eval split (a figure from other data is not comparable)."""
-    from rlhf.data import load_jsonl
-    from rlhf.models import load_scalar_model, load_tokenizer
-    from rlhf.reward import evaluate_reward_model
-    from tasks.common import stage_runtime
-    from tasks.registry import download
+    from rlhf.data import load_jsonl  # noqa: PLC0415 (imports torch and transformers)
+    from rlhf.models import load_scalar_model, load_tokenizer  # noqa: PLC0415 (imports torch and transformers)
+    from rlhf.reward import evaluate_reward_model  # noqa: PLC0415 (imports torch and transformers)
 
     runtime = stage_runtime("gate", device)
     with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(OUT_DIR))) as folder:
@@ -41,12 +58,8 @@ def rescore(client, found, reward: dict[str, Any], device: dict[str, Any] | None
 
 
 def decide(client, name: str, candidate, metrics: dict[str, float], params: dict[str, Any], rescorer) -> dict:
-    """The candidate's decision (:func:`tasks.registry.decide_once`): the current champion, if another version,
+    """The candidate's decision (:func:`tasks.kit.registry.decide_once`): the current champion, if another version,
     is re-scored by ``rescorer(version) -> metrics`` on the current rm_eval split, only for a new decision."""
-    from rlhf.gate_rules import GateCriteria, reward_gate
-    from tasks.configs import config_from_params
-    from tasks.registry import decide_once, holder
-
     # bad bounds stop the stage whether or not it decides
     criteria = config_from_params(GateCriteria, params["reward_gate"], "registry.reward_gate")
 
@@ -77,8 +90,6 @@ def materialise(client, name: str, candidate, decision: str, outputs) -> dict[st
     Raises:
         RegistryError: the downloaded folder's content hash is not the one registered.
     """
-    from tasks.registry import SHA_TAG, download, holder
-
     champion = holder(client, name)
     if champion is None:
         message = (
@@ -101,10 +112,6 @@ def materialise(client, name: str, candidate, decision: str, outputs) -> dict[st
 
 def run(params: dict[str, Any], reward: dict[str, Any], device: dict[str, Any] | None, outputs, run_id: str) -> dict:
     """Find (or register) the candidate, decide once, write the champion; returns the report."""
-    from tasks.outputs import load_json
-    from tasks.registry import experiment_name, find_by_sha, folder_sha256, refuse_deleted, register, version_tags
-    from tasks.runs import tracking_client
-
     client, _ = tracking_client()
     name = params["reward_model"]
     metrics = load_json(METRICS)
@@ -112,7 +119,7 @@ def run(params: dict[str, Any], reward: dict[str, Any], device: dict[str, Any] |
     candidate = find_by_sha(client, name, sha)
     if candidate is None:
         refuse_deleted(client, name, sha, 'rlhf-registry restore reward --version {version} --reason "..."')
-        tags = version_tags(REWARD, metrics, reward, ["data/validated/rm_train.jsonl", EVAL])
+        tags = version_tags(REWARD, metrics, reward, [paths.split("rm_train"), EVAL])
         candidate = register(client, name, REWARD, run_id, tags, reward)
     decision = decide(client, name, candidate, metrics, params, lambda found: rescore(client, found, reward, device))
     held = materialise(client, name, candidate, _outcome(decision), outputs)
@@ -156,10 +163,6 @@ def report_lines(report: dict[str, Any]) -> list[str]:
 
 def main() -> None:
     """DVC stage command."""
-    from tasks.outputs import StagedOutputs, write_metrics
-    from tasks.params import stage_params
-    from tasks.runs import StageRun
-
     params, reward, device = stage_params("registry"), stage_params("reward"), stage_params("device")
     with StageRun("gate", {**params, "device": device}) as stage, StagedOutputs() as outputs:
         report = run(params, reward, device, outputs, stage.run.info.run_id)
@@ -170,6 +173,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from tasks.common import cli
+    from tasks.kit.common import cli
 
     cli(main)

@@ -19,17 +19,19 @@ from typing import Any
 
 from rlhf.chat import check_reads_whole
 from rlhf.reward import RewardConfig
-from rlhf.training import no_log
-from tasks import reward
-from tasks.common import cli
-from tasks.configs import config_from_params
-from tasks.launch import other_rank
-from tasks.outputs import StagedOutputs
-from tasks.params import stage_params
-from tasks.runs import StageRun
+from tasks.kit import paths
+from tasks.kit.backbones import save_source
+from tasks.kit.common import cli
+from tasks.kit.configs import config_from_params
+from tasks.kit.outputs import StagedOutputs
+from tasks.kit.params import stage_params
+from tasks.kit.scalar import run as train_scalar
+from tasks.kit.scalar import summary_lines as scalar_summary
+from tasks.kit.scalar import write_outputs
+from tasks.kit.stage import training_stage
 
-TRAIN, EVAL, BASE = "data/validated/judge_train.jsonl", "data/validated/judge_eval.jsonl", "models/base"
-OUT_DIR, FIGURE, METRICS = "models/judge", "reports/judge_margins.png", "metrics/judge.json"
+TRAIN, EVAL, BASE = paths.split("judge_train"), paths.split("judge_eval"), paths.BASE
+OUT_DIR, FIGURE, METRICS = paths.JUDGE, paths.JUDGE_MARGINS, paths.metrics("judge")
 
 
 def judge_metrics(metrics: dict[str, float]) -> dict[str, float]:
@@ -49,20 +51,18 @@ def run(params: dict[str, Any], log, outputs: StagedOutputs | None, device: dict
     """
     source, knobs = params.get("source"), {k: v for k, v in params.items() if k != "source"}
     if source is None:
-        metrics, figure = reward.run(knobs, log, outputs, device, (TRAIN, EVAL), BASE, OUT_DIR, "judge")
+        metrics, figure = train_scalar(knobs, log, outputs, device, (TRAIN, EVAL), BASE, OUT_DIR, "judge")
         return judge_metrics(metrics), figure
-    from tasks.base_model import save_source
-
     with tempfile.TemporaryDirectory(dir=".") as backbone:  # the other backbone as a safetensors folder
         save_source(source, backbone, key="judge.source")
-        metrics, figure = reward.run(knobs, log, outputs, device, (TRAIN, EVAL), backbone, OUT_DIR, "judge")
+        metrics, figure = train_scalar(knobs, log, outputs, device, (TRAIN, EVAL), backbone, OUT_DIR, "judge")
     return judge_metrics(metrics), figure
 
 
 def summary_lines(metrics: dict[str, float]) -> list[str]:
-    """The reward stage's summary (:func:`tasks.reward.summary_lines`) of the judge's ``judge/`` figures."""
+    """The reward stage's summary (:func:`tasks.kit.scalar.summary_lines`) of the judge's ``judge/`` figures."""
     as_rm = {("rm/" + k.removeprefix("judge/") if k.startswith("judge/") else k): v for k, v in metrics.items()}
-    lines = reward.summary_lines(as_rm)
+    lines = scalar_summary(as_rm)
     return [
         line.replace("[reward]", "[judge]")
         .replace("rm_eval", "judge_eval")
@@ -85,14 +85,19 @@ def main() -> None:
         )
         check_reads_whole("judge.max_length", config.max_length, *covers)
 
-    check()  # on one process too: other_rank runs it only before launching several
-    if other_rank(device, "tasks.judge", lambda: run(params, no_log, None, device), check):
-        return
-    with StageRun("judge", {**params, "device": device}) as stage, StagedOutputs() as outputs:
-        metrics, figure = run(params, stage.log, outputs, device)
-        reward.write_outputs(stage, outputs, metrics, "judge/steps", figure, FIGURE, METRICS)
-    for line in summary_lines(metrics):
-        print(line, flush=True)
+    def finish(stage, outputs: StagedOutputs, trained) -> list[str]:
+        metrics, figure = trained
+        write_outputs(stage, outputs, metrics, "judge/steps", figure, FIGURE, METRICS)
+        return summary_lines(metrics)
+
+    training_stage(
+        "judge",
+        {**params, "device": device},
+        device,
+        check,
+        lambda log, outputs: run(params, log, outputs, device),
+        finish,
+    )
 
 
 if __name__ == "__main__":

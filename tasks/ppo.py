@@ -6,7 +6,7 @@ init and reference) and ``models/reward_champion`` (the reward model that holds 
 Writes ``models/policy/`` (the best policy by validation reward), ``models/policy_kept/`` (every
 ``ppo.keep_every``-th policy, for evaluate's over-optimisation curve), ``metrics/ppo.json``,
 ``metrics/ppo_curves.json`` and ``reports/ppo/`` (one curve per signal, reward histograms) together,
-after everything that can fail (:class:`tasks.outputs.StagedOutputs`): a failed or stopped run leaves
+after everything that can fail (:class:`tasks.kit.outputs.StagedOutputs`): a failed or stopped run leaves
 the previous ones as they were.
 """
 
@@ -26,23 +26,18 @@ from rlhf.ppo import PPOModels, train_ppo
 from rlhf.ppo_config import PPOConfig, check_processes
 from rlhf.rollout import GenerationSettings
 from rlhf.sharding import whole_model
-from rlhf.training import no_log
-from tasks.champion import require_champion
-from tasks.common import cli, setup_torch, stage_runtime
-from tasks.configs import config_from_params
-from tasks.launch import distributed_type, other_rank
-from tasks.outputs import StagedOutputs, write_metrics
-from tasks.params import stage_params
-from tasks.resume import run_checkpointer
-from tasks.runs import StageRun
+from tasks.kit import paths
+from tasks.kit.champion import require_champion
+from tasks.kit.common import cli, setup_torch, stage_runtime
+from tasks.kit.configs import config_from_params
+from tasks.kit.launch import distributed_type
+from tasks.kit.outputs import StagedOutputs, write_metrics
+from tasks.kit.params import stage_params
+from tasks.kit.resume import run_checkpointer
+from tasks.kit.stage import training_stage
 
-PROMPTS, PTX, SFT, REWARD = (
-    "data/validated/ppo_prompts.jsonl",
-    "data/validated/ptx_text.jsonl",
-    "models/sft",
-    "models/reward_champion",
-)
-OUT_DIR, REPORTS, METRICS, CURVES = "models/policy", "reports/ppo", "metrics/ppo.json", "metrics/ppo_curves.json"
+PROMPTS, PTX, SFT, REWARD = paths.split("ppo_prompts"), paths.split("ptx_text"), paths.SFT, paths.CHAMPION
+OUT_DIR, REPORTS, METRICS, CURVES = paths.POLICY, paths.PPO_REPORTS, paths.metrics("ppo"), paths.PPO_CURVES
 KEPT_SUFFIX = "_kept"  # models/policy_kept: every ppo.keep_every-th policy as what it adds to SFT (rlhf.checkpoint)
 
 
@@ -130,21 +125,21 @@ def policy_and_reference(sft: str, config: PPOConfig, runtime) -> tuple[Any, Any
 
 def save_figures(histories: dict, samples: dict, folder: str) -> list[str]:
     """Write the signal curves and reward histograms as PNGs into ``folder``; returns the paths."""
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 (matplotlib: only the figures need it)
 
     os.makedirs(folder, exist_ok=True)
     figures = {**signal_figures(histories), "reward_histograms": reward_histograms(samples)}
-    paths = []
+    written = []
     for stem, figure in figures.items():
-        paths.append(os.path.join(folder, f"{stem}.png"))
-        figure.savefig(paths[-1], dpi=90)
+        written.append(os.path.join(folder, f"{stem}.png"))
+        figure.savefig(written[-1], dpi=90)
         plt.close(figure)
-    return paths
+    return written
 
 
 def main() -> None:
     """DVC stage command."""
-    import mlflow
+    import mlflow  # noqa: PLC0415 (MLflow: seconds to import)
 
     params, generation, device = stage_params("ppo"), stage_params("generation"), stage_params("device")
 
@@ -154,10 +149,7 @@ def main() -> None:
         validation_prompts = config.validation_prompts if config.validate_every else None
         check_processes(config, validation_prompts, device["num_processes"], distributed_type(device) == "FSDP")
 
-    if other_rank(device, "tasks.ppo", lambda: run(params, generation, no_log, device=device), check):
-        return
-    with StageRun("ppo", {**params, "generation": generation, "device": device}) as stage, StagedOutputs() as outputs:
-        result = run(params, generation, stage.log, outputs=outputs, device=device)
+    def finish(stage, outputs: StagedOutputs, result) -> list[str]:
         reports = outputs.folder(REPORTS)
         save_figures({"ppo": result.history}, {"ppo": result.reward_samples}, reports)
         mlflow.log_artifacts(reports, "ppo")
@@ -166,20 +158,33 @@ def main() -> None:
         mlflow.set_tag("rlhf.reward_model_version", f"{result.summary['ppo/reward_model_version']:.0f}")
         summary = {**result.summary, "stopped_by": result.stopped_by}
         write_metrics(outputs.file(METRICS), summary, stage, curves={outputs.file(CURVES): result.history})
+        return summary_lines(summary, result.best_iteration)
+
+    training_stage(
+        "ppo",
+        {**params, "generation": generation, "device": device},
+        device,
+        check,
+        lambda log, outputs: run(params, generation, log, outputs=outputs, device=device),
+        finish,
+    )
+
+
+def summary_lines(summary: dict[str, Any], shipped: int) -> list[str]:
+    """The stage's printed summary: rollouts and critic pre-training, then the shipped policy (``shipped``: its
+    rollout step, 0 = SFT) and the last rollout."""
     nan = float("nan")
-    print(
+    return [
         f"[ppo] {int(summary['ppo/iterations'])} rollouts, {int(summary['ppo/policy_iterations'])} policy updates; "
         f"critic pre-training: {summary.get('ppo/value/pretrain_iterations', 0):.0f} iterations, "
-        f"explained variance {summary.get('ppo/value/pretrain_explained_variance', nan):.3f}"
-    )
-    print(
-        f"[ppo] shipped policy: iteration {result.best_iteration} (0 = SFT); validation reward "
+        f"explained variance {summary.get('ppo/value/pretrain_explained_variance', nan):.3f}",
+        f"[ppo] shipped policy: iteration {shipped} (0 = SFT); validation reward "
         f"{summary.get('ppo/validation/reward', nan):.3f}, EOS rate {summary.get('ppo/validation/eos_rate', nan):.2f}, "
         f"KL {summary.get('ppo/validation/kl', nan):.3f}; "
         f"last rollout: reward {summary.get('ppo/last/reward/mean', nan):.3f}, "
         f"EOS rate {summary.get('ppo/last/eos_rate', nan):.2f}, "
-        f"explained variance {summary.get('ppo/last/value/explained_variance', nan):.3f}"
-    )
+        f"explained variance {summary.get('ppo/last/value/explained_variance', nan):.3f}",
+    ]
 
 
 if __name__ == "__main__":

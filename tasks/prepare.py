@@ -14,13 +14,14 @@ from itertools import islice
 from typing import Any
 
 from rlhf.data import SPLITS, Source, prepare_rows, read_jsonl, write_jsonl
-from tasks.common import cli
-from tasks.configs import config_from_params
-from tasks.outputs import StagedOutputs, write_metrics
-from tasks.params import stage_params
-from tasks.runs import StageRun
+from tasks.kit import paths
+from tasks.kit.common import cli
+from tasks.kit.configs import config_from_params
+from tasks.kit.outputs import StagedOutputs, write_metrics
+from tasks.kit.params import stage_params
+from tasks.kit.runs import StageRun
 
-OUT_DIR = "data/processed"
+OUT_DIR = paths.PROCESSED
 
 
 @dataclass
@@ -106,7 +107,7 @@ def main() -> None:
     with StageRun("prepare", params) as stage, StagedOutputs() as outputs:
         counts = run(params, outputs)
         stage.log({f"prepare/{k}": float(v) for k, v in counts.items()}, 0)
-        write_metrics(outputs.file("metrics/prepare.json"), counts, stage)
+        write_metrics(outputs.file(paths.metrics("prepare")), counts, stage)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """Stage report: one self-contained HTML page of the pipeline run, ``reports/index.html``.
 
-Reads what the stages wrote (:data:`rlhf.report.INPUTS`; a missing one makes its part of the page say so, and
-the stage fails with one line only when none exists), draws the PPO curves and the over-optimisation figure
-(matplotlib, Agg), builds the page (:func:`rlhf.report.render_report`) and writes it after everything that can
-fail (:class:`tasks.outputs.StagedOutputs`). The page is an MLflow artifact of the stage run and of the parent
+Reads what the stages wrote (:data:`tasks.kit.paths.REPORT_INPUTS`; a missing one makes its part of the page say
+so, and the stage fails with one line only when none exists), draws the PPO curves and the over-optimisation
+figure (matplotlib, Agg), builds the page (:func:`rlhf.report.render_report`) and writes it after everything that
+can fail (:class:`tasks.kit.outputs.StagedOutputs`). The page is an MLflow artifact of the stage run and of the parent
 pipeline run, which also gets the headline figures (:func:`headline`), so pipeline runs compare side by side
 in the MLflow UI.
 """
@@ -22,17 +22,16 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from rlhf.report import INPUTS, OVEROPTIMISATION, PPO_FIGURES, check_inputs, headline, render_report
-from tasks.common import cli
-from tasks.outputs import StagedOutputs
-from tasks.params import read_params, stage_params
-from tasks.runs import StageRun, git_commit, pipeline_run_id
-
-OUTPUT = "reports/index.html"
+from rlhf.report import OVEROPTIMISATION, PPO_FIGURES, check_inputs, headline, render_report
+from tasks.kit.common import cli
+from tasks.kit.outputs import StagedOutputs
+from tasks.kit.params import read_params, stage_params
+from tasks.kit.paths import REPORT, REPORT_INPUTS
+from tasks.kit.runs import StageRun, git_commit, pipeline_run_id
 
 
 def load_inputs(root: str = ".") -> dict[str, Any]:
-    """Read every input of :data:`rlhf.report.INPUTS` under ``root``: JSON files parsed, the PNG as bytes.
+    """Read every input of :data:`tasks.kit.paths.REPORT_INPUTS` under ``root``: JSON files parsed, the PNG as bytes.
 
     Returns:
         input name -> content, None for a file that does not exist.
@@ -42,7 +41,7 @@ def load_inputs(root: str = ".") -> dict[str, Any]:
         ValueError: a file that is not valid JSON, or not of the shape it should be (names the file).
     """
     loaded: dict[str, Any] = {}
-    for name, path in INPUTS.items():
+    for name, path in REPORT_INPUTS.items():
         full = os.path.join(root, path)
         if not os.path.isfile(full):
             loaded[name] = None
@@ -57,10 +56,10 @@ def load_inputs(root: str = ".") -> dict[str, Any]:
                 raise ValueError(f"{path}: not valid JSON ({err})") from None
     if all(value is None for value in loaded.values()):
         raise FileNotFoundError(
-            f"none of the report's inputs exists under {os.path.abspath(root)} ({', '.join(INPUTS.values())}): "
+            f"none of the report's inputs exists under {os.path.abspath(root)} ({', '.join(REPORT_INPUTS.values())}): "
             "run the pipeline's stages first"
         )
-    check_inputs(loaded)
+    check_inputs(loaded, REPORT_INPUTS)
     return loaded
 
 
@@ -147,6 +146,7 @@ def build(params: dict[str, Any], loaded: dict[str, Any]) -> str:
     return render_report(
         loaded,
         draw_figures(loaded),
+        REPORT_INPUTS,
         pipeline_run=pipeline_run_id(),
         git_commit=git_commit(),
         profile=str(read_params().get("profile", "demo")),
@@ -157,12 +157,12 @@ def build(params: dict[str, Any], loaded: dict[str, Any]) -> str:
 
 def main() -> None:
     """DVC stage command."""
-    import mlflow
+    import mlflow  # noqa: PLC0415 (MLflow: seconds to import)
 
     params = stage_params("report")
     loaded = load_inputs()  # before the run starts: no input at all is one line, and no MLflow run
     with StageRun("report", params) as stage, StagedOutputs() as outputs:
-        page = outputs.file(OUTPUT)
+        page = outputs.file(REPORT)
         with open(page, "w", encoding="utf-8") as handle:
             handle.write(build(params, loaded))
         figures = headline(loaded)
@@ -172,8 +172,8 @@ def main() -> None:
         client.log_artifact(stage.parent_id, page)
         for key, value in figures.items():
             client.log_metric(stage.parent_id, key, value, step=0)
-    missing = [path for name, path in INPUTS.items() if loaded[name] is None]
-    print(f"[report] wrote {OUTPUT}" + (f"; not produced by this run: {', '.join(missing)}" if missing else ""))
+    missing = [path for name, path in REPORT_INPUTS.items() if loaded[name] is None]
+    print(f"[report] wrote {REPORT}" + (f"; not produced by this run: {', '.join(missing)}" if missing else ""))
     print("[report] " + ", ".join(f"{k}={v:.3f}" for k, v in figures.items()), flush=True)
 
 

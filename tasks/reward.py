@@ -2,151 +2,27 @@
 
 Writes ``models/reward/``, ``metrics/reward.json`` and ``reports/reward_margins.png``
 (the histogram of chosen - rejected scores, paper figure 2) together, after everything that can
-fail (:class:`tasks.outputs.StagedOutputs`): a failed or stopped run leaves the previous ones as they were.
+fail (:class:`tasks.kit.outputs.StagedOutputs`): a failed or stopped run leaves the previous ones as they were.
 """
 
 from __future__ import annotations
 
-import math
-import os
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-import torch
-
 from rlhf.chat import check_reads_whole
-from rlhf.data import load_jsonl
-from rlhf.models import load_scalar_model, load_tokenizer, save_tokenizer
-from rlhf.reward import (
-    RewardConfig,
-    center_rewards,
-    encode_pairs,
-    evaluate_reward_model,
-    train_reward_model,
-)
-from rlhf.sharding import whole_model
-from rlhf.stats import chance_warning
-from rlhf.training import no_log
-from tasks.common import cli, setup_torch, stage_runtime
-from tasks.configs import config_from_params
-from tasks.launch import other_rank
-from tasks.outputs import StagedOutputs, write_metrics
-from tasks.params import stage_params
-from tasks.resume import run_checkpointer
-from tasks.runs import StageRun
+from rlhf.reward import RewardConfig
+from tasks.kit import paths
+from tasks.kit.common import cli
+from tasks.kit.configs import config_from_params
+from tasks.kit.outputs import StagedOutputs
+from tasks.kit.params import stage_params
+from tasks.kit.registry import register, version_tags
+from tasks.kit.runs import tracking_client
+from tasks.kit.scalar import run, summary_lines, write_outputs
+from tasks.kit.stage import training_stage
 
-TRAIN, EVAL, SFT = "data/validated/rm_train.jsonl", "data/validated/rm_eval.jsonl", "models/sft"
-OUT_DIR, FIGURE, METRICS = "models/reward", "reports/reward_margins.png", "metrics/reward.json"
-
-
-def run(
-    params: dict[str, Any],
-    log,
-    outputs: StagedOutputs | None,
-    device: dict[str, Any] | None = None,
-    splits: tuple[str, str] = (TRAIN, EVAL),
-    init: str = SFT,
-    out: str = OUT_DIR,
-    stage: str = "reward",
-) -> tuple[dict[str, float], Any]:
-    """Train, centre and evaluate; stage the model as ``out`` in ``outputs`` (written when they commit).
-
-    ``device``: the params.yaml ``device`` section (None: read from params.yaml). ``splits``: the
-    ``(train, eval)`` pair files; ``init``: the model folder the scalar model starts from; ``stage``: the name
-    of its resume checkpoints and device settings (the judge stage trains its own model with these). In a
-    training process other than rank 0 (``device.num_processes``) it only trains: ``outputs`` is None.
-
-    Returns:
-        ``(metrics, margin histogram figure)``.
-
-    Raises:
-        FloatingPointError: training diverged, or the trained model's scores are not finite.
-    """
-    config = config_from_params(RewardConfig, params, stage)
-    setup_torch(config.seed)  # before the model is built: the seed owns any new head's initialisation
-    tokenizer, model = load_tokenizer(init), load_scalar_model(init)
-    runtime = stage_runtime(stage, device)
-    model = runtime.place(model)
-    train = load_jsonl(splits[0])
-    checkpointer = run_checkpointer(stage, params, [splits[0], init], runtime)
-    metrics = train_reward_model(model, tokenizer, train, config, log, runtime, checkpointer)
-    model = whole_model(model, runtime.ranks.main)  # FSDP: gathered on rank 0
-    if not runtime.ranks.main:
-        return metrics, None  # rank 0 centres, measures and writes the model
-    demonstrations = [
-        chosen.input_ids
-        for chosen, _ in encode_pairs(tokenizer, train[: config.center_max_examples], config.max_length)
-    ]
-    metrics["rm/offset"] = center_rewards(model, tokenizer, demonstrations, config.eval_batch_size, runtime)
-    eval_metrics, margins = evaluate_reward_model(
-        model, tokenizer, load_jsonl(splits[1]), config.max_length, config.eval_batch_size, runtime
-    )
-    metrics.update(eval_metrics)
-    bad = int((~torch.isfinite(margins)).sum())
-    if bad or not math.isfinite(metrics["rm/offset"]):
-        raise FloatingPointError(
-            f"{stage}: the trained reward model gives non-finite scores (centring offset {metrics['rm/offset']}, "
-            f"{bad} of {margins.numel()} {splits[1]} margins non-finite); nothing was written"
-        )
-    folder = outputs.folder(out)
-    model.config.reward_max_length = config.max_length  # what it was trained at: readers check they fit in it
-    model.save_pretrained(folder, safe_serialization=True)
-    save_tokenizer(tokenizer, folder)
-    outputs.on_commit(checkpointer.clear)  # a failure before the commit resumes from the checkpoints
-    figure, axis = plt.subplots(figsize=(6, 4))
-    axis.hist(margins.cpu().numpy(), bins=30)
-    axis.axvline(0, color="black", linewidth=1)
-    axis.set(
-        xlabel="score(chosen) - score(rejected)",
-        ylabel="pairs",
-        title=f"{os.path.basename(splits[1]).split('.')[0]}: accuracy {metrics['rm/accuracy']:.3f}",
-    )
-    return metrics, figure
-
-
-def summary_lines(metrics: dict[str, float]) -> list[str]:
-    """The stage's printed summary of :func:`rlhf.reward.preference_metrics` on rm_eval.
-
-    The first line is the accuracy with its Wilson 95% interval, decisive pairs
-    and ties, then the length-bias accuracies; the second the balanced accuracy with its stratified interval and
-    the length-only baseline; then the other ``rm/`` figures; last, when the balanced accuracy's interval
-    includes chance (0.5), lies below it, or is undefined,
-    a loud ``[reward] WARNING: ...`` line (:func:`rlhf.stats.chance_warning`).
-    """
-    accuracy = (metrics["rm/accuracy"], metrics["rm/accuracy_low"], metrics["rm/accuracy_high"])
-    lines = [
-        f"[reward] rm_eval accuracy {accuracy[0]:.3f} [{accuracy[1]:.3f}, {accuracy[2]:.3f}] (Wilson 95%) over "
-        f"{metrics['rm/pairs']:.0f} decisive pairs, {metrics['rm/ties']:.0f} ties left out; "
-        f"chosen shorter {metrics['rm/accuracy_chosen_shorter']:.3f} (n={metrics['rm/pairs_chosen_shorter']:.0f}), "
-        f"chosen longer {metrics['rm/accuracy_chosen_longer']:.3f} (n={metrics['rm/pairs_chosen_longer']:.0f})",
-        f"[reward] rm_eval balanced accuracy {_interval(metrics, 'rm/balanced_accuracy')} (stratified bootstrap 95%; "
-        f"the mean of chosen shorter and chosen longer); prefer-the-shorter baseline "
-        f"{_number(metrics.get('rm/length_baseline_accuracy'))}",
-        "[reward] "
-        + ", ".join(
-            f"{k}={v:.3f}"
-            for k, v in metrics.items()
-            if k.startswith("rm/")
-            and not k.startswith(("rm/loss", "rm/accuracy", "rm/pairs", "rm/ties", "rm/balanced", "rm/length_base"))
-        ),
-    ]
-    balanced = tuple(metrics.get(f"rm/balanced_accuracy{s}") for s in ("", "_low", "_high"))
-    warning = chance_warning("rm_eval balanced accuracy", *balanced)
-    if warning:
-        lines.append(f"[reward] WARNING: {warning}: the reward model has not learned to rank")
-    return lines
-
-
-def _number(value: float | None) -> str:
-    return "n/a" if value is None or math.isnan(value) else f"{value:.3f}"
-
-
-def _interval(metrics: dict[str, float], key: str) -> str:
-    """``0.612 [0.550, 0.671]``, or ``n/a`` parts where undefined."""
-    return f"{_number(metrics.get(key))} [{_number(metrics.get(key + '_low'))}, {_number(metrics.get(key + '_high'))}]"
+TRAIN, EVAL, SFT = paths.split("rm_train"), paths.split("rm_eval"), paths.SFT
+OUT_DIR, FIGURE, METRICS = paths.REWARD, paths.REWARD_MARGINS, paths.metrics("reward")
 
 
 def register_version(folder: str, metrics: dict[str, float], params: dict[str, Any], run_id: str) -> str:
@@ -155,25 +31,10 @@ def register_version(folder: str, metrics: dict[str, float], params: dict[str, A
     The last thing the stage does before its outputs are put in place: a registry that cannot be reached
     fails the stage and leaves its previous outputs as they were. Returns the line to print.
     """
-    from tasks.registry import register, version_tags
-    from tasks.runs import tracking_client
-
     name = stage_params("registry")["reward_model"]
     client, _ = tracking_client()
     found = register(client, name, folder, run_id, version_tags(folder, metrics, params, [TRAIN, EVAL]), params)
     return f"[reward] registered {name} version {found.version} (the gate stage decides on it)"
-
-
-def write_outputs(stage, outputs: StagedOutputs, metrics: dict[str, float], steps: str, figure, figure_path: str,
-                  metrics_path: str) -> None:  # fmt: skip
-    """Log ``metrics`` at the step count ``metrics[steps]``, stage the margin histogram ``figure`` (also an MLflow
-    figure) and the metrics file: what the reward and the judge stage both write."""
-    import mlflow
-
-    stage.log(metrics, int(metrics[steps]))
-    figure.savefig(outputs.file(figure_path), dpi=100)
-    mlflow.log_figure(figure, os.path.basename(figure_path))
-    write_metrics(outputs.file(metrics_path), metrics, stage)
 
 
 def main() -> None:
@@ -186,16 +47,22 @@ def main() -> None:
         covers = (("ppo.max_prompt_length", ppo["max_prompt_length"]), ("generation.max_new_tokens", new_tokens))
         check_reads_whole("reward.max_length", config.max_length, *covers)
 
-    check()  # on one process too: other_rank runs it only before launching several
-    if other_rank(device, "tasks.reward", lambda: run(params, no_log, None, device), check):
-        return
-    with StageRun("reward", {**params, "device": device}) as stage, StagedOutputs() as outputs:
-        metrics, figure = run(params, stage.log, outputs, device)
+    def finish(stage, outputs: StagedOutputs, trained) -> list[str]:
+        metrics, figure = trained
         write_outputs(stage, outputs, metrics, "rm/steps", figure, FIGURE, METRICS)
-        lines = summary_lines(metrics)
-        lines.append(register_version(outputs.staged(OUT_DIR), metrics, params, stage.run.info.run_id))
-    for line in lines:
-        print(line, flush=True)
+        return [
+            *summary_lines(metrics),
+            register_version(outputs.staged(OUT_DIR), metrics, params, stage.run.info.run_id),
+        ]
+
+    training_stage(
+        "reward",
+        {**params, "device": device},
+        device,
+        check,
+        lambda log, outputs: run(params, log, outputs, device, (TRAIN, EVAL), SFT, OUT_DIR, "reward"),
+        finish,
+    )
 
 
 if __name__ == "__main__":

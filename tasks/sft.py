@@ -1,7 +1,7 @@
 """Stage sft: fine-tune the base model on the chosen responses of the sft split.
 
 Writes ``models/sft/`` and ``metrics/sft.json`` together, after everything that can fail
-(:class:`tasks.outputs.StagedOutputs`): a failed or stopped run leaves the previous ones as they were.
+(:class:`tasks.kit.outputs.StagedOutputs`): a failed or stopped run leaves the previous ones as they were.
 """
 
 from __future__ import annotations
@@ -12,18 +12,16 @@ from rlhf.data import load_jsonl
 from rlhf.models import load_causal_lm, load_tokenizer, save_tokenizer
 from rlhf.sft import SFTConfig, train_sft
 from rlhf.sharding import whole_model
-from rlhf.training import no_log
-from tasks.common import cli, setup_torch, stage_runtime
-from tasks.configs import config_from_params
-from tasks.launch import other_rank
-from tasks.outputs import StagedOutputs, write_metrics
-from tasks.params import stage_params
-from tasks.resume import run_checkpointer
-from tasks.runs import StageRun
+from tasks.kit import paths
+from tasks.kit.common import cli, setup_torch, stage_runtime
+from tasks.kit.configs import config_from_params
+from tasks.kit.outputs import StagedOutputs, write_metrics
+from tasks.kit.params import stage_params
+from tasks.kit.resume import run_checkpointer
+from tasks.kit.stage import training_stage
 
-DATA = "data/validated/sft.jsonl"
-BASE = "models/base"
-OUT_DIR, METRICS = "models/sft", "metrics/sft.json"
+DATA, BASE = paths.split("sft"), paths.BASE
+OUT_DIR, METRICS = paths.SFT, paths.metrics("sft")
 
 
 def run(
@@ -62,14 +60,18 @@ def main() -> None:
     """DVC stage command."""
     params, device = stage_params("sft"), stage_params("device")
 
-    def check() -> None:  # the params, one line each, before any process starts
-        config_from_params(SFTConfig, params, "sft")
-
-    if other_rank(device, "tasks.sft", lambda: run(params, no_log, None, device), check):
-        return
-    with StageRun("sft", {**params, "device": device}) as stage, StagedOutputs() as outputs:
-        metrics = run(params, stage.log, outputs, device)
+    def finish(stage, outputs: StagedOutputs, metrics: dict[str, float]) -> list[str]:
         write_metrics(outputs.file(METRICS), metrics, stage)
+        return []
+
+    training_stage(
+        "sft",
+        {**params, "device": device},
+        device,
+        lambda: config_from_params(SFTConfig, params, "sft"),  # the params, one line each, before any process starts
+        lambda log, outputs: run(params, log, outputs, device),
+        finish,
+    )
 
 
 if __name__ == "__main__":

@@ -17,10 +17,11 @@ import json
 import os
 from typing import Any
 
-from tasks.common import cli
-from tasks.params import stage_params
+from tasks.kit import paths
+from tasks.kit.common import cli
+from tasks.kit.params import stage_params
 
-OUT = "data/sources.json"
+OUT = paths.SOURCES
 # fs.info() fields that change when the content does: ETag (S3, HTTP, GCS, Azure), checksums, the hub's git
 # blob id and LFS sha256, object versions
 CONTENT_FIELDS = {
@@ -75,8 +76,8 @@ def fingerprint(url: str, storage_options: dict[str, Any] | None = None) -> dict
         FileNotFoundError: no file there.
         ValueError: a folder, or the filesystem cannot be reached or is unknown (names the URL).
     """
-    import fsspec
-    from fsspec.implementations.local import LocalFileSystem
+    import fsspec  # noqa: PLC0415 (fsspec: only a read source needs it)
+    from fsspec.implementations.local import LocalFileSystem  # noqa: PLC0415 (fsspec: only a read source needs it)
 
     try:
         fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))

@@ -22,14 +22,15 @@ from rlhf.checkpoint import write_json
 from rlhf.data import SPLITS, load_jsonl, write_jsonl
 from rlhf.models import load_tokenizer
 from rlhf.validation import ValidationConfig, split_kind, validate_split
-from tasks.common import cli
-from tasks.configs import config_from_params
-from tasks.outputs import StagedOutputs, write_metrics
-from tasks.params import stage_params
-from tasks.runs import StageRun
+from tasks.kit import paths
+from tasks.kit.common import cli
+from tasks.kit.configs import config_from_params, derived_values
+from tasks.kit.outputs import StagedOutputs, write_metrics
+from tasks.kit.params import stage_params
+from tasks.kit.runs import StageRun
 
-IN_DIR, OUT_DIR, BASE = "data/processed", "data/validated", "models/base"
-REPORT, GX_REPORT = "reports/validation.json", "reports/validation_gx.json"
+IN_DIR, OUT_DIR, BASE = paths.PROCESSED, paths.VALIDATED, paths.BASE
+REPORT, GX_REPORT = paths.VALIDATION_REPORT, paths.GX_REPORT
 
 
 class ValidationFailed(Exception):
@@ -45,7 +46,7 @@ def run(params: dict[str, Any], outputs: StagedOutputs) -> tuple[dict[str, Any],
     Raises:
         ValidationFailed: a split is empty or above the quarantine threshold (nothing is written).
     """
-    config = config_from_params(ValidationConfig, params, "validate")
+    config = config_from_params(ValidationConfig, params, "validate", derived_values("validate", stage_params))
     tokenizer = load_tokenizer(BASE)
     results = {
         split: validate_split(
@@ -95,7 +96,7 @@ def run(params: dict[str, Any], outputs: StagedOutputs) -> tuple[dict[str, Any],
 
 def main() -> None:
     """DVC stage command."""
-    import mlflow
+    import mlflow  # noqa: PLC0415 (MLflow: seconds to import)
 
     params = stage_params("validate")
     with StageRun("validate", params) as stage, StagedOutputs() as outputs:
@@ -108,7 +109,7 @@ def main() -> None:
             mlflow.log_artifact(report)
         totals = {key: sum(s[key] for s in summary.values()) for key in ("rows_in", "valid", "quarantined")}
         stage.log({f"validate/{k}": float(v) for k, v in totals.items()}, 0)
-        write_metrics(outputs.file("metrics/validate.json"), {f"validate/{k}": v for k, v in totals.items()}, stage)
+        write_metrics(outputs.file(paths.metrics("validate")), {f"validate/{k}": v for k, v in totals.items()}, stage)
     for split, s in summary.items():
         broken = {rule: n for rule, n in s["rules"].items() if n}
         print(

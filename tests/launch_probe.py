@@ -1,4 +1,5 @@
-"""A stage-shaped command for tests/test_distributed.py, launched on two processes by :func:`tasks.launch.other_rank`.
+"""A stage-shaped command for tests/test_distributed.py, launched on two processes by
+:func:`tasks.kit.launch.other_rank`.
 
 ``python -m launch_probe`` (from tests/) with ``LAUNCH_PROBE`` set to
 
@@ -14,8 +15,8 @@ from __future__ import annotations
 import os
 import time
 
-from tasks.common import cli
-from tasks.launch import other_rank
+from tasks.kit.common import cli
+from tasks.kit.launch import other_rank
 
 MODE = os.environ.get("LAUNCH_PROBE", "rank0")
 

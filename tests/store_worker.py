@@ -8,8 +8,8 @@ import os
 import sys
 import time
 
-from tasks.registry import register
-from tasks.runs import StageRun, tracking_client
+from tasks.kit.registry import register
+from tasks.kit.runs import StageRun, tracking_client
 
 index = sys.argv[1]
 open(f"ready-{index}", "w").close()

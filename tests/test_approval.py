@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from test_gate import client
 
 from flows.approval import PolicyApproval, await_approval, awaiting
-from tasks import registry
+from tasks.kit import registry
 
 pytestmark = pytest.mark.integration
 NAME = "rlhf-policy"
@@ -27,8 +27,8 @@ def wait_for_approval(report: dict, timeout_s: int) -> str:
 
 def awaiting_version(tiny_dir, folder: str) -> dict:
     """A policy version that passed its gate with approval required: its report."""
-    from tasks.registry import decide_once, register
-    from tasks.runs import tracking_client
+    from tasks.kit.registry import decide_once, register
+    from tasks.kit.runs import tracking_client
 
     shutil.copytree(tiny_dir, folder)
     client_, experiment = tracking_client()

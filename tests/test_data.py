@@ -17,7 +17,7 @@ import rlhf.data
 import tasks.prepare
 from rlhf.data import Source, assign_split, conversation_root, prepare_rows, prompt_key, ptx_token_ids, read_jsonl
 from rlhf.formats import RowError, to_examples
-from tasks.outputs import StagedOutputs
+from tasks.kit.outputs import StagedOutputs
 
 SHARED = "../shared/data/hh-rlhf/harmless-base/pairs.jsonl.gz"
 

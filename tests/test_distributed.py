@@ -182,7 +182,7 @@ def test_a_launch_done_by_hand_is_checked_too(monkeypatch):
 def test_fsdp_settings_the_trainers_do_not_implement_are_refused_before_launch(tmp_path, edit, message):
     import yaml
 
-    from tasks.launch import check_accelerate_config
+    from tasks.kit.launch import check_accelerate_config
 
     shipped = os.path.join(INFRA, "fsdp.yaml")
     check_accelerate_config(shipped)  # the shipped file passes
@@ -199,7 +199,7 @@ def test_fsdp_settings_the_trainers_do_not_implement_are_refused_before_launch(t
 def test_what_a_launch_cannot_run_is_refused_before_it_starts(tmp_path):
     from rlhf.device import mixed_precision
     from rlhf.ppo_config import PPOConfig, check_processes
-    from tasks.launch import distributed_type
+    from tasks.kit.launch import distributed_type
 
     assert mixed_precision({"mixed_precision": False}) == "no"  # YAML reads an unquoted no as false
     with pytest.raises(ValueError, match=r"device.mixed_precision 'fp16': use one of no, bf16"):
@@ -246,7 +246,7 @@ def test_gumbel_max_sampling_draws_from_the_softmax():
 def test_bad_process_and_pass_sizes_are_refused_with_one_line(tmp_path):
     from rlhf.ppo_config import PPOConfig
     from rlhf.sft import SFTConfig
-    from tasks.launch import other_rank
+    from tasks.kit.launch import other_rank
 
     with pytest.raises(ValueError, match=r"sft.micro_batch_size must be at least 1 or null, got 0"):
         SFTConfig(micro_batch_size=0)
@@ -270,7 +270,7 @@ def test_bad_process_and_pass_sizes_are_refused_with_one_line(tmp_path):
 
 
 def test_one_process_runs_the_stage_itself(monkeypatch):
-    from tasks.launch import other_rank
+    from tasks.kit.launch import other_rank
 
     monkeypatch.delenv("RANK", raising=False)
     trained = []

@@ -42,8 +42,8 @@ from rlhf.reward import RewardConfig, train_reward_model
 from rlhf.rollout import GenerationSettings
 from rlhf.sft import SFTConfig, train_sft
 from rlhf.training import LoopConfig, supervised_loop
-from tasks.outputs import StagedOutputs
-from tasks.runs import BOOT_TAG, HOST_TAG, PID_TAG, START_TAG, StageRun, Stopped, owner_gone, owner_tags
+from tasks.kit.outputs import StagedOutputs
+from tasks.kit.runs import BOOT_TAG, HOST_TAG, PID_TAG, START_TAG, StageRun, Stopped, owner_gone, owner_tags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NO_PID = 4194305  # one above the largest pid Linux can hand out (pid_max <= 2**22)
@@ -419,7 +419,7 @@ def test_a_failure_before_the_end_leaves_every_previous_output(tmp_path):
 
 
 def test_a_rename_failing_halfway_puts_every_previous_output_back(tmp_path, monkeypatch):
-    import tasks.outputs as outputs_module
+    import tasks.kit.outputs as outputs_module
 
     paths, before = previous_outputs(tmp_path)
     real, calls = os.replace, []
@@ -438,7 +438,7 @@ def test_a_rename_failing_halfway_puts_every_previous_output_back(tmp_path, monk
 
 
 def test_a_stop_signal_during_the_renames_waits_until_all_are_done(tmp_path, monkeypatch):
-    import tasks.outputs as outputs_module
+    import tasks.kit.outputs as outputs_module
 
     paths, _ = previous_outputs(tmp_path)
     real = os.replace
@@ -691,7 +691,7 @@ def test_sft_diverging_stops_with_one_line_and_the_next_stage_refuses_its_model(
 ):
     import tasks.reward as reward
     import tasks.sft as sft
-    from tasks.common import cli
+    from tasks.kit.common import cli
 
     project = tiny_project(tmp_path, tiny_dir, empty_db, sft={"lr": 1.0e8, "warmup_steps": 0, "steps": 6})
     outputs = ["models/sft", "metrics/sft.json"]

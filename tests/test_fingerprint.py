@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import save_file
 
 from rlhf.checkpoint import Checkpointer, atomic_write_text
-from tasks.outputs import load_json
-from tasks.resume import MANIFEST, file_sha256, fingerprint_manifest, input_hashes, run_checkpointer
+from tasks.kit.outputs import load_json
+from tasks.kit.resume import MANIFEST, file_sha256, fingerprint_manifest, input_hashes, run_checkpointer
 
 
 def _model_folder(path, weight: float) -> str:

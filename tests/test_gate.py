@@ -21,9 +21,11 @@ from conftest import PAIR
 from typer.testing import CliRunner
 
 from rlhf.models import load_scalar_model
-from tasks import gate, registry, registry_cli
-from tasks.champion import MARKER, OUT_DIR, VERSION_FILE, require_champion
-from tasks.outputs import StagedOutputs
+from tasks import gate
+from tasks.cli import registry as registry_cli
+from tasks.kit import registry
+from tasks.kit.champion import MARKER, OUT_DIR, VERSION_FILE, require_champion
+from tasks.kit.outputs import StagedOutputs
 
 NAME = "rlhf-reward-model"
 GOOD = {"rm/accuracy": 150 / 196, "rm/pairs": 196.0, "rm/ece": 0.05, "rm/accuracy_chosen_shorter": 0.7,
@@ -45,8 +47,8 @@ def new_candidate(metrics: dict[str, float], seed: int) -> None:
 
 def run_gate(params_override=None) -> dict:
     """The gate stage's work, as its main() does it, in a run of its own."""
-    from tasks.params import stage_params
-    from tasks.runs import tracking_client
+    from tasks.kit.params import stage_params
+    from tasks.kit.runs import tracking_client
 
     client, experiment = tracking_client()
     run_id = client.create_run(experiment).info.run_id
@@ -57,7 +59,7 @@ def run_gate(params_override=None) -> dict:
 
 
 def client():
-    from tasks.runs import tracking_client
+    from tasks.kit.runs import tracking_client
 
     return tracking_client()[0]
 
@@ -174,7 +176,7 @@ def test_an_over_long_reason_is_refused_before_anything_moves_and_params_are_kep
         registry.move_alias(client(), NAME, "2", "x" * 201, "a reason")
     assert str(registry.holder(client(), NAME).version) == "1"
     # the params: a hash on the version, the whole file (longer than a tag's 5,000 characters) with its run
-    from tasks.params import stage_params
+    from tasks.kit.params import stage_params
 
     found = client().get_model_version(NAME, "1")
     with open(client().download_artifacts(found.run_id, registry.PARAMS_ARTIFACT, str(registry_project))) as handle:
@@ -207,7 +209,7 @@ def start_together(folder, extra_env: dict[str, str]) -> None:
     results = [worker.communicate(timeout=300) for worker in workers]
     assert [worker.returncode for worker in workers] == [0, 0, 0, 0], [err[-500:] for _, err in results]
     assert sorted(int(out.split()[-1]) for out, _ in results) == [1, 2, 3, 4]  # one registered model, 4 versions
-    from tasks.runs import PIPELINE_RUN_TAG, tracking_client
+    from tasks.kit.runs import PIPELINE_RUN_TAG, tracking_client
 
     store, experiment = tracking_client()
     parents = store.search_runs(
@@ -275,7 +277,7 @@ def test_a_damaged_champion_in_the_store_is_refused_before_it_is_rescored_and_a_
 
 def test_no_champion_writes_a_marker_and_ppo_stops_with_the_promote_command(registry_project):
     import tasks.ppo
-    from tasks.params import stage_params
+    from tasks.kit.params import stage_params
 
     new_candidate(BAD, 2)
     report = run_gate()
@@ -346,7 +348,7 @@ def test_inside_a_dvc_experiment_a_passing_candidate_is_only_a_challenger(regist
 
 def test_evaluate_registers_the_policy_once_and_promotes_it_only_through_its_gate(registry_project, tiny_dir):
     from tasks.evaluate import gate_policy
-    from tasks.runs import tracking_client
+    from tasks.kit.runs import tracking_client
 
     shutil.copytree(tiny_dir, "models/policy")
     (registry_project / "data" / "validated" / "eval_prompts.jsonl").write_text(

@@ -1,4 +1,4 @@
-"""rlhf-housekeeping (tasks/housekeeping.py): what it removes and what it keeps, checked on the files themselves.
+"""rlhf-housekeeping (tasks/cli/housekeeping.py): what it removes and what it keeps, checked on the files themselves.
 
 Unit tests run against a real MLflow sqlite store (``registry_project``) and real checkpoint folders; the
 integration test runs the whole command, ``dvc gc`` and ``mlflow gc`` included, on a small DVC project.
@@ -18,14 +18,16 @@ import yaml
 from rich.filesize import decimal
 from typer.testing import CliRunner
 
-from tasks import housekeeping, registry, registry_cli
-from tasks.resume import run_checkpointer
+from tasks.cli import housekeeping
+from tasks.cli import registry as registry_cli
+from tasks.kit import registry
+from tasks.kit.resume import run_checkpointer
 
 NAME = "rlhf-reward-model"
 
 
 def tracking():
-    from tasks.runs import tracking_client
+    from tasks.kit.runs import tracking_client
 
     return tracking_client()
 

@@ -14,10 +14,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
 from rlhf.chat import encode_prompt
-from tasks import model_cli
-from tasks.model_card import card_facts, render_card, sha256_file
-from tasks.registry import COMMIT_TAG, DATA_TAG, SHA_TAG, folder_sha256, register
-from tasks.runs import PIPELINE_RUN_TAG, tracking_client
+from tasks.cli import model as model_cli
+from tasks.kit.model_card import card_facts, render_card, sha256_file
+from tasks.kit.registry import COMMIT_TAG, DATA_TAG, SHA_TAG, folder_sha256, register
+from tasks.kit.runs import PIPELINE_RUN_TAG, tracking_client
 
 runner = CliRunner()
 DVC_LOCK = "schema: '2.0'\nstages:\n  ppo:\n    cmd: python -m tasks.ppo\n    outs:\n    - path: models/policy\n" \

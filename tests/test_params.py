@@ -13,8 +13,8 @@ from rlhf.reward import RewardConfig
 from rlhf.rollout import GenerationSettings
 from rlhf.sft import SFTConfig
 from rlhf.validation import ValidationConfig
-from tasks.configs import config_from_params
-from tasks.params import load_yaml, read_params, stage_params
+from tasks.kit.configs import DERIVED, config_from_params, derived_values
+from tasks.kit.params import load_yaml, read_params, stage_params
 from tasks.prepare import DataConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -62,8 +62,13 @@ def test_every_section_builds_its_config_under_every_profile_and_preset(profile,
     params = load("params.yaml")
     params["profile"] = profile
     params["ppo"]["preset"] = preset
+
+    def read(section: str) -> dict:
+        return stage_params(section, params)
+
     configs = {
-        section: config_from_params(cls, stage_params(section, params), section) for section, cls in CONFIGS.items()
+        section: config_from_params(cls, read(section), section, derived_values(section, read))
+        for section, cls in CONFIGS.items()
     }
     assert set(stage_params("model", params)) <= MODEL_KEYS
     judge = config_from_params(
@@ -93,12 +98,36 @@ def test_every_config_field_can_be_set_from_params_and_stands_in_the_file():
         shown = set(stage_params(section, params))
         values = stage_params(section, params)
         for field in dataclasses.fields(cls):
+            if (section, field.name) in DERIVED:  # another section's key holds it (the next test)
+                assert field.name not in shown, f"{section}.{field.name} is derived from {DERIVED[section, field.name]}"
+                continue
             if field.default is not dataclasses.MISSING:
                 config_from_params(cls, {**values, field.name: field.default}, section)
             elif field.default_factory is not dataclasses.MISSING:
                 config_from_params(cls, {**values, field.name: field.default_factory()}, section)
             if field.name not in ("storage_options",):  # a credential-free default; documented in the README
                 assert field.name in shown, f"{section}.{field.name} is a setting but params.yaml does not show it"
+
+
+def test_a_derived_value_is_set_once_refused_where_it_is_derived_and_reruns_its_stage():
+    params, stages = load("params.yaml"), load("dvc.yaml")["stages"]
+    for (section, field), source in DERIVED.items():
+        owner = params[section]
+        assert field not in owner and all(field not in (o or {}) for o in owner.get("profiles", {}).values())
+        # the stage reading the section lists the source key and its section's profiles, so a change reruns it
+        (stage,) = [name for name, spec in stages.items() if section in spec.get("params", [])]
+        listed = [str(key) for key in stages[stage]["params"]]
+        assert any(source == key or source.startswith(key + ".") for key in listed), (stage, source)
+        assert f"{source.split('.')[0]}.profiles" in listed, (stage, source)
+    values = stage_params("evaluate", params)
+    derived = derived_values("evaluate", lambda name: stage_params(name, params))
+    assert derived["judge_max_length"] == ("judge.max_length", 256)
+    with pytest.raises(ValueError) as refused:
+        config_from_params(EvalConfig, {**values, "judge_max_length": 192}, "evaluate", derived)
+    assert str(refused.value) == (
+        "params.yaml: evaluate.judge_max_length (192) is derived from judge.max_length (256): remove it and set "
+        "judge.max_length"
+    )
 
 
 def test_every_top_level_key_is_read_by_a_stage():
@@ -110,9 +139,13 @@ def test_every_top_level_key_is_read_by_a_stage():
     for stage, spec in stages.items():  # a stage that lists a section reads it (the task module names it)
         with open(os.path.join(REPO, "tasks", f"{stage}.py"), encoding="utf-8") as handle:
             source = handle.read()
+        derived = [src for (owner, _), src in DERIVED.items() if f'"{owner}"' in source]  # read through DERIVED
         for key in spec.get("params", []):
             section = key.split(".")[0]
-            assert key == "profile" or f'"{section}"' in source, f"stage {stage} lists params.{key} but never reads it"
+            through = any(
+                src == key or src.startswith(key + ".") or key == f"{src.split('.')[0]}.profiles" for src in derived
+            )
+            assert key == "profile" or f'"{section}"' in source or through, f"{stage} lists {key} but never reads it"
 
 
 class Loaded(Exception):
@@ -127,7 +160,7 @@ def test_each_stage_seeds_with_its_own_seed_before_it_builds_a_model(monkeypatch
     # own seed must be set before that, or reward.seed / ppo.seed would not own the initialisation
     import importlib
 
-    module = importlib.import_module(f"tasks.{stage}")
+    module = importlib.import_module("tasks.kit.scalar" if stage == "reward" else f"tasks.{stage}")  # reward, judge
     calls = []
     monkeypatch.setattr(module, "setup_torch", lambda seed: calls.append(("seed", seed)))
 
@@ -140,7 +173,8 @@ def test_each_stage_seeds_with_its_own_seed_before_it_builds_a_model(monkeypatch
     monkeypatch.setattr(module, "require_champion", lambda folder: {"version": "1"}, raising=False)  # ppo, evaluate
     params = {**stage_params(section, load("params.yaml")), "seed": 4321}
     generation = stage_params("generation", load("params.yaml"))
-    args = {"sft": (params, None, None), "reward": (params, None, None), "ppo": (params, generation, None)}
+    reward = (params, None, None, None, ("rm_train.jsonl", "rm_eval.jsonl"), "models/sft", "models/reward", "reward")
+    args = {"sft": (params, None, None), "reward": reward, "ppo": (params, generation, None)}
     with pytest.raises(Loaded):
         module.run(*args.get(stage, (params, generation)))
     assert calls[0] == ("seed", 4321) and calls[1][0] == "load"

@@ -20,7 +20,8 @@ import matplotlib.pyplot as plt
 
 from rlhf.report import JUDGE_AT_CHANCE, JUDGE_MEANINGLESS, render_report
 from tasks import report
-from tasks.common import cli
+from tasks.kit.common import cli
+from tasks.kit.paths import REPORT_INPUTS
 
 SECTIONS = ("data", "reward-model", "judge", "ppo", "evaluation", "samples")
 XSS = "<script>alert(1)</script>"
@@ -160,11 +161,16 @@ def test_model_output_is_escaped_never_markup(project):
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html and XSS not in html
 
 
+def page(loaded: dict) -> str:
+    """The report page of ``loaded``, its figures drawn, with one sample row."""
+    figures = report.draw_figures(loaded)
+    return render_report(loaded, figures, REPORT_INPUTS, pipeline_run="r", git_commit="c", profile="p", created="now")
+
+
 def test_a_judge_at_chance_is_flagged_and_its_win_rates_marked(project):
     loaded = report.load_inputs()
     loaded["judge"], loaded["eval"] = _judge(0.46, 0.60), _eval(0.0)
-    html = render_report(loaded, report.draw_figures(loaded), pipeline_run="r", git_commit="c", profile="p",
-                         created="now", samples=1)  # fmt: skip
+    html = page(loaded)
     judge = html[html.index('<h2 id="judge">') : html.index('<h2 id="ppo">')]
     assert f"{JUDGE_AT_CHANCE} (judge balanced accuracy 0.53 [0.46, 0.60] includes chance (0.5))" in judge
     evaluation = html[html.index('<h2 id="evaluation">') : html.index('<h2 id="samples">')]
@@ -206,7 +212,7 @@ def test_a_missing_input_says_so_and_no_input_at_all_is_one_line(project, tmp_pa
 def test_the_stage_writes_the_page_and_gives_the_parent_run_the_headline_and_the_page(project):
     import mlflow
 
-    from tasks.runs import tracking_client
+    from tasks.kit.runs import tracking_client
 
     report.main()
     with open("reports/index.html", encoding="utf-8") as handle:
@@ -252,8 +258,7 @@ def test_best_of_n_is_a_table_a_verdict_and_points_on_the_over_optimisation_figu
         {"sqrt_kl": 0.0, "best_of_n_proxy": -0.2, "best_of_n_judge": -0.3},
         {"sqrt_kl": 0.797680, "best_of_n_proxy": 0.4, "best_of_n_judge": -0.25},
     ]
-    html = render_report(loaded, report.draw_figures(loaded), pipeline_run="r", git_commit="c", profile="p",
-                         created="now", samples=1)  # fmt: skip
+    html = page(loaded)
     evaluation = html[html.index('<h2 id="evaluation">') : html.index('<h2 id="samples">')]
     assert "Best-of-N of the SFT model on the curve prompts" in evaluation and "0.636" in evaluation
     # the gain's interval includes 0: the report says best-of-4 does not beat SFT
@@ -261,6 +266,5 @@ def test_best_of_n_is_a_table_a_verdict_and_points_on_the_over_optimisation_figu
         evaluation
     )
     loaded["eval"]["eval/best_of_n/judge_gain_low"] = 0.01
-    html = render_report(loaded, report.draw_figures(loaded), pipeline_run="r", git_commit="c", profile="p",
-                         created="now", samples=1)  # fmt: skip
+    html = page(loaded)
     assert "best-of-4 beats SFT by the judge" in html

@@ -1,4 +1,4 @@
-"""The blind A/B human review (tasks/review.py): export, a rater's filled file, import, MLflow logging."""
+"""The blind A/B human review (tasks/cli/review.py): export, a rater's filled file, import, MLflow logging."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from tasks import review
+from tasks.cli import review
 
 RUNNER = CliRunner()
 HEADER = ["row", "prompt", "response_a", "response_b", "preference", "comment"]
@@ -225,7 +225,7 @@ def test_parse_preference_and_tally():
 @pytest.fixture
 def tracked_project(tmp_path, empty_db, monkeypatch):
     """A project folder (cwd) with its own sqlite MLflow store and one run: the evaluate stage's stand-in."""
-    from tasks.runs import tracking_client
+    from tasks.kit.runs import tracking_client
 
     (tmp_path / "params.yaml").write_text(yaml.safe_dump({"mlflow": {"tracking_uri": "sqlite:///mlflow.db",
                                                                      "experiment": "rlhf"}}))  # fmt: skip

@@ -15,9 +15,10 @@ from rlhf.device import Runtime
 from rlhf.formats import to_examples
 from rlhf.models import load_scalar_model, load_tokenizer
 from rlhf.reward import evaluate_reward_model
-from tasks import model_cli, score_pairs
-from tasks.registry import SHA_TAG, folder_sha256, register
-from tasks.runs import tracking_client
+from tasks.cli import model as model_cli
+from tasks.cli import score_pairs
+from tasks.kit.registry import SHA_TAG, folder_sha256, register
+from tasks.kit.runs import tracking_client
 
 runner = CliRunner()
 ANSWERS = [

@@ -8,7 +8,7 @@ import os
 import pytest
 import yaml
 
-from tasks.params import (
+from tasks.kit.params import (
     MLFLOW_KEY_MAX,
     MLFLOW_VALUE_MAX,
     check_no_secrets,
@@ -218,7 +218,7 @@ def test_mlflow_params_make_keys_valid_unique_and_short():
 def test_stage_run_logs_any_params_to_a_real_mlflow_store(tmp_path, monkeypatch):
     import mlflow
 
-    from tasks.runs import StageRun
+    from tasks.kit.runs import StageRun
 
     (tmp_path / "params.yaml").write_text("profile: tiny\nmlflow: {experiment: t}\n")
     monkeypatch.chdir(tmp_path)

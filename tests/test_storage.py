@@ -1,8 +1,9 @@
 """DVC and MLflow beyond one machine: a DVC remote and MLflow artifacts on S3 (moto's server), a shared
 `mlflow server` with the registry, all on 127.0.0.1 (integration).
 
-One tiny project runs the whole pipeline once against the server; the tests then push and pull its outs, read the
-registry through the server, and break one thing at a time (a down server, a wrong credential).
+A copy of the finished tiny run reruns the stages that register or read models against the server; the tests
+then push and pull its outs, read the registry through the server, and break one thing at a time (a down server,
+a wrong credential).
 """
 
 from __future__ import annotations
@@ -20,14 +21,15 @@ from pathlib import Path
 import pytest
 import yaml
 from servers import BUCKET, S3, free_port, mlflow_server, moto_s3, quiet_env
-from test_pipeline import make_project, set_param
+from test_pipeline import STAGES, copy_project, set_param
 
-from tasks.common import cli
+from tasks.kit.common import cli
 
 pytestmark = pytest.mark.integration
 
 REMOTE = f"s3://{BUCKET}/dvc"
 REGISTERED = "rlhf-reward-model"
+SERVED_STAGES = ["reward", "gate", "ppo", "evaluate", "report"]  # register, gate or read models; the parent report
 CLIENT = {
     # a server that does not answer fails in seconds, not after MLflow's minutes of back-off
     "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
@@ -82,15 +84,17 @@ def server(s3, served) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def project(s3, server, served, tmp_path_factory) -> Project:
-    """The tiny project with the DVC remote ``s3://rlhf/dvc`` committed, the whole pipeline run (`dvc repro`) with
-    MLFLOW_TRACKING_URI at the server; AWS credentials and endpoint only in the environment."""
+def project(s3, server, served, tiny_run, tmp_path_factory) -> Project:
+    """A copy of the finished tiny run with the DVC remote ``s3://rlhf/dvc`` committed, and every stage that talks
+    to the tracking store and registry run again (`dvc repro --force`) with MLFLOW_TRACKING_URI at the server; AWS
+    credentials and endpoint only in the environment."""
     root = tmp_path_factory.mktemp("project")
-    folder = make_project(root)
+    folder = copy_project(tiny_run, root)
     env = quiet_env(str(root), **s3.env(), **CLIENT, MLFLOW_TRACKING_URI=server, RLHF_PIPELINE_RUN_ID="")
     ran = Project(folder, env, server, s3, [str(served / "moto.log"), str(served / "mlflow-server.log")])
     ran.run("dvc", "remote", "add", "-d", "store", REMOTE)
-    ran.run("dvc", "repro")
+    output = ran.run("dvc", "repro", "--force", "--single-item", *SERVED_STAGES)
+    assert [stage for stage in STAGES if f"Running stage '{stage}'" in output] == SERVED_STAGES
     subprocess.run(["git", "add", "-A"], cwd=folder, check=True)
     subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "ran"], cwd=folder, check=True)
     return ran
@@ -137,7 +141,7 @@ def test_the_gate_registers_through_the_server_with_artifacts_on_s3(project):
     assert any(key.endswith("/artifacts/model/model.safetensors") for key in keys), keys
     with open(os.path.join(project.folder, "models/reward_champion/registry_version.json")) as handle:
         assert json.load(handle)["version"] == "1"
-    status = project.run("tasks.registry_cli", "status", "reward")  # the command people run, against the server
+    status = project.run("tasks.cli.registry", "status", "reward")  # the command people run, against the server
     assert f"tracking store {project.server}" in status and f"{REGISTERED}: champion = version 1" in status
 
 
@@ -172,7 +176,7 @@ def test_dvc_push_then_pull_into_a_fresh_clone_restores_every_out(project, tmp_p
 def test_a_new_experiment_with_an_s3_artifact_location_writes_there_itself(project, tmp_path, monkeypatch):
     import mlflow
 
-    from tasks.runs import tracking_client
+    from tasks.kit.runs import tracking_client
 
     location = f"s3://{BUCKET}/direct"
     (tmp_path / "params.yaml").write_text(yaml.safe_dump({"mlflow": {"experiment": "direct",

@@ -100,7 +100,7 @@ def test_supervised_training_resumes_exactly(tiny_dir, tokenizer, tmp_path, kind
 
 
 def test_config_from_params_reads_yaml_exponents_and_rejects_unknown_keys():
-    from tasks.configs import config_from_params
+    from tasks.kit.configs import config_from_params
 
     config = config_from_params(SFTConfig, {"lr": "3e-5", "steps": 2}, "sft")
     assert config.lr == 3e-5 and config.steps == 2

@@ -26,7 +26,7 @@ def atomic_write_text(path: str, text: str) -> None:
     """Write a text file atomically (write a temporary file beside it, then rename).
 
     The file gets the usual mode of a new file, ``0o666 & ~umask`` (``mkstemp``
-    alone would leave it 0600), as :func:`tasks.outputs.atomic_dir` does for
+    alone would leave it 0600), as :func:`tasks.kit.outputs.atomic_dir` does for
     folders. On an error the temporary file is removed and ``path`` is left as it was.
 
     Args:
@@ -151,7 +151,7 @@ def save_kept_policy(policy: PreTrainedModel, folder: str, meta: dict[str, Any],
     temporary folder and renamed, so a folder that exists is complete. Every process calls it (a sharded
     policy is gathered first); rank 0 of ``ranks`` writes.
     """
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # noqa: PLC0415 (safetensors.torch imports torch)
 
     whole = full_state_dict(policy)  # None: not sharded
     if ranks is not None and not ranks.main:
@@ -182,10 +182,10 @@ def load_kept_policy(sft: str, folder: str) -> PreTrainedModel:
         FileNotFoundError: ``folder`` is not a kept policy.
         ValueError: its weights do not fit the SFT model (names or shapes).
     """
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file  # noqa: PLC0415 (safetensors.torch imports torch)
 
-    from rlhf.lora import add_lora, merged_copy
-    from rlhf.models import load_causal_lm
+    from rlhf.lora import add_lora, merged_copy  # noqa: PLC0415 (imports torch and transformers)
+    from rlhf.models import load_causal_lm  # noqa: PLC0415 (imports torch and transformers)
 
     meta_path = os.path.join(folder, KEPT_META)
     if not os.path.exists(meta_path):

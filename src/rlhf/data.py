@@ -263,7 +263,7 @@ def ptx_token_ids(tokenizer: PreTrainedTokenizerBase, row: dict[str, Any], max_l
         parsed = parse_ptx_row(row)
     except RowError as err:
         raise ValueError(f"ptx row {name}: {err}") from None
-    from rlhf.chat import encode_messages, encode_text  # torch and transformers load only when tokenising
+    from rlhf.chat import encode_messages, encode_text  # noqa: PLC0415 torch and transformers load only when tokenising
 
     if "messages" in parsed:
         ids = encode_messages(tokenizer, parsed["messages"])

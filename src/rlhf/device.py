@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -124,12 +125,10 @@ def runtime_from_params(params: dict[str, Any]) -> Runtime:
             error would be a traceback); a launch with DeepSpeed or Megatron-LM
             (:data:`rlhf.distributed.UNSUPPORTED`), which the trainers do not implement, or with an FSDP setting
             they do not implement (:func:`rlhf.sharding.sharding_from_environ`).
-            :func:`tasks.launch.check_accelerate_config` refuses those configs before launching; this catches
+            :func:`tasks.kit.launch.check_accelerate_config` refuses those configs before launching; this catches
             ``accelerate launch --config_file ...`` by hand.
     """
-    import os
-
-    from accelerate import Accelerator
+    from accelerate import Accelerator  # noqa: PLC0415 (accelerate imports torch)
 
     precision = mixed_precision(params)  # the clear refusal first
     unsupported = [name for name in UNSUPPORTED if os.environ.get(f"ACCELERATE_USE_{name}", "").lower() == "true"]

@@ -43,9 +43,9 @@ class EvalConfig:
     curve_prompts: int = 16  # the first N eval prompts: the fixed set of the over-optimisation curve
     best_of_n: int = 4  # the largest N of best-of-N on the curve prompts (N = 1, 4, 16, ... up to it); 0: none
     bootstrap_resamples: int = 2000
-    judge_max_length: int = 256  # tokens of prompt + response the judge reads (its training max_length)
-    judge_min_length_accuracy: float = 0.35  # below it on either length kind of pair the judge ranks by length
-    ptx_max_length: int = 128  # tokens of a held-out ptx row (the alignment tax's perplexity)
+    judge_max_length: int = 256  # tokens of prompt + response the judge reads (the stage passes its max_length)
+    judge_min_length_accuracy: float = 0.35  # below it on either length kind of pair: ranks by length
+    ptx_max_length: int = 128  # tokens of a held-out ptx row (the alignment tax's perplexity), as PPO-ptx reads it
     seed: int = 1234
 
     def __post_init__(self) -> None:

@@ -17,7 +17,7 @@ def clip_gradients(model: torch.nn.Module, max_norm: float | None) -> torch.Tens
     ``max_norm=None`` measures the norm without clipping. No host round trip: the
     norm stays on the model's device until the step's figures are gathered.
     """
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # noqa: PLC0415 (torch: seconds to import)
 
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf"))
@@ -130,7 +130,7 @@ def non_finite_weights(model: torch.nn.Module) -> list[str]:
     For a sharded model (:mod:`rlhf.sharding`) each process checks its shards and the answers are combined
     (collective: every process calls it).
     """
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # noqa: PLC0415 (torch: seconds to import)
 
     tensors = [(name, t) for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_floating_point()]
     if not tensors:
@@ -153,4 +153,35 @@ def check_finite_weights(model: torch.nn.Module, stage: str, where: str) -> None
     if bad:
         raise NonFiniteError(
             f"{stage}: non-finite weights {where} ({len(bad)} tensors, first {bad[0]}); training stopped"
+        )
+
+
+def check_finite_rollout(experience, stats: dict[str, float], iteration: int, ranks) -> None:
+    """Stop at a rollout whose scores, or logprobs, values, advantages or returns on response tokens, are not finite
+    (counted over every rank's rollouts, so all ranks stop together).
+
+    Args:
+        experience: a :class:`rlhf.rollout.Experience` (``raw_scores`` ``(B,)``; ``logprobs``, ``values``,
+            ``advantages``, ``returns`` ``(B, T)`` float, read where ``mask`` ``(B, T)`` bool is set).
+        stats: the rollout's figures (the error carries them); iteration: 1-based, for the message.
+        ranks: a :class:`rlhf.distributed.Ranks` (the counts are summed over processes).
+
+    Raises:
+        NonFiniteError: names the iteration and the tensors (its metrics: the rollout's stats).
+    """
+    mask = experience.mask
+    tensors = {
+        "raw_scores": experience.raw_scores,
+        **{name: getattr(experience, name)[mask] for name in ("logprobs", "values", "advantages", "returns")},
+    }
+    counts = ranks.sum(
+        torch.stack(
+            [torch.stack([(~torch.isfinite(t)).sum(), t.new_tensor(t.numel()).long()]) for t in tensors.values()]
+        )
+    )
+    found = zip(tensors, counts.tolist(), strict=True)
+    bad = [f"{name} ({count} of {total} non-finite)" for name, (count, total) in found if count]
+    if bad:
+        raise NonFiniteError(
+            f"ppo: non-finite rollout at iteration {iteration}: {', '.join(bad)}; training stopped", stats
         )

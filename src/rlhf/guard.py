@@ -12,13 +12,13 @@ cannot show as a ratio under a length cap).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from transformers import PreTrainedModel
 
 from rlhf.checkpoint import Checkpointer
 from rlhf.ppo_config import PPOConfig
+from rlhf.ppo_state import PPOState
 from rlhf.rollout_stats import skewness
 
 
@@ -74,7 +74,7 @@ def detect_collapse(stats: dict[str, float], baseline: dict[str, float], config:
 def act_on_collapse(
     line: str,
     config: PPOConfig,
-    state: dict[str, Any],
+    state: PPOState,
     policy: PreTrainedModel,
     policy_optimizer: torch.optim.Optimizer,
     best_dir: str,
@@ -82,22 +82,22 @@ def act_on_collapse(
 ) -> float:
     """Act on a collapse found in a rollout, before any update trains on it; returns 1.0 when rolled back.
 
-    Writes ``state["rollbacks"]``, ``state["window"]`` and ``state["stopped_by"]``; reads ``state["best"]``.
+    Writes ``state.rollbacks``, ``state.window`` and ``state.stopped_by``; reads ``state.best``.
 
     ``rollback`` loads the best policy so far (the SFT policy before any
     validation) and drops the policy optimiser's moments; after ``max_rollbacks``
     rollbacks, and with ``stop``, the run stops.
     """
     say(line)
-    if config.on_collapse == "rollback" and state["rollbacks"] < config.max_rollbacks:
+    if config.on_collapse == "rollback" and state.rollbacks < config.max_rollbacks:
         best = Checkpointer(best_dir)
         best.load_model_weights(best.latest(), "policy", policy)
         policy_optimizer.state.clear()  # the optimiser moments of the collapsed trajectory go too
-        state["window"] = []  # and its rollouts leave the window, or they would trigger the guard again
-        state["rollbacks"] += 1
-        count = f"{state['rollbacks']}/{config.max_rollbacks}"
-        say(f"rolled the policy back to iteration {state['best']['iteration']} ({count})")
+        state.window = []  # and its rollouts leave the window, or they would trigger the guard again
+        state.rollbacks += 1
+        count = f"{state.rollbacks}/{config.max_rollbacks}"
+        say(f"rolled the policy back to iteration {state.best.iteration} ({count})")
         return 1.0
     if config.on_collapse != "warn":
-        state["stopped_by"] = line
+        state.stopped_by = line
     return 0.0

@@ -38,7 +38,7 @@ def add_lora(model: PreTrainedModel, rank: int, alpha: float) -> torch.nn.Module
     Raises:
         ValueError: ``rank`` < 1 or ``alpha`` <= 0, or the model has none of the target layers.
     """
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig, get_peft_model  # noqa: PLC0415 (peft: only LoRA needs it)
 
     if rank < 1 or alpha <= 0:
         raise ValueError(f"LoRA needs rank >= 1 and alpha > 0, got rank {rank}, alpha {alpha}")
@@ -86,8 +86,8 @@ def load_adapter_weights(policy: torch.nn.Module, folder: str) -> None:
         FileNotFoundError: ``folder`` holds no ``adapter_model.safetensors``.
         ValueError: the saved adapters do not match the policy's (another rank or targets).
     """
-    from peft.utils import set_peft_model_state_dict
-    from safetensors.torch import load_file
+    from peft.utils import set_peft_model_state_dict  # noqa: PLC0415 (peft: only LoRA needs it)
+    from safetensors.torch import load_file  # noqa: PLC0415 (safetensors.torch imports torch)
 
     path = os.path.join(folder, ADAPTER_FILE)
     if not os.path.exists(path):

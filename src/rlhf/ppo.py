@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -21,10 +21,10 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from rlhf import losses
 from rlhf.checkpoint import Checkpointer, save_kept_policy
 from rlhf.device import Runtime
-from rlhf.distributed import Ranks
-from rlhf.finite import NonFiniteError, ScalerStep, check_finite_weights
+from rlhf.finite import NonFiniteError, ScalerStep, check_finite_rollout, check_finite_weights
 from rlhf.guard import act_on_collapse, detect_collapse, window_signals
 from rlhf.ppo_config import PPOConfig, check_processes
+from rlhf.ppo_state import Best, PPOState
 from rlhf.rollout import GenerationSettings, RunningMoments, make_experience, validation_stats
 from rlhf.sampling import prompt_seed
 from rlhf.sharding import load_optimizer_state, optimizer_state, shard
@@ -59,8 +59,28 @@ class PPOModels:
         return self.policy, self.reference, self.reward_model, self.value_model
 
 
-def _save(checkpointer: Checkpointer, step: int, models: PPOModels, opt: Optimisers, moments: RunningMoments, state):
+@dataclass
+class _Loop:
+    """What every iteration of one :func:`train_ppo` call reads: models, data, settings, optimisers, where the best
+    policy lives and where progress lines go."""
+
+    models: PPOModels
+    tokenizer: PreTrainedTokenizerBase
+    prompts: list[list[int]]
+    validation: list[list[int]]  # empty when validation is off
+    ptx_texts: list[list[int]]
+    config: PPOConfig
+    settings: GenerationSettings
+    runtime: Runtime
+    opt: Optimisers
+    moments: RunningMoments
+    best_dir: str
+    say: Callable[[str], None]
+
+
+def _save(checkpointer: Checkpointer, step: int, loop: _Loop, state: PPOState) -> None:
     """Checkpoint everything a resumed run needs to continue exactly."""
+    models, opt, moments = loop.models, loop.opt, loop.moments
     checkpointer.save(
         step,
         {"policy": models.policy, "value": models.value_model},
@@ -72,13 +92,14 @@ def _save(checkpointer: Checkpointer, step: int, models: PPOModels, opt: Optimis
             "moments": moments.state_dict(),
             "rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],  # sampling on a GPU
-            "trainer": state,
+            "trainer": state.to_checkpoint(),
         },
     )
 
 
-def _restore(checkpointer: Checkpointer, path: str, models: PPOModels, opt: Optimisers, moments: RunningMoments):
+def _restore(checkpointer: Checkpointer, path: str, loop: _Loop) -> PPOState:
     """Load what :func:`_save` wrote; returns the trainer state."""
+    models, opt, moments = loop.models, loop.opt, loop.moments
     saved = checkpointer.load_state(path)
     checkpointer.load_model_weights(path, "policy", models.policy)
     checkpointer.load_model_weights(path, "value", models.value_model)
@@ -90,9 +111,10 @@ def _restore(checkpointer: Checkpointer, path: str, models: PPOModels, opt: Opti
     torch.set_rng_state(saved["rng"])
     if saved.get("cuda_rng"):
         torch.cuda.set_rng_state_all(saved["cuda_rng"])
-    state = saved["trainer"]
-    if state["value_affine"] is not None:
-        models.value_model.config.value_shift, models.value_model.config.value_scale = state["value_affine"]
+    state = PPOState.from_checkpoint(saved["trainer"])
+    if state.value_affine is not None:
+        models.value_model.config.value_shift, models.value_model.config.value_scale = state.value_affine
+    opt.policy_guard.skipped, opt.value_guard.skipped = state.skipped_steps
     return state
 
 
@@ -151,7 +173,7 @@ def train_ppo(
     Raises:
         ValueError: no prompts. NonFiniteError: see above.
     """
-    from tqdm.auto import tqdm
+    from tqdm.auto import tqdm  # noqa: PLC0415 (tqdm: only a training loop needs it)
 
     if not prompts:
         raise ValueError("no PPO prompts")
@@ -164,91 +186,74 @@ def train_ppo(
     for model in (models.policy, models.value_model):
         freeze_lower_layers(model, config.trainable_layers)
         shard(model, runtime.sharding)  # FSDP: before the optimisers (rlhf.sharding)
-    opt = make_optimisers(models.policy, models.value_model, config, scaler_step)
-    moments = RunningMoments()
-    best_dir, kept_dir = os.path.join(checkpointer.root, "best"), os.path.join(checkpointer.root, "kept")
     validate = bool(config.validate_every and validation)
-    state: dict[str, Any] = {
-        "iteration": 0,
-        "policy_iterations": 0,
-        "pretraining": config.value_pretrain_iterations > 0,
-        "value_affine": None,
-        "kl_coef": config.kl_coef,
-        "baseline": {},
-        "window": [],
-        "best": {"iteration": 0, "reward": -math.inf, "stats": {}},
-        "reward_samples": {},
-        "stopped_by": None,
-        "history": {},
-        "rollbacks": 0,
-        "skipped_steps": [0, 0],  # policy, value: optimiser steps a loss scaler skipped
-    }
+    shown = progress and runtime.ranks.main  # one bar and one set of lines, however many processes
+    bar = tqdm(desc="ppo", total=config.iterations, disable=not shown)
+    loop = _Loop(
+        models,
+        tokenizer,
+        prompts,
+        validation if validate else [],
+        ptx_texts,
+        config,
+        settings,
+        runtime,
+        make_optimisers(models.policy, models.value_model, config, scaler_step),
+        RunningMoments(),
+        os.path.join(checkpointer.root, "best"),
+        bar.write if runtime.ranks.main else (lambda line: None),
+    )
+    kept_dir = os.path.join(checkpointer.root, "kept")
     torch.manual_seed(config.seed)
     resume = checkpointer.latest()
     if resume:
-        state = _restore(checkpointer, resume, models, opt, moments)
-        opt.policy_guard.skipped, opt.value_guard.skipped = state.setdefault("skipped_steps", [0, 0])
+        state = _restore(checkpointer, resume, loop)
     else:
-        _keep_best(models, tokenizer, validation if validate else [], settings, runtime, state, best_dir, 0)
-        log(state["best"]["stats"], 0)
-    shown = progress and runtime.ranks.main  # one bar and one set of lines, however many processes
-    bar = tqdm(desc="ppo", total=config.iterations, initial=state["policy_iterations"], disable=not shown)
-    while state["policy_iterations"] < config.iterations and not state["stopped_by"]:
+        state = PPOState(kl_coef=config.kl_coef, pretraining=config.value_pretrain_iterations > 0)
+        _keep_best(loop, state, 0)
+        log(state.best.stats, 0)
+    bar.update(state.policy_iterations)
+    while state.policy_iterations < config.iterations and not state.stopped_by:
         try:
-            stats = _iteration(
-                models,
-                tokenizer,
-                prompts,
-                ptx_texts,
-                config,
-                settings,
-                runtime,
-                opt,
-                moments,
-                state,
-                best_dir,
-                bar.write if runtime.ranks.main else (lambda line: None),
-            )
+            stats = _iteration(loop, state)
         except NonFiniteError as err:
-            log(err.metrics, state["iteration"] + 1)
+            log(err.metrics, state.iteration + 1)
             raise
-        step = state["iteration"]
+        step = state.iteration
+        done = state.policy_iterations
         if (
             validate
             and stats.get("ppo/updated_policy")
-            and (
-                state["policy_iterations"] % config.validate_every == 0
-                or state["policy_iterations"] == config.iterations
-            )
+            and (done % config.validate_every == 0 or done == config.iterations)
         ):
-            stats.update(_keep_best(models, tokenizer, validation, settings, runtime, state, best_dir, step))
-        if stats.get("ppo/updated_policy") and _kept_now(state["policy_iterations"], config):
+            stats.update(_keep_best(loop, state, step))
+        if stats.get("ppo/updated_policy") and _kept_now(done, config):
             # named by the rollout step, as the curves, the checkpoints and ppo/shipped_iteration count
-            meta = {"iteration": step, "policy_iteration": state["policy_iterations"]}
+            meta = {"iteration": step, "policy_iteration": done}
             meta |= {"lora_rank": config.lora_rank, "lora_alpha": config.lora_alpha}
             save_kept_policy(models.policy, os.path.join(kept_dir, f"iteration-{step:04d}"), meta, runtime.ranks)
         log(stats, step)
-        state["history"][step] = stats
+        state.history[step] = stats
         bar.update(int(stats.get("ppo/updated_policy", 0.0)))
         bar.set_postfix(reward=f"{stats['ppo/reward/mean']:.3f}", kl=f"{stats['ppo/kl']:.3f}")
-        finished = state["policy_iterations"] >= config.iterations
-        checkpoint_now = config.checkpoint_every and (step % config.checkpoint_every == 0 or state["stopped_by"])
+        finished = state.policy_iterations >= config.iterations
+        checkpoint_now = config.checkpoint_every and (step % config.checkpoint_every == 0 or state.stopped_by)
         if checkpoint_now and not finished:  # every rank: a sharded model is gathered, rank 0 writes
-            _save(checkpointer, step, models, opt, moments, state)
+            _save(checkpointer, step, loop, state)
     bar.close()
-    if validate or state["stopped_by"]:
-        best = Checkpointer(best_dir)
+    if validate or state.stopped_by:
+        best = Checkpointer(loop.best_dir)
         best.load_model_weights(best.latest(), "policy", models.policy)
-        shipped = state["best"]
+        shipped = state.best
     else:
-        shipped = {"iteration": state["iteration"], "stats": {}}
-    check_finite_weights(models.policy, "ppo", f"in the policy to ship (iteration {shipped['iteration']})")
+        shipped = Best(iteration=state.iteration)
+    check_finite_weights(models.policy, "ppo", f"in the policy to ship (iteration {shipped.iteration})")
     return PPOResult(
         summary=_summary(state, shipped),
-        history=state["history"],
-        reward_samples=state["reward_samples"],
-        stopped_by=state["stopped_by"],
-        best_iteration=shipped["iteration"],
+        history=state.history,
+        reward_samples=state.reward_samples,
+        stopped_by=state.stopped_by,
+        best_iteration=shipped.iteration,
         kept=kept_dir if os.path.isdir(kept_dir) else None,
     )
 
@@ -260,148 +265,127 @@ def _kept_now(policy_iterations: int, config: PPOConfig) -> bool:
     return policy_iterations % config.keep_every == 0 or policy_iterations == config.iterations
 
 
-def _iteration(models, tokenizer, prompts, ptx_texts, config, settings, runtime, opt, moments, state, best_dir, say):
+def _iteration(loop: _Loop, state: PPOState) -> dict[str, float]:
     """One rollout and, unless the guard holds it back, one update; returns the iteration's stats."""
-    iteration = state["iteration"]
+    models, config, opt, iteration = loop.models, loop.config, loop.opt, state.iteration
     # a continuing stream over seeded epochs, so every rollout has rollout_batch_size prompts
     # (an epoch's short last batch would shrink the buffer, its statistics and its optimiser steps)
-    size, ranks = config.rollout_batch_size, runtime.ranks
+    size, ranks, prompts = config.rollout_batch_size, loop.runtime.ranks, loop.prompts
     batch = [prompts[minibatch_indices(iteration * size + j, len(prompts), 1, config.seed)[0]] for j in range(size)]
     seeds = [prompt_seed(config.seed, iteration, j) for j in range(size)]  # a prompt's tokens: not its rank's
-    calibrate = config.value_init == "reward" and state["value_affine"] is None
+    calibrate = config.value_init == "reward" and state.value_affine is None
     experience, stats = make_experience(
         models.as_tuple(),
-        tokenizer,
+        loop.tokenizer,
         ranks.shard(batch),
         config,
-        settings,
-        moments,
-        state["kl_coef"],
-        runtime,
+        loop.settings,
+        loop.moments,
+        state.kl_coef,
+        loop.runtime,
         calibrate_value=calibrate,
         seeds=ranks.shard(seeds),
     )
-    _check_rollout(experience, stats, iteration + 1, ranks)
+    check_finite_rollout(experience, stats, iteration + 1, ranks)
     if calibrate:
-        state["value_affine"] = [models.value_model.config.value_shift, models.value_model.config.value_scale]
-    if state["pretraining"]:
+        state.value_affine = [models.value_model.config.value_shift, models.value_model.config.value_scale]
+    if state.pretraining:
         explained = stats["ppo/value/explained_variance"]
         if explained >= config.value_pretrain_explained_variance or iteration >= config.value_pretrain_iterations:
-            state["pretraining"] = False
+            state.pretraining = False
             stats["ppo/value/pretrain_iterations"] = float(iteration)
             stats["ppo/value/pretrain_explained_variance"] = explained
-            say(f"critic pre-training done after {iteration} iterations: explained variance {explained:.3f}")
-    update_policy = not state["pretraining"]
+            loop.say(f"critic pre-training done after {iteration} iterations: explained variance {explained:.3f}")
+    update_policy = not state.pretraining
     raw_scores = ranks.gather(experience.raw_scores)  # every rank's, in the batch's order
     truncated = (~ranks.gather(experience.ended)).float().tolist()
-    state["window"] = (state["window"] + [{"scores": raw_scores.tolist(), "truncated": truncated}])[
-        -config.collapse_window :
-    ]
-    stats.update(window_signals(state["window"]))
-    if not state["baseline"]:
-        state["baseline"] = {k: stats[k] for k in ("ppo/response_length", "ppo/perplexity")}
-    reason = detect_collapse(stats, state["baseline"], config) if update_policy else None
+    state.window = (state.window + [{"scores": raw_scores.tolist(), "truncated": truncated}])[-config.collapse_window :]
+    stats.update(window_signals(state.window))
+    if not state.baseline:
+        state.baseline = {k: stats[k] for k in ("ppo/response_length", "ppo/perplexity")}
+    reason = detect_collapse(stats, state.baseline, config) if update_policy else None
     stats["ppo/collapse"] = float(reason is not None)
     held_back = reason is not None and config.on_collapse != "warn"
     if reason is not None:
         line = f"pattern collapse in the rollout of iteration {iteration + 1}: {reason}"
-        stats["ppo/rollback"] = act_on_collapse(line, config, state, models.policy, opt.policy, best_dir, say)
+        stats["ppo/rollback"] = act_on_collapse(line, config, state, models.policy, opt.policy, loop.best_dir, loop.say)
     if not held_back:
         ptx = (
-            ptx_batches(tokenizer, ptx_texts, config, state["policy_iterations"], runtime.device)
+            ptx_batches(loop.tokenizer, loop.ptx_texts, config, state.policy_iterations, loop.runtime.device)
             if update_policy
             else None
         )
-        policy, value_model = models.policy, models.value_model
-        temperature = settings.temperature
         try:
             stats.update(
                 ppo_update(
-                    policy,
-                    value_model,
+                    models.policy,
+                    models.value_model,
                     opt,
                     experience,
                     config,
-                    temperature,
+                    loop.settings.temperature,
                     config.seed * 100003 + iteration,  # the minibatch order, fixed by the iteration
                     ptx,
                     update_policy,
-                    runtime,
+                    loop.runtime,
                     iteration + 1,
                 )
             )
         except NonFiniteError as err:
             err.metrics = {**stats, **err.metrics}
             raise
-        state["skipped_steps"] = [opt.policy_guard.skipped, opt.value_guard.skipped]
+        state.skipped_steps = [opt.policy_guard.skipped, opt.value_guard.skipped]
         if update_policy:
-            state["policy_iterations"] += 1
+            state.policy_iterations += 1
             if config.adaptive_kl:
-                state["kl_coef"] = losses.adaptive_kl_coef(
-                    state["kl_coef"], stats["ppo/kl"], config.kl_target, config.kl_horizon, len(batch)
+                state.kl_coef = losses.adaptive_kl_coef(
+                    state.kl_coef, stats["ppo/kl"], config.kl_target, config.kl_horizon, len(batch)
                 )
     stats["ppo/updated_policy"] = float(update_policy and not held_back)
     stats["ppo/policy/lr"] = opt.policy_schedule.get_last_lr()[0]
     stats["ppo/value/lr"] = opt.value_schedule.get_last_lr()[0]
     step = iteration + 1
     if config.histogram_every and (step % config.histogram_every == 0 or step == 1):
-        state["reward_samples"][step] = raw_scores.tolist()
-    state["iteration"] = step
+        state.reward_samples[step] = raw_scores.tolist()
+    state.iteration = step
     return stats
 
 
-def _check_rollout(experience, stats: dict[str, float], iteration: int, ranks: Ranks) -> None:
-    """Stop at a rollout whose scores, or logprobs, values, advantages or returns on response tokens, are not finite
-    (counted over every rank's rollouts, so all ranks stop together).
-
-    Raises:
-        NonFiniteError: names the iteration and the tensors (its metrics: the rollout's stats).
-    """
-    mask = experience.mask
-    tensors = {
-        "raw_scores": experience.raw_scores,
-        **{name: getattr(experience, name)[mask] for name in ("logprobs", "values", "advantages", "returns")},
-    }
-    counts = ranks.sum(
-        torch.stack(
-            [torch.stack([(~torch.isfinite(t)).sum(), t.new_tensor(t.numel()).long()]) for t in tensors.values()]
-        )
-    )
-    found = zip(tensors, counts.tolist(), strict=True)
-    bad = [f"{name} ({count} of {total} non-finite)" for name, (count, total) in found if count]
-    if bad:
-        raise NonFiniteError(
-            f"ppo: non-finite rollout at iteration {iteration}: {', '.join(bad)}; training stopped", stats
-        )
-
-
-def _keep_best(models, tokenizer, validation, settings, runtime, state, best_dir, step) -> dict[str, float]:
-    """Validate the policy; keep it in ``best_dir`` when it beats the best so far (always at step 0)."""
+def _keep_best(loop: _Loop, state: PPOState, step: int) -> dict[str, float]:
+    """Validate the policy; keep it in ``loop.best_dir`` when it beats the best so far (always at step 0)."""
+    models, runtime = loop.models, loop.runtime
     stats = {}
-    if validation:
+    if loop.validation:
         stats = validation_stats(
-            models.policy, models.reference, models.reward_model, tokenizer, validation, settings, runtime
+            models.policy,
+            models.reference,
+            models.reward_model,
+            loop.tokenizer,
+            loop.validation,
+            loop.settings,
+            runtime,
         )
     reward = stats.get("ppo/validation/reward", -math.inf)
-    if step == 0 or reward > state["best"]["reward"]:
-        state["best"] = {"iteration": step, "reward": reward, "stats": stats}
-        Checkpointer(best_dir, keep=1, ranks=runtime.ranks).save(step, {"policy": models.policy}, {"iteration": step})
+    if step == 0 or reward > state.best.reward:
+        state.best = Best(step, reward, stats)
+        checkpointer = Checkpointer(loop.best_dir, keep=1, ranks=runtime.ranks)
+        checkpointer.save(step, {"policy": models.policy}, {"iteration": step})
         runtime.ranks.barrier()  # a rollback on any rank may read it next
     return stats
 
 
-def _summary(state: dict[str, Any], shipped: dict[str, Any]) -> dict[str, float]:
+def _summary(state: PPOState, shipped: Best) -> dict[str, float]:
     """The shipped policy's figures, the last rollout's apart (``ppo/last/*``), and the run's counters."""
-    last = state["history"].get(state["iteration"], {})
-    pretrain = [s for s in state["history"].values() if "ppo/value/pretrain_iterations" in s]
+    last = state.history.get(state.iteration, {})
+    pretrain = [s for s in state.history.values() if "ppo/value/pretrain_iterations" in s]
     return {
-        **{k: v for k, v in shipped["stats"].items() if isinstance(v, float)},
+        **{k: v for k, v in shipped.stats.items() if isinstance(v, float)},
         **{k.replace("ppo/", "ppo/last/", 1): v for k, v in last.items() if isinstance(v, float)},
         **{k: v for s in pretrain for k, v in s.items() if k.startswith("ppo/value/pretrain_")},
-        "ppo/iterations": float(state["iteration"]),
-        "ppo/policy_iterations": float(state["policy_iterations"]),
-        "ppo/shipped_iteration": float(shipped["iteration"]),
-        "ppo/rollbacks": float(state["rollbacks"]),
-        "ppo/policy/skipped_steps": float(state["skipped_steps"][0]),
-        "ppo/value/skipped_steps": float(state["skipped_steps"][1]),
+        "ppo/iterations": float(state.iteration),
+        "ppo/policy_iterations": float(state.policy_iterations),
+        "ppo/shipped_iteration": float(shipped.iteration),
+        "ppo/rollbacks": float(state.rollbacks),
+        "ppo/policy/skipped_steps": float(state.skipped_steps[0]),
+        "ppo/value/skipped_steps": float(state.skipped_steps[1]),
     }

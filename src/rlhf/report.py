@@ -1,10 +1,11 @@
 """The report of one pipeline run: one self-contained HTML page built from the files the stages wrote.
 
 Pure: :func:`render_report` takes the inputs already loaded (:data:`INPUTS` names them; ``tasks/report.py``
-reads them and draws the figures) and the figures as PNG bytes, and returns the page: inline CSS, figures as
-``data:image/png;base64`` images, no script and no external address, so it opens offline from a file or as an
-MLflow artifact. Text from the files (model responses above all) is escaped by Jinja2's autoescape: it never
-becomes markup. A missing input makes its part of the page say so; a missing or non-finite value shows as n/a.
+maps each name to its file, reads them and draws the figures) and the figures as PNG bytes, and returns the
+page: inline CSS, figures as ``data:image/png;base64`` images, no script and no external address, so it opens
+offline from a file or as an MLflow artifact. Text from the files (model responses above all) is escaped by
+Jinja2's autoescape: it never becomes markup. A missing input makes its part of the page say so; a missing or
+non-finite value shows as n/a.
 """
 
 from __future__ import annotations
@@ -18,14 +19,23 @@ import jinja2
 
 from rlhf.stats import chance_warning
 
-INPUTS = {  # name -> path relative to the project root
-    "prepare": "metrics/prepare.json", "validate": "metrics/validate.json", "validation": "reports/validation.json",
-    "sft": "metrics/sft.json", "reward": "metrics/reward.json", "margins": "reports/reward_margins.png",
-    "reward_gate": "reports/reward_gate.json", "judge": "metrics/judge.json",
-    "judge_margins": "reports/judge_margins.png", "ppo": "metrics/ppo.json",
-    "curves": "metrics/ppo_curves.json", "overoptimisation": "metrics/overoptimisation.json",
-    "eval": "metrics/eval.json", "samples": "reports/eval/samples.json", "policy_gate": "reports/policy_gate.json",
-}  # fmt: skip
+INPUTS = (  # the stages' files the page is built from, by name (the caller maps each name to its file)
+    "prepare",
+    "validate",
+    "validation",
+    "sft",
+    "reward",
+    "margins",
+    "reward_gate",
+    "judge",
+    "judge_margins",
+    "ppo",
+    "curves",
+    "overoptimisation",
+    "eval",
+    "samples",
+    "policy_gate",
+)
 LISTS = ("curves", "overoptimisation")  # JSON lists of row objects
 IMAGES = ("margins", "judge_margins")  # PNG bytes; the other inputs are JSON objects
 PPO_FIGURES = (  # figure name, title, ((key in metrics/ppo_curves.json, legend label), ...)
@@ -121,15 +131,15 @@ def data_uri(png: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
 
 
-def check_inputs(loaded: dict[str, Any]) -> None:
-    """Check that each loaded input has the shape its file should hold (None: the file is missing).
+def check_inputs(loaded: dict[str, Any], paths: dict[str, str]) -> None:
+    """Check that each loaded input has the shape its file (``paths[name]``) should hold (None: the file is missing).
 
     Raises:
         ValueError: one line naming the file and what it should hold, e.g. ``metrics/ppo_curves.json: expected
             a list of objects, found dict``.
     """
     for name, value in loaded.items():
-        path = INPUTS[name]
+        path = paths[name]
         if value is None:
             continue
         if name in IMAGES:
@@ -158,12 +168,12 @@ def headline(loaded: dict[str, Any]) -> dict[str, float]:
     return {key: math.nan if number(value) is None else float(value) for key, value in found.items()}
 
 
-def _missing(loaded: dict[str, Any], *names: str) -> list[str]:
-    return [f"not produced by this run ({INPUTS[n]} missing)" for n in names if loaded.get(n) is None]
+def _missing(loaded: dict[str, Any], paths: dict[str, str], *names: str) -> list[str]:
+    return [f"not produced by this run ({paths[n]} missing)" for n in names if loaded.get(n) is None]
 
 
-def _section(sid: str, title: str, loaded: dict[str, Any], *names: str) -> dict[str, Any]:
-    missing = _missing(loaded, *names)
+def _section(sid: str, title: str, loaded: dict[str, Any], paths: dict[str, str], *names: str) -> dict[str, Any]:
+    missing = _missing(loaded, paths, *names)
     return dict(id=sid, title=title, missing=missing, warnings=[], notes=[], tables=[], figures=[], samples=[])
 
 
@@ -199,9 +209,9 @@ def _gate(section: dict[str, Any], report: dict[str, Any] | None, what: str) -> 
     section["tables"].append(_table(f"{what} checks", headers, rows, classes))
 
 
-def data_section(loaded: dict[str, Any]) -> dict[str, Any]:
+def data_section(loaded: dict[str, Any], paths: dict[str, str]) -> dict[str, Any]:
     """Rows per split (prepare, then validate) and the count of rows each validation rule quarantined."""
-    section = _section("data", "Data and validation", loaded, "prepare", "validation", "validate")
+    section = _section("data", "Data and validation", loaded, paths, "prepare", "validation", "validate")
     prepare, validation, v = (loaded.get(n) or {} for n in ("prepare", "validation", "validate"))
     if loaded.get("prepare") is not None:
         section["notes"].append(f"prepare: {fmt_count(prepare.get('rows_in'))} rows read, "
@@ -235,17 +245,17 @@ def data_section(loaded: dict[str, Any]) -> dict[str, Any]:
     return section
 
 
-def sft_section(loaded: dict[str, Any]) -> dict[str, Any]:
+def sft_section(loaded: dict[str, Any], paths: dict[str, str]) -> dict[str, Any]:
     """The SFT run's size and loss."""
-    section = _section("sft", "Supervised fine-tuning", loaded, "sft")
+    section = _section("sft", "Supervised fine-tuning", loaded, paths, "sft")
     if loaded.get("sft") is not None:
         section["tables"].append(_values("SFT", loaded["sft"], SFT_ROWS))
     return section
 
 
-def reward_section(loaded: dict[str, Any]) -> dict[str, Any]:
+def reward_section(loaded: dict[str, Any], paths: dict[str, str]) -> dict[str, Any]:
     """Reward-model metrics with the Wilson interval, ECE and length bias, the gate and the margin histogram."""
-    section = _section("reward-model", "Reward model (proxy)", loaded, "reward", "reward_gate", "margins")
+    section = _section("reward-model", "Reward model (proxy)", loaded, paths, "reward", "reward_gate", "margins")
     rm = loaded.get("reward")
     if rm is not None:
         warning = chance_warning(
@@ -271,9 +281,9 @@ def judge_warning(m: dict[str, Any], prefix: str = "judge/") -> str:
     return f"{JUDGE_AT_CHANCE.replace('the judge is at chance', head)} ({detail})"
 
 
-def judge_section(loaded: dict[str, Any]) -> dict[str, Any]:
+def judge_section(loaded: dict[str, Any], paths: dict[str, str]) -> dict[str, Any]:
     """The independent judge's own held-out accuracy, with the warning when it is no better than chance."""
-    section = _section("judge", "Judge (independent reward model)", loaded, "judge", "judge_margins")
+    section = _section("judge", "Judge (independent reward model)", loaded, paths, "judge", "judge_margins")
     judge = loaded.get("judge")
     if judge is not None:
         section["warnings"] += [judge_warning(judge)] if judge_warning(judge) else []
@@ -287,9 +297,9 @@ def _figure(title: str, png: bytes | None) -> dict[str, str] | None:
     return None if png is None else {"title": title, "uri": data_uri(png)}
 
 
-def ppo_section(loaded: dict[str, Any], figures: dict[str, bytes | None]) -> dict[str, Any]:
+def ppo_section(loaded: dict[str, Any], paths: dict[str, str], figures: dict[str, bytes | None]) -> dict[str, Any]:
     """PPO's run summary, its curves and the over-optimisation figure (proxy and judge against sqrt(KL))."""
-    section = _section("ppo", "PPO", loaded, "ppo", "curves", "overoptimisation")
+    section = _section("ppo", "PPO", loaded, paths, "ppo", "curves", "overoptimisation")
     if loaded.get("ppo") is not None:
         section["tables"].append(_values("PPO run", loaded["ppo"], PPO_ROWS))
         section["notes"].append(f"stopped by: {loaded['ppo'].get('stopped_by') or '-'}")
@@ -303,10 +313,10 @@ def ppo_section(loaded: dict[str, Any], figures: dict[str, bytes | None]) -> dic
     return section
 
 
-def eval_section(loaded: dict[str, Any]) -> dict[str, Any]:
+def eval_section(loaded: dict[str, Any], paths: dict[str, str]) -> dict[str, Any]:
     """Win rates, paired score differences and length-controlled win rates with their intervals (judge rows
     marked when its verdicts mean nothing) and the policy gate."""
-    section = _section("evaluation", "Evaluation: policy against SFT", loaded, "eval", "policy_gate")
+    section = _section("evaluation", "Evaluation: policy against SFT", loaded, paths, "eval", "policy_gate")
     ev = loaded.get("eval")
     if ev is not None:
         meaningless = number(ev.get("eval/judge/meaningful")) == 0.0
@@ -362,9 +372,9 @@ def _best_of_n(section: dict[str, Any], ev: dict[str, Any]) -> None:
     )
 
 
-def samples_section(loaded: dict[str, Any], limit: int) -> dict[str, Any]:
+def samples_section(loaded: dict[str, Any], paths: dict[str, str], limit: int) -> dict[str, Any]:
     """The first ``limit`` rows of reports/eval/samples.json: prompt, SFT and policy responses with their scores."""
-    section = _section("samples", "Samples", loaded, "samples")
+    section = _section("samples", "Samples", loaded, paths, "samples")
     found = loaded.get("samples")
     if found is not None:
         rows = found["samples"]
@@ -387,6 +397,7 @@ _TEMPLATE = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined
 def render_report(
     loaded: dict[str, Any],
     figures: dict[str, bytes | None],
+    paths: dict[str, str],
     *,
     pipeline_run: str,
     git_commit: str,
@@ -401,6 +412,7 @@ def render_report(
             (or absent) when the file is missing.
         figures: :data:`PPO_FIGURES` names and :data:`OVEROPTIMISATION` -> PNG bytes, None when the file
             holds no value to draw.
+        paths: input name -> its file, as the page names a missing or malformed one.
         pipeline_run, git_commit, profile, created: the header (``created``: the time, as text).
         samples: how many rows of reports/eval/samples.json to show.
 
@@ -408,7 +420,7 @@ def render_report(
         ValueError: an input of the wrong shape (:func:`check_inputs`) or a figure that is not a PNG.
     """
     loaded = {name: loaded.get(name) for name in INPUTS}
-    check_inputs(loaded)
+    check_inputs(loaded, paths)
     ev, meaningful = loaded.get("eval") or {}, number((loaded.get("eval") or {}).get("eval/judge/meaningful"))
     judge_note = " (not meaningful: see the evaluation)" if meaningful == 0.0 else ""
     headline_rows = [
@@ -424,8 +436,15 @@ def render_report(
     ]
     header_rows = [("pipeline run", pipeline_run), ("git commit", git_commit), ("profile", profile),
                    ("created", created)]  # fmt: skip
-    sections = [data_section(loaded), sft_section(loaded), reward_section(loaded), judge_section(loaded),
-                ppo_section(loaded, figures), eval_section(loaded), samples_section(loaded, samples)]  # fmt: skip
+    sections = [
+        data_section(loaded, paths),
+        sft_section(loaded, paths),
+        reward_section(loaded, paths),
+        judge_section(loaded, paths),
+        ppo_section(loaded, paths, figures),
+        eval_section(loaded, paths),
+        samples_section(loaded, paths, samples),
+    ]
     return _TEMPLATE.render(
         pipeline_run=pipeline_run, header_rows=header_rows, headline_rows=headline_rows, sections=sections
     )

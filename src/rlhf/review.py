@@ -1,4 +1,4 @@
-"""The arithmetic of a blind A/B human review (``rlhf-review``, :mod:`tasks.review`): sides, cells, the tally.
+"""The arithmetic of a blind A/B human review (``rlhf-review``, :mod:`tasks.cli.review`): sides, cells, the tally.
 
 A rater compares the SFT model's and the policy's response to one prompt, shown as A and B in a random order;
 the human win rate is the product's rate (:mod:`rlhf.stats`: wins / decisive, ties apart, Wilson 95%; one
@@ -24,7 +24,7 @@ def assign_sides(n: int, seed: int) -> list[str]:
     Each row is an independent fair coin of ``numpy.random.default_rng(seed)``: the same seed gives the same
     order; the SFT response takes the other letter.
     """
-    import numpy as np
+    import numpy as np  # noqa: PLC0415 (numpy: only this path needs it)
 
     return ["A" if heads else "B" for heads in np.random.default_rng(seed).random(n) < 0.5]
 

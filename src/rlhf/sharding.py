@@ -86,7 +86,7 @@ def shard(model: torch.nn.Module, sharding: Sharding | None) -> torch.nn.Module:
     """
     if sharding is None:
         return model
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp import FSDPModule, fully_shard  # noqa: PLC0415 (torch: seconds to import)
 
     if hasattr(model, "peft_config"):
         raise ValueError("a LoRA model cannot be sharded (not implemented): train it data parallel")
@@ -107,20 +107,20 @@ def shard(model: torch.nn.Module, sharding: Sharding | None) -> torch.nn.Module:
 def is_sharded(model: torch.nn.Module) -> bool:
     """True when ``model`` was sharded across processes (:func:`shard`), whether its units hold their shards
     or, gathered, their whole weights at the moment."""
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415 (torch: seconds to import)
 
     return any(isinstance(module, FSDPModule) for module in model.modules())
 
 
 def model_class(model: torch.nn.Module) -> type:
     """``model``'s own class (e.g. ``LlamaForCausalLM``), not the subclass ``fully_shard`` gives a sharded one."""
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415 (torch: seconds to import)
 
     return next(cls for cls in type(model).__mro__ if not issubclass(cls, FSDPModule))
 
 
 def _full_options(**kwargs: Any):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    from torch.distributed.checkpoint.state_dict import StateDictOptions  # noqa: PLC0415 (torch: seconds to import)
 
     return StateDictOptions(full_state_dict=True, **kwargs)
 
@@ -130,7 +130,7 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
     not sharded (its own ``state_dict()`` is whole). Collective: every process calls it."""
     if not is_sharded(model):
         return None
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict  # noqa: PLC0415 (torch: seconds to import)
 
     _reshard(model)
     return get_model_state_dict(model, options=_full_options(cpu_offload=True))
@@ -142,7 +142,7 @@ def load_full_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor])
     if not is_sharded(model):
         model.load_state_dict(state)
         return
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict  # noqa: PLC0415 (torch: seconds to import)
 
     _reshard(model)
     set_model_state_dict(model, state, options=_full_options())
@@ -154,7 +154,7 @@ def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ma
     CPU (``{}`` of state elsewhere). Collective for a sharded model: each state tensor is gathered in turn."""
     if not is_sharded(model):
         return optimizer.state_dict()
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # noqa: PLC0415 (torch: seconds to import)
 
     _reshard(model)
     names = {id(param): name for name, param in model.named_parameters()}
@@ -196,7 +196,7 @@ def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
 def _like(value: Any, param: torch.Tensor, on_device: bool) -> Any:
     """An optimiser state value read back for ``param``: a whole tensor becomes this process's shard of it (each
     process holds the whole, so no data moves), a 0-dim one (the step count) goes where torch keeps it."""
-    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor import distribute_tensor  # noqa: PLC0415 (torch: seconds to import)
 
     if not torch.is_tensor(value):
         return value
@@ -208,7 +208,7 @@ def _like(value: Any, param: torch.Tensor, on_device: bool) -> Any:
 def _reshard(model: torch.nn.Module) -> None:
     """Put back the sharded parameters of every unit (a unit that keeps its weights after a forward pass,
     ``reshard_after_forward: false``, holds whole ones until its next backward)."""
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415 (torch: seconds to import)
 
     for module in model.modules():
         if isinstance(module, FSDPModule):

@@ -187,8 +187,8 @@ def clustered_rate(first: Any, second: Any, resamples: int = 2000, seed: int = 0
     Raises:
         ValueError: the shapes differ or are not 2-D, or a score is NaN.
     """
-    import numpy as np
-    from scipy.stats import bootstrap
+    import numpy as np  # noqa: PLC0415 (numpy: only this path needs it)
+    from scipy.stats import bootstrap  # noqa: PLC0415 (scipy: only the bootstrap needs it)
 
     a, b = np.asarray(first, dtype=np.float64), np.asarray(second, dtype=np.float64)
     if a.shape != b.shape or a.ndim != 2:

@@ -202,7 +202,7 @@ def supervised_loop(
         NonFiniteError: (a ``FloatingPointError``) a non-finite loss, gradient norm or final weight.
         ValueError: ``config.group_by_length`` without ``lengths``.
     """
-    from tqdm.auto import tqdm
+    from tqdm.auto import tqdm  # noqa: PLC0415 (tqdm: only a training loop needs it)
 
     if config.group_by_length and lengths is None:
         raise ValueError(f"{prefix}: group_by_length needs the examples' lengths")

@@ -13,7 +13,7 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
-from tasks.runs import StageRun, held_stop_signals, process_state
+from tasks.kit.runs import StageRun, held_stop_signals, process_state
 
 
 def _leftovers(parent: str, base: str) -> Iterator[str]:
@@ -207,7 +207,7 @@ def write_metrics(
             ``{"iteration": i, signal: value, ...}`` rows in iteration order, numbers only, every row
             with every signal (null where an iteration has none: DVC's plots fail on a missing field).
     """
-    from rlhf.checkpoint import atomic_write_text, write_json
+    from rlhf.checkpoint import atomic_write_text, write_json  # noqa: PLC0415 (imports torch and transformers)
 
     def clean(value: Any) -> Any:
         return None if isinstance(value, float) and not math.isfinite(value) else value

@@ -8,10 +8,12 @@ import signal
 import sys
 from typing import Any
 
+from tasks.kit.params import stage_params
+
 
 def setup_torch(seed: int) -> None:
     """Seed torch and use every core."""
-    import torch  # here, not at the top: stages that train nothing (source, the flow's params check) stay light
+    import torch  # noqa: PLC0415 here, not at the top: stages that train nothing (source, the flow's params check) stay light
 
     torch.manual_seed(seed)
     torch.set_num_threads(max(os.cpu_count() or 1, 1))
@@ -27,8 +29,7 @@ def stage_runtime(stage: str, device: dict[str, Any] | None = None):
     Raises:
         ValueError: an unknown ``device.mixed_precision``.
     """
-    from rlhf.device import runtime_from_params
-    from tasks.params import stage_params
+    from rlhf.device import runtime_from_params  # noqa: PLC0415 (imports torch and transformers)
 
     runtime = runtime_from_params(device if device is not None else stage_params("device"))
     processes = runtime.ranks.world_size

@@ -1,5 +1,5 @@
 """``rlhf-registry``: the champions (reward model, policy) of this project's MLflow registry for people: status,
-promote, rollback and restore (the library they use is :mod:`tasks.registry`)."""
+promote, rollback and restore (the library they use is :mod:`tasks.kit.registry`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import os
 import typer
 import yaml
 
-from tasks.registry import (
+from tasks.kit.common import one_line
+from tasks.kit.registry import (
     CHAMPION,
     DECISION_TAG,
     RegistryError,
@@ -38,8 +39,8 @@ def _open(model: str, project: str | None):
     the project's. Raises RegistryError (one line) on a bad model, project, params file or store."""
     import mlflow
 
-    from tasks.params import stage_params
-    from tasks.runs import tracking_uri
+    from tasks.kit.params import stage_params
+    from tasks.kit.runs import tracking_uri
 
     if model not in MODELS:
         raise RegistryError(f"registry: unknown model {model!r}; known: {', '.join(MODELS)}")
@@ -49,7 +50,7 @@ def _open(model: str, project: str | None):
         name = stage_params("registry")[MODELS[model]]
         uri = tracking_uri()
     except (ValueError, KeyError, OSError, yaml.YAMLError) as err:
-        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        message = one_line(str(err)) or type(err).__name__
         raise RegistryError(f"registry: {folder}/params.yaml: {type(err).__name__}: {message}") from None
     if uri.startswith("sqlite:///") and not os.path.exists(uri[len("sqlite:///") :]):
         raise RegistryError(f"registry: no tracking store at {uri} yet (no stage has run in {folder})")

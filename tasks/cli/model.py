@@ -1,6 +1,6 @@
 """``rlhf-model``: use the aligned policy. ``export`` writes a Hugging Face folder with a model card, ``chat`` talks
 to a model in the terminal, ``generate`` answers a file of prompts; ``score-pairs`` measures a reward model on
-any pairs file (:mod:`tasks.score_pairs`).
+any pairs file (:mod:`tasks.cli.score_pairs`).
 
 A model is a folder (``save_pretrained`` safetensors and tokenizer) or a registered version, ``models:/<name>@<alias>``
 or ``models:/<name>/<version>``, downloaded from the project's MLflow registry and checked against its content hash.
@@ -20,6 +20,8 @@ from typing import Any
 
 import typer
 
+from tasks.kit.common import one_line
+
 app = typer.Typer(
     help="Use the aligned policy: export it (with a model card), chat with it, generate responses; "
     "score a reward model on a pairs file."
@@ -33,7 +35,7 @@ class UserError(ValueError):
 
 def _project(project: str | None) -> str:
     """The project root (params.yaml + dvc.yaml, found up from here or ``project``); it becomes the current folder."""
-    from tasks.registry import _project as find
+    from tasks.kit.registry import _project as find
 
     root = os.path.abspath(find(project))
     os.chdir(root)
@@ -45,7 +47,7 @@ def _store():
     the local store does not exist yet (looking never creates one)."""
     import mlflow
 
-    from tasks.runs import tracking_uri
+    from tasks.kit.runs import tracking_uri
 
     uri = tracking_uri()
     if uri.startswith("sqlite:///") and not os.path.exists(uri[len("sqlite:///") :]):
@@ -61,7 +63,7 @@ def find_version(uri: str, client):
     Raises:
         UserError: not such a URI, or no version holds the alias. RegistryError: the version does not exist.
     """
-    from tasks.registry import holder, version
+    from tasks.kit.registry import holder, version
 
     match = MODEL_URI.match(uri)
     if match is None:
@@ -91,7 +93,7 @@ def model_folder(model: str, project: str | None) -> Iterator[str]:
     client = _store()
     if client is None:
         raise UserError(f"{model}: this project has no tracking store yet (no stage has run); pass a folder")
-    from tasks.registry import download
+    from tasks.kit.registry import download
 
     found = find_version(model, client)
     with tempfile.TemporaryDirectory(prefix="rlhf-model-") as tmp:
@@ -192,10 +194,10 @@ def read_prompts(path: str) -> list[dict[str, Any]]:
 
 def _fail(err: Exception) -> None:
     """End a command with one line on stderr and exit 1."""
-    from tasks.registry import RegistryError
-    from tasks.score_pairs import PairsError
+    from tasks.cli.score_pairs import PairsError
+    from tasks.kit.registry import RegistryError
 
-    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    text = one_line(str(err)) or type(err).__name__
     plain = isinstance(err, (UserError, RegistryError, PairsError))  # their lines already say what and where
     typer.echo(text if plain else f"error: {type(err).__name__}: {text}", err=True)
     raise typer.Exit(1)
@@ -225,9 +227,9 @@ def export(
     from transformers import GenerationConfig
 
     from rlhf.models import save_tokenizer
-    from tasks.model_card import card_facts, render_card
-    from tasks.params import read_params, stage_params
-    from tasks.registry import find_by_sha, folder_sha256
+    from tasks.kit.model_card import card_facts, render_card
+    from tasks.kit.params import read_params, stage_params
+    from tasks.kit.registry import find_by_sha, folder_sha256
 
     out = os.path.abspath(out)
     with _one_line():
@@ -391,7 +393,7 @@ def score_pairs(
     with its Wilson interval, the chosen-shorter/longer accuracies, calibration, margin, the empty-answer check.
     Rows are checked before the model loads; a row that does not parse stops it with one line (file:line: rule)."""
     from rlhf.checkpoint import write_json
-    from tasks import score_pairs as scoring
+    from tasks.cli import score_pairs as scoring
 
     if json_out is not None:
         json_out = os.path.abspath(json_out)  # a models:/ URI makes the project folder current

@@ -8,8 +8,8 @@ import os
 import shutil
 from typing import Any
 
-from tasks.outputs import load_json
-from tasks.params import flatten_params
+from tasks.kit.outputs import load_json
+from tasks.kit.params import flatten_params
 
 
 def checkpoint_root(stage: str) -> str:
@@ -144,7 +144,7 @@ def run_checkpointer(stage: str, params: dict[str, Any], inputs: list[str], runt
     Raises:
         FileNotFoundError: an input does not exist.
     """
-    from rlhf.checkpoint import Checkpointer, atomic_write_text
+    from rlhf.checkpoint import Checkpointer, atomic_write_text  # noqa: PLC0415 (imports torch and transformers)
 
     sharded = runtime is not None and runtime.sharding is not None
     manifest = fingerprint_manifest({**params, "fsdp": True} if sharded else params, inputs)

@@ -16,7 +16,9 @@ from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
 
-from tasks.params import PARAMS_FILE, mlflow_params, mlflow_text, read_params
+from filelock import FileLock
+
+from tasks.kit.params import PARAMS_FILE, mlflow_params, mlflow_text, read_params
 
 PIPELINE_RUN_TAG = "rlhf.pipeline_run_id"
 
@@ -69,7 +71,7 @@ def tracking_client():
     ``<project root>/mlruns`` (never the folder the command happens to run in) and a tracking server's where the
     server puts them (``--artifacts-destination``, proxied). An existing experiment keeps its location.
     """
-    import mlflow
+    import mlflow  # noqa: PLC0415 (MLflow: seconds to import)
 
     uri = tracking_uri()
     mlflow.set_tracking_uri(uri)
@@ -100,7 +102,6 @@ def store_setup_lock(uri: str) -> Iterator[None]:
     if not uri.startswith("sqlite:///"):
         yield
         return
-    from filelock import FileLock
 
     path = uri[len("sqlite:///") :]
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -113,9 +114,9 @@ def create_if_missing(create: Callable[[], Any], read: Callable[[], Any]) -> Any
     our look and our create (two stages starting together, a server with several workers), which is success.
 
     Raises:
-        MlflowException: any other refusal (:func:`tasks.common.cli` prints its first line).
+        MlflowException: any other refusal (:func:`tasks.kit.common.cli` prints its first line).
     """
-    from mlflow.exceptions import MlflowException
+    from mlflow.exceptions import MlflowException  # noqa: PLC0415 (MLflow: seconds to import)
 
     try:
         return create()
@@ -350,7 +351,7 @@ class StageRun:
         raise Stopped(signum)
 
     def __enter__(self) -> StageRun:
-        import mlflow
+        import mlflow  # noqa: PLC0415 (MLflow: seconds to import)
 
         if threading.current_thread() is threading.main_thread():
             self._handlers = {sig: signal.signal(sig, self._on_stop) for sig in STOP_SIGNALS}
@@ -403,7 +404,7 @@ class StageRun:
             self._log(metrics, step)
 
     def _log(self, metrics: dict[str, float], step: int) -> None:
-        import mlflow
+        import mlflow  # noqa: PLC0415 (MLflow: seconds to import)
 
         values = {key: float(value) for key, value in metrics.items()}
         mlflow.log_metrics({k: v if math.isfinite(v) else math.nan for k, v in values.items()}, step=step)
@@ -412,7 +413,7 @@ class StageRun:
             mlflow.set_tags(odd)
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        import mlflow
+        import mlflow  # noqa: PLC0415 (MLflow: seconds to import)
 
         self._ending = True
         if self._end is None and self.start:

@@ -5,7 +5,7 @@ compressed or not; each row parsed by :func:`rlhf.formats.to_examples`, so HH te
 conversational and ranking rows all work), then scored by :func:`rlhf.reward.evaluate_reward_model`, the
 function the reward and gate stages measure with, so the figures are the ones those stages report. Unlike
 prepare, a row that does not parse is not quarantined: it stops the command with one line naming the file, the
-line and the rule (:class:`PairsError`). The command itself (its options) is in :mod:`tasks.model_cli`.
+line and the rule (:class:`PairsError`). The command itself (its options) is in :mod:`tasks.cli.model`.
 """
 
 from __future__ import annotations

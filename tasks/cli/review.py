@@ -31,6 +31,8 @@ from rlhf.review import (
     spreadsheet_safe,
     tally,
 )
+from tasks.kit import paths
+from tasks.kit.common import one_line
 
 COLUMNS = ("row", "prompt", "response_a", "response_b", "preference", "comment")
 CHECKED = ("prompt", "response_a", "response_b")  # cells the key holds a hash of: a row from another export is refused
@@ -243,8 +245,8 @@ def log_review(run_id: str, result: Tally, filled: str) -> str:
     from mlflow.entities import Metric
     from mlflow.exceptions import MlflowException
 
-    from tasks.registry import RegistryError, _project
-    from tasks.runs import tracking_client
+    from tasks.kit.registry import RegistryError, _project
+    from tasks.kit.runs import tracking_client
 
     if not run_id:
         raise ReviewError("review: the key names no MLflow run (run_id); import with --no-log")
@@ -263,7 +265,7 @@ def log_review(run_id: str, result: Tally, filled: str) -> str:
     except RegistryError as err:
         raise ReviewError(f"review: {str(err).removeprefix('registry: ')}") from None
     except MlflowException as err:
-        first = str(err.message).strip().splitlines()[0] if str(err.message).strip() else type(err).__name__
+        first = one_line(str(err.message)) or type(err).__name__
         raise ReviewError(f"review: MLflow run {run_id}: {first}") from None
     except (OSError, ValueError) as err:  # requests' ConnectionError is an OSError; a bad params.yaml a ValueError
         raise ReviewError(f"review: MLflow run {run_id}: not logged ({type(err).__name__}: {err})") from None
@@ -288,7 +290,7 @@ def _fail(err: ReviewError) -> typer.Exit:
 
 @app.command()
 def export(
-    samples: str = typer.Option("reports/eval/samples.json", help="the evaluate stage's samples"),
+    samples: str = typer.Option(paths.SAMPLES, help="the evaluate stage's samples"),
     out: str = typer.Option("review/ab.csv", help="the CSV for the raters"),
     key: str = typer.Option("review/ab_key.json", help="the key (which letter is the policy): NEVER give it to raters"),
     seed: int = typer.Option(0, help="seed of the random A/B order"),

@@ -5,13 +5,14 @@ Four steps, in this order, each printing what it removes and the bytes; without 
 1. **registry**: of each registered model (params.yaml ``registry.reward_model``, ``registry.policy_model``) a
    version keeps its model files while it holds an alias, awaits a person's approval or is the one a rollback
    returns to, and so do the newest ``registry.keep_versions`` of the others. The older ones are tagged
-   ``rlhf.pruned`` (:func:`tasks.registry.require_files` then refuses them any alias) and their files are deleted
+   ``rlhf.pruned`` (:func:`tasks.kit.registry.require_files` then refuses them any alias) and their files are deleted
    through MLflow's artifact repository (a local folder, S3 or a proxying server alike); their metrics, tags and
    runs stay.
-2. **checkpoints**: resume checkpoints (``checkpoints/<name>/<fingerprint>/``, :func:`tasks.resume.run_checkpointer`)
-   that no run can resume from: those of a stage DVC reports up to date (``dvc repro`` does not run it), and any
-   whose manifest is unreadable or whose inputs are gone or have other content now (its fingerprint can no longer
-   match). PPO's ``best/`` and ``kept/`` folders live inside a fingerprint folder and go with it.
+2. **checkpoints**: resume checkpoints (``checkpoints/<name>/<fingerprint>/``,
+   :func:`tasks.kit.resume.run_checkpointer`) that no run can resume from: those of a stage DVC reports up to
+   date (``dvc repro`` does not run it), and any whose manifest is unreadable or whose inputs are gone or have
+   other content now (its fingerprint can no longer match). PPO's ``best/`` and ``kept/`` folders live inside a
+   fingerprint folder and go with it.
 3. **dvc gc**: the DVC cache objects that the workspace, the tips of all branches, all tags and all experiments
    do not use (``--all-commits``: nor any commit).
 4. **mlflow gc**: runs deleted in MLflow (the UI, ``mlflow runs delete``), with their artifacts, through
@@ -33,7 +34,7 @@ from typing import Any
 import typer
 from rich.filesize import decimal
 
-from tasks.registry import APPROVAL_TAG, PRUNED_TAG, RegistryError, _guard, _project, previous_holder, pruned
+from tasks.kit.registry import APPROVAL_TAG, PRUNED_TAG, RegistryError, _guard, _project, previous_holder, pruned
 
 CHECKPOINTS = "checkpoints"
 DVC_SCOPE = ("--workspace", "--all-branches", "--all-tags", "--all-experiments")
@@ -240,8 +241,8 @@ def unresumable(folder: str, name: str, stages: set[str], stale: set[str]) -> st
 
     ``stages``: the pipeline's stage names; ``stale``: those ``dvc status`` reports stale.
     """
-    from tasks.outputs import load_json
-    from tasks.resume import MANIFEST, fingerprint_manifest, stale_changes
+    from tasks.kit.outputs import load_json
+    from tasks.kit.resume import MANIFEST, fingerprint_manifest, stale_changes
 
     if name in stages and name not in stale:
         return f"stage {name} is up to date, so dvc repro does not run it"
@@ -339,8 +340,8 @@ def housekeep(apply: bool, all_commits: bool, project: str | None, say=typer.ech
     """
     import mlflow
 
-    from tasks.params import stage_params
-    from tasks.runs import tracking_uri
+    from tasks.kit.params import stage_params
+    from tasks.kit.runs import tracking_uri
 
     os.chdir(_project(project))
     registry = stage_params("registry")

@@ -9,9 +9,9 @@ registered model (where deleting the version cannot take it), ``rlhf.alias_move.
 ``{alias, from, to, by, reason, at, pipeline_run}``: MLflow keeps only the current alias, and one tag per move
 never outgrows a tag's size limit. The registered model also keeps each version's content hash
 (``rlhf.content.<version>``), so content a person deleted is not registered again until restored
-(:func:`refuse_deleted`, ``rlhf-registry restore``). The command for people is :mod:`tasks.registry_cli`.
+(:func:`refuse_deleted`, ``rlhf-registry restore``). The command for people is :mod:`tasks.cli.registry`.
 
-A version whose model files ``rlhf-housekeeping`` deleted (:mod:`tasks.housekeeping`, ``registry.keep_versions``)
+A version whose model files ``rlhf-housekeeping`` deleted (:mod:`tasks.cli.housekeeping`, ``registry.keep_versions``)
 carries ``rlhf.pruned`` = JSON ``{at, by, rule, bytes}`` and can never take an alias again.
 """
 
@@ -20,11 +20,17 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import tempfile
 import time
 from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
 from typing import Any
+
+from rlhf.gate_rules import as_records, passed
+from tasks.kit.common import one_line
+from tasks.kit.runs import PIPELINE_RUN_TAG, create_if_missing, git_commit, pipeline_run_id
 
 CHAMPION = "champion"
 SHA_TAG, DATA_TAG, COMMIT_TAG = "rlhf.model_sha256", "rlhf.data_sha256", "rlhf.git_commit"
@@ -44,7 +50,7 @@ RESTORED_PREFIX = "rlhf.restored."  # on the registered model: rlhf.restored.<ve
 class RegistryError(ValueError):
     """A registry failure in one line (a missing name, version or alias; a tracking server that is down).
 
-    A ``ValueError`` so a stage's :func:`tasks.common.cli` and the ``rlhf-registry`` command print it as one line.
+    A ``ValueError`` so a stage's :func:`tasks.kit.common.cli` and the ``rlhf-registry`` command print it as one line.
     """
 
 
@@ -82,7 +88,6 @@ def version_tags(folder: str, metrics: dict[str, Any], params: dict[str, Any], d
     """The tags of a new version: content hashes of the model folder, its training data and its params
     (:data:`PARAMS_TAG`; :func:`register` stores the params whole), the git commit, the pipeline run id and every
     numeric metric (``rlhf.metric.<name>``)."""
-    from tasks.runs import PIPELINE_RUN_TAG, git_commit, pipeline_run_id
 
     tags = {
         SHA_TAG: folder_sha256(folder),
@@ -101,12 +106,12 @@ def _params_json(params: dict[str, Any]) -> str:
 
 def _guard(what: str, call, *args, **kwargs):
     """Run a registry call; a missing resource or an unreachable server becomes one :class:`RegistryError` line."""
-    from mlflow.exceptions import MlflowException
+    from mlflow.exceptions import MlflowException  # noqa: PLC0415 (MLflow: seconds to import)
 
     try:
         return call(*args, **kwargs)
     except MlflowException as err:
-        raise RegistryError(f"registry: {what}: {str(err.message).strip().splitlines()[0]}") from None
+        raise RegistryError(f"registry: {what}: {one_line(str(err.message))}") from None
     except OSError as err:  # requests' ConnectionError is an OSError
         raise RegistryError(f"registry: {what}: tracking server unreachable ({type(err).__name__})") from None
 
@@ -121,9 +126,7 @@ def register(client, name: str, folder: str, run_id: str, tags: dict[str, str], 
     Raises:
         RegistryError: the store or the artifact store cannot be reached or refuses (one line).
     """
-    from mlflow.exceptions import MlflowException
-
-    from tasks.runs import create_if_missing
+    from mlflow.exceptions import MlflowException  # noqa: PLC0415 (MLflow: seconds to import)
 
     try:
         client.get_registered_model(name)
@@ -147,14 +150,14 @@ def _versions(client, name: str) -> list:
 
 def _model_tags(client, name: str) -> dict[str, str]:
     """The registered model's own tags (none before its first version)."""
-    from mlflow.exceptions import MlflowException
+    from mlflow.exceptions import MlflowException  # noqa: PLC0415 (MLflow: seconds to import)
 
     try:
         return dict(client.get_registered_model(name).tags)
     except MlflowException as err:
         if err.error_code == "RESOURCE_DOES_NOT_EXIST":
             return {}
-        raise RegistryError(f"registry: read {name}: {str(err.message).strip().splitlines()[0]}") from None
+        raise RegistryError(f"registry: read {name}: {one_line(str(err.message))}") from None
 
 
 def refuse_deleted(client, name: str, sha: str, restore: str) -> None:
@@ -206,7 +209,7 @@ def find_by_sha(client, name: str, sha: str):
 
 def holder(client, name: str, alias: str = CHAMPION):
     """The version that holds ``alias``, or None (also when ``name`` is not registered yet)."""
-    from mlflow.exceptions import MlflowException
+    from mlflow.exceptions import MlflowException  # noqa: PLC0415 (MLflow: seconds to import)
 
     try:
         return client.get_model_version_by_alias(name, alias)
@@ -334,8 +337,6 @@ def decide_once(client, name: str, candidate, judge, reason: str, move: bool = T
         The record (``decision`` pass|fail, ``checks``, ``lines``, the extras, ``decided_at``,
         ``pipeline_run``, ``experiment``) plus ``decided``: ``now`` or ``before``.
     """
-    from rlhf.gate_rules import as_records, passed
-    from tasks.runs import pipeline_run_id
 
     if DECISION_TAG in candidate.tags:
         stored = json.loads(candidate.tags[CHECKS_TAG])
@@ -378,10 +379,8 @@ def download(client, found, folder: str) -> None:
         RegistryError: the artifacts cannot be read, were pruned (``rlhf-housekeeping``), or hold other content
             than was registered (a truncated or replaced file in the artifact store); one line.
     """
-    import shutil
-    import tempfile
 
-    import mlflow
+    import mlflow  # noqa: PLC0415 (MLflow: seconds to import)
 
     record = pruned(found)
     if record is not None:

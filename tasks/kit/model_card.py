@@ -1,7 +1,7 @@
 """The model card of an exported policy: what it is, what it was trained on and with, how it scored, where it came from.
 
 :func:`card_facts` gathers the facts (run from the project root): params.yaml (read with
-:func:`tasks.params.read_params`, which refuses credentials), the data fingerprints, the metrics (the registered
+:func:`tasks.kit.params.read_params`, which refuses credentials), the data fingerprints, the metrics (the registered
 version's ``rlhf.metric.*`` tags, else ``metrics/*.json``), the lineage (git, ``dvc.lock``, MLflow runs).
 :func:`render_card` writes them as a Hugging Face ``ModelCard`` (YAML front matter + Markdown). Nothing is
 silently dropped: a fact nobody recorded reads ``unknown``. No environment variable is ever copied into a card.
@@ -21,18 +21,31 @@ from typing import Any
 
 import yaml
 
-from tasks.params import load_yaml
+from tasks.kit import paths
+from tasks.kit.outputs import load_json
+from tasks.kit.params import find_secrets, load_yaml, read_params, stage_params
+from tasks.kit.registry import (
+    COMMIT_TAG,
+    DATA_TAG,
+    DECISION_TAG,
+    SHA_TAG,
+    RegistryError,
+    files_sha256,
+    folder_sha256,
+    version,
+)
+from tasks.kit.runs import PIPELINE_RUN_TAG, git_commit
 
 UNKNOWN = "unknown"
 PARAM_SECTIONS = ("sft", "reward", "ppo", "generation", "evaluate")
-EVAL, REWARD, JUDGE = "metrics/eval.json", "metrics/reward.json", "metrics/judge.json"
-PROMPTS, SOURCES = "data/validated/eval_prompts.jsonl", "data/sources.json"
-DVC_LOCK, POLICY = "dvc.lock", "models/policy"
+EVAL, REWARD, JUDGE = paths.metrics("eval"), paths.metrics("reward"), paths.metrics("judge")
+PROMPTS, SOURCES = paths.split("eval_prompts"), paths.SOURCES
+DVC_LOCK, POLICY = "dvc.lock", paths.POLICY
 METRIC_PREFIX = "rlhf.metric."
 PRESETS = {"ppo_max": "reward normalisation and clipping, value clipping, critic pre-training, PPO-ptx",
            "vanilla": "PPO-clip with a KL penalty only"}  # fmt: skip
 
-TEMPLATE = (resources.files("tasks") / "templates/model_card.md").read_text(encoding="utf-8")  # a Jinja template
+TEMPLATE = (resources.files("tasks.kit") / "templates/model_card.md").read_text(encoding="utf-8")  # a Jinja template
 
 
 def _number(value: Any) -> float | None:
@@ -70,7 +83,6 @@ def sha256_file(path: str) -> str:
 
 def _load(path: str) -> dict[str, Any]:
     """A JSON object file, or ``{}`` when there is none. Raises ValueError on bad JSON."""
-    from tasks.outputs import load_json
 
     return load_json(path) if os.path.isfile(path) else {}
 
@@ -94,7 +106,6 @@ def _registry_metrics(found) -> dict[str, Any]:
 def _reward_metrics(client, registry: dict[str, Any], metrics: dict[str, Any], found) -> tuple[dict[str, Any], str]:
     """The reward model's metrics: its registered version's tags (the version the evaluation names), else
     ``metrics/reward.json``; and where they came from."""
-    from tasks.registry import RegistryError, version
 
     number = _number(metrics.get("eval/reward_model_version", ""))
     if found is not None and client is not None and number is not None and math.isfinite(number):
@@ -108,7 +119,7 @@ def _reward_metrics(client, registry: dict[str, Any], metrics: dict[str, Any], f
 
 def _run_lineage(client, run_id: str) -> list[tuple[str, str]]:
     """The pipeline's parent MLflow run of ``run_id`` and every stage run under it."""
-    from mlflow.exceptions import MlflowException
+    from mlflow.exceptions import MlflowException  # noqa: PLC0415 (MLflow: seconds to import)
 
     try:
         run = client.get_run(run_id)
@@ -126,7 +137,6 @@ def _metric_facts(found, client, registry: dict[str, Any], folder_sha: str) -> d
     """The Metrics section: the key rows (name, value with interval, source), the other eval metrics, the judge
     warning; from the registered version's tags, else the project's metrics files, but only for the model they
     measured (the folder's content is that of ``models/policy``): another folder's metrics are unknown."""
-    from tasks.registry import folder_sha256
 
     evaluated = os.path.isdir(POLICY) and folder_sha256(POLICY) == folder_sha
     if found is not None:
@@ -183,7 +193,6 @@ def _metric_facts(found, client, registry: dict[str, Any], folder_sha: str) -> d
 def _data_facts(data: dict[str, Any], tags: dict[str, str]) -> dict[str, Any]:
     """The Data section: sources with their fingerprints (data/sources.json), the version's data hash and
     whether the checkout's eval prompts match it, the sha256 of every data/validated/*.jsonl."""
-    from tasks.registry import DATA_TAG, files_sha256
 
     sources = _load(SOURCES).get("sources") or []
     hashes = [{"url": s.get("url", UNKNOWN), "hash": (s.get("fingerprint") or {}).get("sha256")
@@ -201,15 +210,13 @@ def _data_facts(data: dict[str, Any], tags: dict[str, str]) -> dict[str, Any]:
         "source_hashes": hashes or [{"url": data.get("source", UNKNOWN), "hash": f"{UNKNOWN} (no {SOURCES})"}],
         "data_sha256": f"`{registered}`" if registered else UNKNOWN,
         "prompts_match": match,
-        "data_files": [(os.path.basename(p), sha256_file(p)) for p in sorted(glob.glob("data/validated/*.jsonl"))],
+        "data_files": [(os.path.basename(p), sha256_file(p)) for p in sorted(glob.glob(paths.split("*")))],
         "hh": "hh-rlhf" in str(data.get("source", "")).lower(),
     }
 
 
 def _lineage(found, client, folder_sha: str, commit_now: str) -> list[tuple[str, str]]:
     """The Lineage rows: registry name and version, gate decision, content hash, git commits, dvc.lock, MLflow runs."""
-    from tasks.registry import COMMIT_TAG, DECISION_TAG, SHA_TAG
-    from tasks.runs import PIPELINE_RUN_TAG
 
     tags = found.tags if found is not None else {}
     registered = f"{UNKNOWN} (no registered version has this content)"
@@ -239,7 +246,7 @@ def card_facts(folder_sha: str, found=None, client=None, exported_from: str = ""
     """Everything the card says, as template values; run from the project root (params.yaml, metrics/, dvc.lock).
 
     Args:
-        folder_sha: :func:`tasks.registry.folder_sha256` of the exported model folder.
+        folder_sha: :func:`tasks.kit.registry.folder_sha256` of the exported model folder.
         found: the registered ``ModelVersion`` the model is (from the registry, or a folder whose content
             hash a version carries), or None.
         client: the ``MlflowClient`` of ``found``'s store (None without one).
@@ -248,10 +255,7 @@ def card_facts(folder_sha: str, found=None, client=None, exported_from: str = ""
     Raises:
         FileNotFoundError: no params.yaml. ValueError: params.yaml holds a credential or a bad section.
     """
-    from rlhf.models import resolve_model_source
-    from tasks.params import read_params, stage_params
-    from tasks.registry import COMMIT_TAG
-    from tasks.runs import git_commit
+    from rlhf.models import resolve_model_source  # noqa: PLC0415 (imports torch and transformers)
 
     params = read_params()
     section = {name: stage_params(name, params) if name in params else None for name in PARAM_SECTIONS}
@@ -338,9 +342,7 @@ def render_card(facts: dict[str, Any]):
     Raises:
         ValueError: the rendered card would hold something that looks like a credential (names what).
     """
-    from huggingface_hub import EvalResult, ModelCard, ModelCardData
-
-    from tasks.params import find_secrets
+    from huggingface_hub import EvalResult, ModelCard, ModelCardData  # noqa: PLC0415 (huggingface_hub: only the card needs it)
 
     metrics, results = facts["metrics_raw"], []
     names = {"eval/judge/win_rate": "judge win rate", "eval/proxy/win_rate": "proxy win rate",

@@ -10,7 +10,9 @@ import json
 import os
 from typing import Any
 
-OUT_DIR = "models/reward_champion"
+from tasks.kit import paths
+
+OUT_DIR = paths.CHAMPION
 MARKER, VERSION_FILE = "NO_CHAMPION.json", "registry_version.json"
 
 

@@ -9,11 +9,15 @@ failed (1 for an error, 128 + the signal's number for a stop; :func:`launch`).
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable
 from typing import Any
+
+import yaml
 
 from rlhf.device import mixed_precision
 
@@ -65,8 +69,6 @@ def die_with_launcher(launcher: int) -> None:
     in sessions of their own, so without this they would train on (and rank 0 write the stage's outputs) after
     the stage was killed. A rank whose launcher is already gone exits.
     """
-    import ctypes
-    import signal
 
     if not sys.platform.startswith("linux"):
         return
@@ -85,7 +87,7 @@ def check_accelerate_config(path: str) -> None:
             ``fsdp_reshard_after_forward`` (the trainers shard each decoder block themselves, :mod:`rlhf.sharding`;
             README: running at scale).
     """
-    from rlhf.distributed import UNSUPPORTED
+    from rlhf.distributed import UNSUPPORTED  # noqa: PLC0415 (imports torch and transformers)
 
     if not os.path.isfile(path):
         raise FileNotFoundError(f"params.yaml: device.accelerate_config {path}: no such file (see infra/accelerate/)")
@@ -117,7 +119,6 @@ def distributed_type(device: dict[str, Any]) -> str:
 
 
 def _read(path: str) -> dict[str, Any]:
-    import yaml
 
     with open(path, encoding="utf-8") as handle:
         return yaml.safe_load(handle) or {}
@@ -140,9 +141,9 @@ def launch(module: str, processes: int, config: str | None, mixed_precision: str
         of the lowest rank a signal stopped (128 + its number); 128 + the signal's number when the launcher
         itself is stopped (SIGTERM, SIGINT).
     """
-    from accelerate.commands.launch import launch_command, launch_command_parser
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from accelerate.commands.launch import launch_command, launch_command_parser  # noqa: PLC0415 (accelerate imports torch)
+    from torch.distributed.elastic.multiprocessing.api import SignalException  # noqa: PLC0415 (torch: seconds to import)
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: PLC0415 (torch: seconds to import)
 
     argv = ["--num_processes", str(processes)]
     argv += ["--config_file", config] if config else ["--multi_gpu", "--num_machines", "1"]

@@ -1,0 +1,53 @@
+"""Every artefact of the pipeline, relative to the project root: the one table the stages, the commands and the
+report read their paths from, and that ``dvc.yaml``'s deps and outs agree with (``tests/test_paths.py``)."""
+
+from __future__ import annotations
+
+SOURCES = "data/sources.json"  # source: what each input was when read (its size, time, hash)
+PROCESSED = "data/processed"  # prepare: every split, parsed and assigned
+VALIDATED = "data/validated"  # validate: the splits that passed the rules; quarantine.jsonl holds the others
+
+
+def split(name: str) -> str:
+    """The validated file of split ``name`` (``rlhf.data.SPLITS``): ``data/validated/<name>.jsonl``."""
+    return f"{VALIDATED}/{name}.jsonl"
+
+
+def metrics(stage: str) -> str:
+    """The metrics file a stage writes: ``metrics/<stage>.json``."""
+    return f"metrics/{stage}.json"
+
+
+BASE = "models/base"  # base_model: model.source as safetensors
+SFT = "models/sft"
+REWARD = "models/reward"  # the reward stage's candidate
+CHAMPION = "models/reward_champion"  # the gate: the registry's champion, what ppo trains against
+JUDGE = "models/judge"
+POLICY = "models/policy"
+POLICY_KEPT = "models/policy_kept"  # every ppo.keep_every-th policy (the over-optimisation curve)
+
+VALIDATION_REPORT, GX_REPORT = "reports/validation.json", "reports/validation_gx.json"
+REWARD_MARGINS, JUDGE_MARGINS = "reports/reward_margins.png", "reports/judge_margins.png"
+REWARD_GATE, POLICY_GATE = "reports/reward_gate.json", "reports/policy_gate.json"
+PPO_REPORTS, PPO_CURVES = "reports/ppo", "metrics/ppo_curves.json"
+EVAL_REPORTS, OVEROPTIMISATION = "reports/eval", "metrics/overoptimisation.json"
+SAMPLES = f"{EVAL_REPORTS}/samples.json"
+REPORT = "reports/index.html"
+
+REPORT_INPUTS = {  # the report's input names (rlhf.report.render_report) -> their files
+    "prepare": metrics("prepare"),
+    "validate": metrics("validate"),
+    "validation": VALIDATION_REPORT,
+    "sft": metrics("sft"),
+    "reward": metrics("reward"),
+    "margins": REWARD_MARGINS,
+    "reward_gate": REWARD_GATE,
+    "judge": metrics("judge"),
+    "judge_margins": JUDGE_MARGINS,
+    "ppo": metrics("ppo"),
+    "curves": PPO_CURVES,
+    "overoptimisation": OVEROPTIMISATION,
+    "eval": metrics("eval"),
+    "samples": SAMPLES,
+    "policy_gate": POLICY_GATE,
+}
