@@ -120,7 +120,7 @@ def test_scheduled_deployment_runs_each_stale_stage_on_its_pool(tiny_run, tmp_pa
     assert {r["stage"]: r["pool"] for r in runs if r["state"] == "COMPLETED"} == expected
     assert expected["ppo"] == "gpu" and expected["gate"] == "cpu"
     # every output came back to the flow's checkout: ppo and what it needs are up to date there
-    status = command(project, env, sys.executable, "-m", "dvc", "status", "--json", "ppo")
+    status = command(project, env, sys.executable, "-m", "dvc", "status", "--json", "--with-deps", "ppo")
     assert json.loads(status) == {name: ["always changed"] for name in ("source", "gate")}
     assert os.path.exists(os.path.join(project, "models/policy/model.safetensors"))
     with open(os.path.join(project, "models/reward_champion/registry_version.json")) as handle:
