@@ -208,7 +208,15 @@ def project_folder(start: str) -> str:
 def deploy() -> None:
     """``rlhf-deploy``: ``prefect deploy --all --prefect-file infra/prefect.yaml`` from the project's root, found
     from the current folder upward (the entrypoints in prefect.yaml are paths from the root, so Prefect itself
-    fails with a traceback anywhere else). Outside a project: one line and exit 1; else Prefect's exit status."""
+    fails with a traceback anywhere else). Outside a project: one line and exit 1; else Prefect's exit status.
+    Other arguments go to ``prefect deploy``; ``--help`` says so and exits 0."""
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        print(
+            "Usage: rlhf-deploy [PREFECT DEPLOY OPTIONS]\n\n"
+            f"Deploy every deployment of {PREFECT_FILE} (prefect deploy --all) from the project root, found from "
+            "the current folder upward; other options go to `prefect deploy` (see `prefect deploy --help`)."
+        )
+        raise SystemExit(0)
     try:
         root = project_folder(os.getcwd())
     except FileNotFoundError as err:

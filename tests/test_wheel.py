@@ -7,6 +7,7 @@ not; a user who installs the wheel gets only what pyproject lists.
 from __future__ import annotations
 
 import os
+import shutil
 import site
 import subprocess
 import sys
@@ -21,8 +22,16 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_the_wheel_in_a_fresh_environment_runs_every_console_command(tmp_path):
+    source = tmp_path / "source"  # a copy: an in-tree build leaves build/ and *.egg-info in the project
+    files = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.split()
+    for name in files:
+        if os.path.isfile(os.path.join(REPO, name)):
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(os.path.join(REPO, name), source / name)
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), REPO],
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), source],
         check=True,
         capture_output=True,
         timeout=300,
