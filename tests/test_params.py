@@ -234,3 +234,17 @@ def test_typed_fields_and_the_gate_criteria_take_numbers_written_as_strings():
         config_from_params(GateCriteria, {"max_ece": "small"}, "registry.reward_gate")
     with pytest.raises(ValueError, match=r"sft.steps must be an integer, got '8.5'"):
         config_from_params(SFTConfig, {"steps": "8.5"}, "sft")
+
+
+def test_params_are_parsed_once_while_the_file_stays_the_same_and_again_when_it_changes(tmp_path, monkeypatch):
+    from tasks.kit import params as module
+
+    path = tmp_path / "params.yaml"
+    path.write_text("sft: {lr: 1.0e-4}\n")
+    parsed = []
+    monkeypatch.setattr(module, "load_yaml", lambda name: parsed.append(name) or load_yaml(name))
+    first = read_params(str(path))
+    first["sft"]["lr"] = 0.5  # the caller's own copy
+    assert read_params(str(path)) == {"sft": {"lr": 1.0e-4}} and len(parsed) == 1
+    path.write_text("sft: {lr: 2.0e-4}\n")  # same size, likely the same modification time
+    assert read_params(str(path)) == {"sft": {"lr": 2.0e-4}} and len(parsed) == 2

@@ -117,23 +117,23 @@ def load_yaml(path: str, written_by_dvc: bool = False) -> Any:
         loader.dispose()
 
 
-_READ: dict[tuple[str, int, int], dict[str, Any]] = {}  # (real path, mtime ns, size) -> the checked params
+_READ: dict[tuple[str, str], dict[str, Any]] = {}  # (real path, sha256 of its bytes) -> the checked params
 
 
 def read_params(path: str = PARAMS_FILE) -> dict[str, Any]:
     """Read params.yaml as DVC does (:func:`load_yaml`: YAML 1.2 numbers), refusing credentials in it
     (:func:`check_no_secrets`) before any stage writes anything.
 
-    The file is parsed and checked once per process while it stays the same (its modification time and size);
-    each call returns its own copy, so a caller may change what it gets.
+    The file is parsed and checked once per process while its content stays the same (its bytes are hashed at
+    each call, a fraction of the parse); each call returns its own copy, so a caller may change what it gets.
 
     Raises:
         FileNotFoundError: no params file.
         ValueError: the file holds a credential (the message names where, never the value), or a value that
             YAML 1.1 and 1.2 read differently (:func:`load_yaml`).
     """
-    found = os.stat(path)
-    key = (os.path.realpath(path), found.st_mtime_ns, found.st_size)
+    with open(path, "rb") as handle:
+        key = (os.path.realpath(path), hashlib.sha256(handle.read()).hexdigest())
     if key not in _READ:
         params = load_yaml(path)
         check_no_secrets(params, path)
