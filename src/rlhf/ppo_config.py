@@ -30,11 +30,14 @@ def max_skewness(n: int) -> float:
 
 @dataclass
 class PPOConfig:
-    """PPO hyperparameters and PPO-max switches (params.yaml section ``ppo``; defaults = the PPO-max preset).
+    """PPO hyperparameters and PPO-max switches (params.yaml section ``ppo``).
 
-    Every switch acts alone; none silently depends on another. Settings that
-    no run could use, or a collapse threshold that is out of mathematical
-    reach at the configured sizes, are refused when the config is built.
+    The defaults are a library's, for code that builds a config by hand; the pipeline's values, and the presets
+    (``ppo.presets``: vanilla and ppo_max, which also set ``ptx_coef`` and ``value_pretrain_iterations``), are
+    params.yaml's. Settings that no run could use, or a collapse threshold out of mathematical reach at the
+    configured sizes, are refused when the config is built. Two settings are read only with another:
+    ``validation_prompts`` when ``validate_every`` > 0, and ``kl_target`` and ``kl_horizon`` with
+    ``adaptive_kl``; every other switch acts alone.
     """
 
     value_init: str = "reward"  # reward | sft: where the value model starts (paper section 5.3.3)
