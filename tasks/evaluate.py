@@ -97,15 +97,25 @@ def curve(sft: Any, scorers: Scorers, tokenizer, prompts: list, config, settings
     def row(iteration: int, run: dict[str, Any]) -> dict[str, float]:
         kl, kl_k3 = float(run["kl"][:, 0].mean()), float(run["kl_k3"][:, 0].mean())
         proxy, judge = float(run["proxy"][:, 0].mean()), float(run["judge"][:, 0].mean())
-        return {"iteration": iteration, "kl": kl, "kl_k3": kl_k3, "sqrt_kl": math.sqrt(kl_k3), "proxy": proxy,
-                "judge": judge}  # fmt: skip
+        return {
+            "iteration": iteration,
+            "kl": kl,
+            "kl_k3": kl_k3,
+            "sqrt_kl": math.sqrt(kl_k3),
+            "proxy": proxy,
+            "judge": judge,
+        }
 
     fixed = prompts[: config.curve_prompts]
     rows = [row(0, generate_and_score(sft, sft, scorers, tokenizer, fixed, config, settings, runtime))]
     for name in sorted(os.listdir(KEPT)) if os.path.isdir(KEPT) else []:  # each sampled exactly as the SFT point
         policy = runtime.place(load_kept_policy(SFT, os.path.join(KEPT, name))).requires_grad_(False)
-        rows.append(row(int(name.split("-")[-1]), generate_and_score(policy, sft, scorers, tokenizer, fixed, config,
-                                                                     settings, runtime)))  # fmt: skip
+        rows.append(
+            row(
+                int(name.split("-")[-1]),
+                generate_and_score(policy, sft, scorers, tokenizer, fixed, config, settings, runtime),
+            )
+        )
         del policy
     return rows
 
@@ -298,8 +308,10 @@ def main() -> None:
     for line in summary_lines(metrics, doubts):
         print(line, flush=True)
     shown = ("win_rate", "score_diff", "lc_length_coef")  # in summary_lines
-    print("[evaluate] " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items() if not any(s in k for s in shown)),
-          flush=True)  # fmt: skip
+    print(
+        "[evaluate] " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items() if not any(s in k for s in shown)),
+        flush=True,
+    )
     candidate = report["candidate"]
     print(f"[evaluate] policy {candidate['name']} version {candidate['version']}: {report['decision']}", flush=True)
     for line in report["lines"]:

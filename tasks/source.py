@@ -25,9 +25,23 @@ OUT = paths.SOURCES
 # fs.info() fields that change when the content does: ETag (S3, HTTP, GCS, Azure), checksums, the hub's git
 # blob id and LFS sha256, object versions
 CONTENT_FIELDS = {
-    "etag", "e_tag", "content-md5", "content_md5", "md5", "md5hash", "crc32c", "digest", "checksum", "sha256",
-    "blob_id", "lfs", "xet_hash", "versionid", "version_id", "generation",
-}  # fmt: skip
+    "etag",
+    "e_tag",
+    "content-md5",
+    "content_md5",
+    "md5",
+    "md5hash",
+    "crc32c",
+    "digest",
+    "checksum",
+    "sha256",
+    "blob_id",
+    "lfs",
+    "xet_hash",
+    "versionid",
+    "version_id",
+    "generation",
+}
 TIME_FIELDS = {"last-modified", "lastmodified", "last_modified", "mtime", "updated", "modified"}
 
 

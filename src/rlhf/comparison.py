@@ -222,8 +222,10 @@ def length_controlled_rate(
     a, b = _matrix(first, "first"), _matrix(second, "second")
     la, lb = _matrix(first_lengths, "first_lengths"), _matrix(second_lengths, "second_lengths")
     if not a.shape == b.shape == la.shape == lb.shape:
-        raise ValueError(f"length_controlled_rate needs four equal (P, K) shapes, got {a.shape}, {b.shape}, "
-                         f"{la.shape} and {lb.shape}")  # fmt: skip
+        raise ValueError(
+            f"length_controlled_rate needs four equal (P, K) shapes, got {a.shape}, {b.shape}, "
+            f"{la.shape} and {lb.shape}"
+        )
     if l2 <= 0:
         raise ValueError(f"length_controlled_rate needs l2 > 0, got {l2}")
     flat = paired_rate(a.reshape(-1), b.reshape(-1), what=f"comparisons over {a.shape[0]} {what}")

@@ -34,8 +34,16 @@ if TYPE_CHECKING:
 
 
 SPLITS = (
-    "sft", "rm_train", "rm_eval", "ppo_prompts", "ptx_text", "ptx_heldout", "eval_prompts", "judge_train", "judge_eval"
-)  # fmt: skip
+    "sft",
+    "rm_train",
+    "rm_eval",
+    "ppo_prompts",
+    "ptx_text",
+    "ptx_heldout",
+    "eval_prompts",
+    "judge_train",
+    "judge_eval",
+)
 """Files of data/processed and data/validated. ``data.fractions`` names every split but ``ptx_heldout``,
 which is a share (``data.ptx_heldout_fraction``) of the ptx rows."""
 

@@ -39,50 +39,79 @@ INPUTS = (  # the stages' files the page is built from, by name (the caller maps
 LISTS = ("curves", "overoptimisation")  # JSON lists of row objects
 IMAGES = ("margins", "judge_margins")  # PNG bytes; the other inputs are JSON objects
 PPO_FIGURES = (  # figure name, title, ((key in metrics/ppo_curves.json, legend label), ...)
-    ("ppo_reward", "reward-model score",
-     (("ppo/reward/mean", "rollouts (mean)"), ("ppo/validation/reward", "validation"))),
+    (
+        "ppo_reward",
+        "reward-model score",
+        (("ppo/reward/mean", "rollouts (mean)"), ("ppo/validation/reward", "validation")),
+    ),
     ("ppo_kl", "KL to the SFT model (nats / response)", (("ppo/kl", "rollouts"),)),
     ("ppo_perplexity", "perplexity of responses", (("ppo/perplexity", "rollouts"),)),
     ("ppo_length", "response length (tokens)", (("ppo/response_length", "rollouts"),)),
     ("ppo_clipfrac", "clip fractions", (("ppo/policy/clipfrac", "policy"), ("ppo/value/clipfrac", "value"))),
-)  # fmt: skip
+)
 OVEROPTIMISATION = "overoptimisation"  # the figure of proxy and judge mean scores against sqrt(KL)
 HEADLINE = (  # (input, metric): the figures the parent MLflow run carries
-    ("reward", "rm/accuracy"), ("reward", "rm/accuracy_low"), ("reward", "rm/balanced_accuracy"),
-    ("judge", "judge/accuracy"), ("judge", "judge/balanced_accuracy"),
-    ("eval", "eval/judge/win_rate"), ("eval", "eval/judge/win_rate_low"), ("eval", "eval/judge/win_rate_high"),
-    ("eval", "eval/proxy/win_rate"), ("eval", "eval/proxy/win_rate_low"), ("eval", "eval/proxy/win_rate_high"),
-    ("eval", "eval/policy/kl"), ("eval", "eval/judge/meaningful"),
-)  # fmt: skip
+    ("reward", "rm/accuracy"),
+    ("reward", "rm/accuracy_low"),
+    ("reward", "rm/balanced_accuracy"),
+    ("judge", "judge/accuracy"),
+    ("judge", "judge/balanced_accuracy"),
+    ("eval", "eval/judge/win_rate"),
+    ("eval", "eval/judge/win_rate_low"),
+    ("eval", "eval/judge/win_rate_high"),
+    ("eval", "eval/proxy/win_rate"),
+    ("eval", "eval/proxy/win_rate_low"),
+    ("eval", "eval/proxy/win_rate_high"),
+    ("eval", "eval/policy/kl"),
+    ("eval", "eval/judge/meaningful"),
+)
 # the tables of one value per measure: (label, key ("{p}": the file's prefix), "count" | "interval" | "")
-SFT_ROWS = (("examples", "sft/examples", "count"), ("steps", "sft/steps", "count"),
-            ("loss, first step", "sft/loss_first", ""), ("loss, last step", "sft/loss_last", ""))  # fmt: skip
+SFT_ROWS = (
+    ("examples", "sft/examples", "count"),
+    ("steps", "sft/steps", "count"),
+    ("loss, first step", "sft/loss_first", ""),
+    ("loss, last step", "sft/loss_last", ""),
+)
 ACCURACY_ROWS = (
-    ("accuracy on held-out pairs [95% Wilson]", "{p}/accuracy", "interval"), ("decisive pairs", "{p}/pairs", "count"),
-    ("balanced accuracy: mean of chosen-shorter and chosen-longer [95% stratified]", "{p}/balanced_accuracy",
-     "interval"),
+    ("accuracy on held-out pairs [95% Wilson]", "{p}/accuracy", "interval"),
+    ("decisive pairs", "{p}/pairs", "count"),
+    (
+        "balanced accuracy: mean of chosen-shorter and chosen-longer [95% stratified]",
+        "{p}/balanced_accuracy",
+        "interval",
+    ),
     ("length-only baseline: accuracy of 'prefer the shorter'", "{p}/length_baseline_accuracy", ""),
-    ("ties", "{p}/ties", "count"), ("calibration error (ECE)", "{p}/ece", ""),
+    ("ties", "{p}/ties", "count"),
+    ("calibration error (ECE)", "{p}/ece", ""),
     ("accuracy, chosen response shorter", "{p}/accuracy_chosen_shorter", ""),
     ("pairs, chosen response shorter", "{p}/pairs_chosen_shorter", "count"),
     ("accuracy, chosen response longer", "{p}/accuracy_chosen_longer", ""),
     ("pairs, chosen response longer", "{p}/pairs_chosen_longer", "count"),
-    ("correlation of score with length", "{p}/length_corr", ""), ("mean margin (chosen - rejected)", "{p}/margin", ""),
+    ("correlation of score with length", "{p}/length_corr", ""),
+    ("mean margin (chosen - rejected)", "{p}/margin", ""),
     ("share of pairs where an empty response beats the chosen one", "{p}/empty_beats_chosen", ""),
     ("share where a one-word reply beats the chosen one (mean over the replies)", "{p}/short_reply_beats_chosen", ""),
     ("share where the worst one-word reply beats the chosen one", "{p}/short_reply_beats_chosen_max", ""),
-)  # fmt: skip
+)
 PPO_ROWS = (
-    ("iterations", "ppo/iterations", "count"), ("iterations that updated the policy", "ppo/policy_iterations", "count"),
-    ("shipped iteration", "ppo/shipped_iteration", "count"), ("rollbacks", "ppo/rollbacks", "count"),
-    ("validation reward (shipped)", "ppo/validation/reward", ""), ("validation KL (shipped)", "ppo/validation/kl", ""),
-    ("validation EOS rate (shipped)", "ppo/validation/eos_rate", ""), ("KL, last iteration", "ppo/last/kl", ""),
-)  # fmt: skip
-RESPONSE_ROWS = (("length (tokens)", "length"), ("EOS rate", "eos_rate"),
-                 ("cut at max_new_tokens", "truncated_share"), ("distinct-1", "distinct_1"),
-                 ("distinct-2", "distinct_2"),
-                 ("refusal rate (a heuristic: refusal phrases at the start, quotes aside)", "refusal_rate"),
-                 ("ptx perplexity", "ptx_perplexity"))  # fmt: skip
+    ("iterations", "ppo/iterations", "count"),
+    ("iterations that updated the policy", "ppo/policy_iterations", "count"),
+    ("shipped iteration", "ppo/shipped_iteration", "count"),
+    ("rollbacks", "ppo/rollbacks", "count"),
+    ("validation reward (shipped)", "ppo/validation/reward", ""),
+    ("validation KL (shipped)", "ppo/validation/kl", ""),
+    ("validation EOS rate (shipped)", "ppo/validation/eos_rate", ""),
+    ("KL, last iteration", "ppo/last/kl", ""),
+)
+RESPONSE_ROWS = (
+    ("length (tokens)", "length"),
+    ("EOS rate", "eos_rate"),
+    ("cut at max_new_tokens", "truncated_share"),
+    ("distinct-1", "distinct_1"),
+    ("distinct-2", "distinct_2"),
+    ("refusal rate (a heuristic: refusal phrases at the start, quotes aside)", "refusal_rate"),
+    ("ptx perplexity", "ptx_perplexity"),
+)
 JUDGE_AT_CHANCE = "the judge is at chance: its win rates below mean nothing"
 JUDGE_MEANINGLESS = (  # eval/judge/meaningful 0 (rlhf.gate_rules.judge_doubts: at chance, or ranking by length)
     "the verdicts of the judge mean nothing: it is at chance on judge_eval or ranks by length (see the evaluate log)"
@@ -198,12 +227,22 @@ def _gate(section: dict[str, Any], report: dict[str, Any] | None, what: str) -> 
     if report is None:
         return
     candidate, decision = report.get("candidate") or {}, str(report.get("decision", NA))
-    line = (f"{what}: {decision} (candidate {candidate.get('name', '?')} version {candidate.get('version', '?')}, "
-            f"decided {report.get('decided', NA)} at {report.get('decided_at', NA)})")  # fmt: skip
+    line = (
+        f"{what}: {decision} (candidate {candidate.get('name', '?')} version {candidate.get('version', '?')}, "
+        f"decided {report.get('decided', NA)} at {report.get('decided_at', NA)})"
+    )
     (section["notes"] if decision == "pass" else section["warnings"]).append(line)
     checks = report.get("checks") or []
-    rows = [[str(c.get("criterion", "")), fmt(c.get("value")), fmt(c.get("bound")),
-             "passed" if c.get("passed") else "FAILED", str(c.get("detail", ""))] for c in checks]  # fmt: skip
+    rows = [
+        [
+            str(c.get("criterion", "")),
+            fmt(c.get("value")),
+            fmt(c.get("bound")),
+            "passed" if c.get("passed") else "FAILED",
+            str(c.get("detail", "")),
+        ]
+        for c in checks
+    ]
     classes = ["" if c.get("passed") else "fail" for c in checks]
     headers = ["criterion", "value", "bound", "result", "detail"]
     section["tables"].append(_table(f"{what} checks", headers, rows, classes))
@@ -214,12 +253,16 @@ def data_section(loaded: dict[str, Any], paths: dict[str, str]) -> dict[str, Any
     section = _section("data", "Data and validation", loaded, paths, "prepare", "validation", "validate")
     prepare, validation, v = (loaded.get(n) or {} for n in ("prepare", "validation", "validate"))
     if loaded.get("prepare") is not None:
-        section["notes"].append(f"prepare: {fmt_count(prepare.get('rows_in'))} rows read, "
-                                f"{fmt_count(prepare.get('quarantined'))} quarantined")  # fmt: skip
+        section["notes"].append(
+            f"prepare: {fmt_count(prepare.get('rows_in'))} rows read, "
+            f"{fmt_count(prepare.get('quarantined'))} quarantined"
+        )
     if loaded.get("validate") is not None:
-        section["notes"].append(f"validate: {fmt_count(v.get('validate/rows_in'))} rows checked, "
-                                f"{fmt_count(v.get('validate/valid'))} valid, "
-                                f"{fmt_count(v.get('validate/quarantined'))} quarantined")  # fmt: skip
+        section["notes"].append(
+            f"validate: {fmt_count(v.get('validate/rows_in'))} rows checked, "
+            f"{fmt_count(v.get('validate/valid'))} valid, "
+            f"{fmt_count(v.get('validate/quarantined'))} quarantined"
+        )
     if loaded.get("validation") is not None:
         section["notes"].append(
             f"validation {'passed' if validation.get('success') else 'FAILED'}; at most "
@@ -230,15 +273,18 @@ def data_section(loaded: dict[str, Any], paths: dict[str, str]) -> dict[str, Any
     names = sorted({k.split("/", 1)[1] for k in prepare if k.startswith("split/")} | set(splits))
     if names:
         counts = ("rows_in", "valid", "quarantined")
-        rows = [[n, fmt_count(prepare.get(f"split/{n}")), *(fmt_count(splits.get(n, {}).get(k)) for k in counts)]
-                for n in names]  # fmt: skip
+        rows = [
+            [n, fmt_count(prepare.get(f"split/{n}")), *(fmt_count(splits.get(n, {}).get(k)) for k in counts)]
+            for n in names
+        ]
         headers = ["split", "prepared rows", "validated rows in", "valid", "quarantined"]
         section["tables"].append(_table("Rows per split", headers, rows))
     checked = {n: s.get("rules") or {} for n, s in sorted(splits.items())}
     rules = sorted({rule for found in checked.values() for rule in found})
     if rules:
-        rows = [[rule, *(fmt_count(found[rule]) if rule in found else "-" for found in checked.values())]
-                for rule in rules]  # fmt: skip
+        rows = [
+            [rule, *(fmt_count(found[rule]) if rule in found else "-" for found in checked.values())] for rule in rules
+        ]
         classes = ["fail" if any(number(found.get(r)) for found in checked.values()) else "" for r in rules]
         caption = "Rows quarantined per rule ('-': the split is not checked by it)"
         section["tables"].append(_table(caption, ["rule", *checked], rows, classes))
@@ -325,24 +371,44 @@ def eval_section(loaded: dict[str, Any], paths: dict[str, str]) -> dict[str, Any
                 f"{JUDGE_MEANINGLESS} (judge accuracy {fmt_interval(ev, 'eval/judge/accuracy')}, smaller length-kind "
                 f"accuracy {fmt(ev.get('eval/judge/length_accuracy'))})"
             )
-        section["notes"].append(f"{fmt_count(ev.get('eval/prompts'))} prompts, "
-                                f"{fmt_count(ev.get('eval/samples_per_prompt'))} samples per prompt; judge accuracy "
-                                f"{fmt_interval(ev, 'eval/judge/accuracy')}; reward model version "
-                                f"{fmt_count(ev.get('eval/reward_model_version'))}")  # fmt: skip
-        rows = [[scorer, fmt_interval(ev, f"eval/{scorer}/win_rate"), fmt_count(ev.get(f"eval/{scorer}/decisive")),
-                 fmt_count(ev.get(f"eval/{scorer}/ties")), fmt(ev.get(f"eval/{scorer}/sft_score")),
-                 fmt(ev.get(f"eval/{scorer}/policy_score")),
-                 "not meaningful" if scorer == "judge" and meaningless else ""]
-                for scorer in ("proxy", "judge")]  # fmt: skip
+        section["notes"].append(
+            f"{fmt_count(ev.get('eval/prompts'))} prompts, "
+            f"{fmt_count(ev.get('eval/samples_per_prompt'))} samples per prompt; judge accuracy "
+            f"{fmt_interval(ev, 'eval/judge/accuracy')}; reward model version "
+            f"{fmt_count(ev.get('eval/reward_model_version'))}"
+        )
+        rows = [
+            [
+                scorer,
+                fmt_interval(ev, f"eval/{scorer}/win_rate"),
+                fmt_count(ev.get(f"eval/{scorer}/decisive")),
+                fmt_count(ev.get(f"eval/{scorer}/ties")),
+                fmt(ev.get(f"eval/{scorer}/sft_score")),
+                fmt(ev.get(f"eval/{scorer}/policy_score")),
+                "not meaningful" if scorer == "judge" and meaningless else "",
+            ]
+            for scorer in ("proxy", "judge")
+        ]
         classes = ["", "muted" if meaningless else ""]
         headers = ["scorer", "win rate [95%]", "decisive", "ties", "SFT mean score", "policy mean score", "note"]
         section["tables"].append(_table("Win rate of the policy over SFT (ties apart)", headers, rows, classes))
-        rows = [[scorer, fmt_interval(ev, f"eval/{scorer}/score_diff"), fmt_interval(ev, f"eval/{scorer}/lc_win_rate"),
-                 fmt(ev.get(f"eval/{scorer}/lc_length_coef")),
-                 "not meaningful" if scorer == "judge" and meaningless else ""]
-                for scorer in ("proxy", "judge")]  # fmt: skip
-        headers = ["scorer", "score difference, policy - SFT [95%]", "length-controlled win rate [95%]",
-                   "length coefficient (log-odds)", "note"]  # fmt: skip
+        rows = [
+            [
+                scorer,
+                fmt_interval(ev, f"eval/{scorer}/score_diff"),
+                fmt_interval(ev, f"eval/{scorer}/lc_win_rate"),
+                fmt(ev.get(f"eval/{scorer}/lc_length_coef")),
+                "not meaningful" if scorer == "judge" and meaningless else "",
+            ]
+            for scorer in ("proxy", "judge")
+        ]
+        headers = [
+            "scorer",
+            "score difference, policy - SFT [95%]",
+            "length-controlled win rate [95%]",
+            "length coefficient (log-odds)",
+            "note",
+        ]
         caption = "What the policy changed on the same prompts: by how much, and how often it wins at equal length"
         section["tables"].append(_table(caption, headers, rows, classes))
         rows = [["KL to SFT (nats / response)", "-", fmt(ev.get("eval/policy/kl"))]]
@@ -360,8 +426,15 @@ def _best_of_n(section: dict[str, Any], ev: dict[str, Any]) -> None:
     sizes = sorted({int(k.split("/")[2]) for k in ev if k.startswith("eval/best_of_n/") and k.count("/") == 3})
     if not sizes:
         return
-    rows = [[str(n), fmt(ev.get(f"eval/best_of_n/{n}/kl")), fmt(ev.get(f"eval/best_of_n/{n}/proxy")),
-             fmt(ev.get(f"eval/best_of_n/{n}/judge"))] for n in sizes]  # fmt: skip
+    rows = [
+        [
+            str(n),
+            fmt(ev.get(f"eval/best_of_n/{n}/kl")),
+            fmt(ev.get(f"eval/best_of_n/{n}/proxy")),
+            fmt(ev.get(f"eval/best_of_n/{n}/judge")),
+        ]
+        for n in sizes
+    ]
     headers = ["N", "KL to SFT (log N - (N-1)/N)", "proxy mean score", "judge mean score"]
     section["tables"].append(_table("Best-of-N of the SFT model on the curve prompts", headers, rows))
     low = number(ev.get("eval/best_of_n/judge_gain_low"))
@@ -382,9 +455,13 @@ def samples_section(loaded: dict[str, Any], paths: dict[str, str], limit: int) -
         section["notes"].append(f"{shown} (evaluate run {found.get('run_id', NA)})")
         for row in rows[:limit]:
             earlier = max(len(row.get("messages") or []) - 1, 0)
-            sides = [{"text": str(row.get(f"{m}_response", "")),
-                      "scores": f"proxy {fmt(row.get(f'{m}_proxy'))}, judge {fmt(row.get(f'{m}_judge'))}"}
-                     for m in ("sft", "policy")]  # fmt: skip
+            sides = [
+                {
+                    "text": str(row.get(f"{m}_response", "")),
+                    "scores": f"proxy {fmt(row.get(f'{m}_proxy'))}, judge {fmt(row.get(f'{m}_judge'))}",
+                }
+                for m in ("sft", "policy")
+            ]
             name = f"{row.get('id', '?')} #{row.get('sample', 0)}" + (f" (+{earlier} earlier turns)" if earlier else "")
             section["samples"].append({"id": name, "prompt": str(row.get("prompt", "")), "sides": sides})
     return section
@@ -434,8 +511,12 @@ def render_report(
         ("reward gate", str((loaded.get("reward_gate") or {}).get("decision", NA))),
         ("policy gate", str((loaded.get("policy_gate") or {}).get("decision", NA))),
     ]
-    header_rows = [("pipeline run", pipeline_run), ("git commit", git_commit), ("profile", profile),
-                   ("created", created)]  # fmt: skip
+    header_rows = [
+        ("pipeline run", pipeline_run),
+        ("git commit", git_commit),
+        ("profile", profile),
+        ("created", created),
+    ]
     sections = [
         data_section(loaded, paths),
         sft_section(loaded, paths),

@@ -21,9 +21,23 @@ if TYPE_CHECKING:
 
 # the per-response columns of :func:`sequence_table`; the token sums are over the response's tokens
 COLUMNS = (
-    "raw", "scored", "normalized", "length", "ended", "empty", "unfinished", "kl", "kl_k3",
-    "logprobs", "entropy", "advantages", "returns", "returns_sq", "residual", "residual_sq",
-)  # fmt: skip
+    "raw",
+    "scored",
+    "normalized",
+    "length",
+    "ended",
+    "empty",
+    "unfinished",
+    "kl",
+    "kl_k3",
+    "logprobs",
+    "entropy",
+    "advantages",
+    "returns",
+    "returns_sq",
+    "residual",
+    "residual_sq",
+)
 
 
 def sequence_table(

@@ -162,8 +162,12 @@ def prune_versions(client, name: str, keep: int, apply: bool, say) -> tuple[list
         if not apply:
             continue
         if not again:
-            record = {"at": datetime.now(UTC).isoformat(timespec="seconds"), "by": "rlhf-housekeeping",
-                      "rule": f"registry.keep_versions {keep}", "bytes": size}  # fmt: skip
+            record = {
+                "at": datetime.now(UTC).isoformat(timespec="seconds"),
+                "by": "rlhf-housekeeping",
+                "rule": f"registry.keep_versions {keep}",
+                "bytes": size,
+            }
             tag = (name, str(version.version), PRUNED_TAG, json.dumps(record))
             _guard(f"tag {name} version {version.version} pruned", client.set_model_version_tag, *tag)
         repo = get_artifact_repository(version.source)
@@ -273,8 +277,10 @@ def remove_checkpoints(stages: set[str], stale: set[str], apply: bool, say) -> l
             why = unresumable(folder, name, stages, stale)
             if why is None:
                 whose = f"stage {name} is stale" if name in stages else f"{name} is no pipeline stage (a benchmark?)"
-                say(f"[checkpoints] keep {folder} ({decimal(folder_bytes(folder))}): {whose} and its inputs are "
-                    f"unchanged, so its next run resumes from it (or discards it if its params changed)")  # fmt: skip
+                say(
+                    f"[checkpoints] keep {folder} ({decimal(folder_bytes(folder))}): {whose} and its inputs are "
+                    f"unchanged, so its next run resumes from it (or discards it if its params changed)"
+                )
                 continue
             removals.append(Removal("checkpoints", folder, why, folder_bytes(folder)))
             say(removals[-1].line(apply))
@@ -318,8 +324,7 @@ def collect_cache(all_commits: bool, apply: bool, say) -> list[Removal]:
         say(f"[dvc gc] nothing to remove: the cache holds only what {users} uses")
         return []
     objects = f"{len(paths)} object{'' if len(paths) == 1 else 's'} of the DVC cache"
-    removal = Removal("dvc gc", objects, f"not used by {users}",
-                      sum(folder_bytes(path) for path in paths))  # fmt: skip
+    removal = Removal("dvc gc", objects, f"not used by {users}", sum(folder_bytes(path) for path in paths))
     say(removal.line(apply))
     if apply:
         dvc("gc", *scope, "--force")
@@ -367,8 +372,10 @@ def housekeep(apply: bool, all_commits: bool, project: str | None, say=typer.ech
     return removals
 
 
-app = typer.Typer(help="Remove what a project no longer needs: pruned model files, stale checkpoints, DVC cache, "
-                       "deleted MLflow runs. A dry run unless --yes.")  # fmt: skip
+app = typer.Typer(
+    help="Remove what a project no longer needs: pruned model files, stale checkpoints, DVC cache, "
+    "deleted MLflow runs. A dry run unless --yes."
+)
 
 
 @app.command()

@@ -115,8 +115,10 @@ def load(folder: str, device: str = "auto"):
 
     architectures = AutoConfig.from_pretrained(folder, trust_remote_code=False).architectures or []
     if not any(name.endswith("ForCausalLM") for name in architectures):
-        raise UserError(f"{folder}: not a causal language model ({', '.join(architectures) or 'no architecture'}); "
-                        "give a policy (e.g. models/policy)")  # fmt: skip
+        raise UserError(
+            f"{folder}: not a causal language model ({', '.join(architectures) or 'no architecture'}); "
+            "give a policy (e.g. models/policy)"
+        )
     tokenizer = load_tokenizer(folder)
     if not tokenizer.chat_template:
         raise UserError(f"{folder}: the tokenizer has no chat template")
@@ -219,7 +221,7 @@ def export(
         None,
         help="models:/<name>@<alias>, models:/<name>/<version> or a folder "
         "(default: the champion of params.yaml registry.policy_model)",
-    ),  # fmt: skip
+    ),
     project: str = typer.Option(None, help="the project folder (default: found from here)"),
 ) -> None:
     """Export a policy as a Hugging Face folder: safetensors, tokenizer with chat template, generation config and
@@ -259,10 +261,15 @@ def export(
             staged = os.path.join(tmp, "export")
             generation = stage_params("generation")
             policy.generation_config = GenerationConfig(
-                do_sample=True, temperature=generation.get("temperature"), top_k=0, top_p=1.0,
-                max_new_tokens=generation.get("max_new_tokens"), eos_token_id=tokenizer.eos_token_id,
-                pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-            )  # fmt: skip
+                do_sample=True,
+                temperature=generation.get("temperature"),
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=generation.get("max_new_tokens"),
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+                bos_token_id=tokenizer.bos_token_id,
+            )
             policy.save_pretrained(staged, safe_serialization=True)
             save_tokenizer(tokenizer, staged)
             origin = given if given.startswith("models:/") else f"the folder {given}"
@@ -364,10 +371,16 @@ def generate(
             texts = respond(policy, tokenizer, [ids[i] for i in batch], max_new_tokens, temperature, greedy)
             answers.update(zip(batch, texts, strict=True))
         lines = [
-            json.dumps({**({"id": row["id"]} if row["id"] is not None else {}), row["key"]: row["value"],
-                        "response": answers[i]}, ensure_ascii=False)
+            json.dumps(
+                {
+                    **({"id": row["id"]} if row["id"] is not None else {}),
+                    row["key"]: row["value"],
+                    "response": answers[i],
+                },
+                ensure_ascii=False,
+            )
             for i, row in enumerate(rows)
-        ]  # fmt: skip
+        ]
         atomic_write_text(out, "\n".join(lines) + "\n")
     typer.echo(f"wrote {len(rows)} responses to {out}")
 

@@ -28,10 +28,21 @@ app = typer.Typer(
     help="The champions (reward model, policy) of this project's MLflow registry: status, promote, rollback, restore."
 )
 MODELS = {"reward": "reward_model", "policy": "policy_model"}  # the command's model -> params.yaml registry key
-STATUS_METRICS = ("rm/accuracy", "rm/accuracy_low", "rm/accuracy_high", "rm/ece", "rm/accuracy_chosen_shorter",
-                  "rm/accuracy_chosen_longer", "rm/pairs", "eval/judge/win_rate", "eval/judge/win_rate_low",
-                  "eval/judge/accuracy_low", "eval/proxy/win_rate", "eval/policy/kl",
-                  "eval/policy/eos_rate")  # fmt: skip
+STATUS_METRICS = (
+    "rm/accuracy",
+    "rm/accuracy_low",
+    "rm/accuracy_high",
+    "rm/ece",
+    "rm/accuracy_chosen_shorter",
+    "rm/accuracy_chosen_longer",
+    "rm/pairs",
+    "eval/judge/win_rate",
+    "eval/judge/win_rate_low",
+    "eval/judge/accuracy_low",
+    "eval/proxy/win_rate",
+    "eval/policy/kl",
+    "eval/policy/eos_rate",
+)
 
 
 def _open(model: str, project: str | None):
@@ -126,8 +137,10 @@ def restore_command(
         client, name, where = _open(model, project)
         restore(client, name, version_, reason)
         typer.echo(where)
-        typer.echo(f"{name}: the content of deleted version {version_} may be registered again; the next gate run "
-                   "(dvc repro) registers it as a new version and gates it like any candidate")  # fmt: skip
+        typer.echo(
+            f"{name}: the content of deleted version {version_} may be registered again; the next gate run "
+            "(dvc repro) registers it as a new version and gates it like any candidate"
+        )
 
     _command(action)
 

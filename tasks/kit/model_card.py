@@ -42,8 +42,10 @@ EVAL, REWARD, JUDGE = paths.metrics("eval"), paths.metrics("reward"), paths.metr
 PROMPTS, SOURCES = paths.split("eval_prompts"), paths.SOURCES
 DVC_LOCK, POLICY = "dvc.lock", paths.POLICY
 METRIC_PREFIX = "rlhf.metric."
-PRESETS = {"ppo_max": "reward normalisation and clipping, value clipping, critic pre-training, PPO-ptx",
-           "vanilla": "PPO-clip with a KL penalty only"}  # fmt: skip
+PRESETS = {
+    "ppo_max": "reward normalisation and clipping, value clipping, critic pre-training, PPO-ptx",
+    "vanilla": "PPO-clip with a KL penalty only",
+}
 
 TEMPLATE = (resources.files("tasks.kit") / "templates/model_card.md").read_text(encoding="utf-8")  # a Jinja template
 
@@ -171,15 +173,22 @@ def _metric_facts(found, client, registry: dict[str, Any], folder_sha: str) -> d
         "Policy EOS rate": "eval/policy/eos_rate",
         "Eval prompts": "eval/prompts",
     }
-    shown = [(name, show(metrics, key, 0 if key == "eval/prompts" else 3), where.get(key, UNKNOWN))
-             for name, key in rows.items()]  # fmt: skip
+    shown = [
+        (name, show(metrics, key, 0 if key == "eval/prompts" else 3), where.get(key, UNKNOWN))
+        for name, key in rows.items()
+    ]
     keys = {f"{k}{end}" for k in rows.values() for end in ("", "_low", "_high")}
-    shown += [(f"`{k}`", show(metrics, k, 4), where.get(k, UNKNOWN)) for k in sorted(metrics)
-              if k.startswith("eval/") and k not in keys]  # fmt: skip
+    shown += [
+        (f"`{k}`", show(metrics, k, 4), where.get(k, UNKNOWN))
+        for k in sorted(metrics)
+        if k.startswith("eval/") and k not in keys
+    ]
     judge_warning = None
     if _number(metrics.get("eval/judge/meaningful", "")) == 0.0:
-        judge_warning = ("the judge is not meaningful (eval/judge/meaningful = 0: its balanced-accuracy interval "
-                         "does not lie above 0.5, or it ranks by length), so its win rates mean nothing.")  # fmt: skip
+        judge_warning = (
+            "the judge is not meaningful (eval/judge/meaningful = 0: its balanced-accuracy interval "
+            "does not lie above 0.5, or it ranks by length), so its win rates mean nothing."
+        )
     elif "eval/judge/meaningful" not in metrics:
         judge_warning = "whether the judge is meaningful is unknown (no eval/judge/meaningful recorded)."
     return {
@@ -195,8 +204,13 @@ def _data_facts(data: dict[str, Any], tags: dict[str, str]) -> dict[str, Any]:
     whether the checkout's eval prompts match it, the sha256 of every data/validated/*.jsonl."""
 
     sources = _load(SOURCES).get("sources") or []
-    hashes = [{"url": s.get("url", UNKNOWN), "hash": (s.get("fingerprint") or {}).get("sha256")
-               or json.dumps(s.get("fingerprint") or UNKNOWN)} for s in sources]  # fmt: skip
+    hashes = [
+        {
+            "url": s.get("url", UNKNOWN),
+            "hash": (s.get("fingerprint") or {}).get("sha256") or json.dumps(s.get("fingerprint") or UNKNOWN),
+        }
+        for s in sources
+    ]
     registered = tags.get(DATA_TAG)
     if not os.path.isfile(PROMPTS):
         match = f"{UNKNOWN} (not in the project)"
@@ -234,9 +248,11 @@ def _lineage(found, client, folder_sha: str, commit_now: str) -> list[tuple[str,
         ("dvc.lock sha256 (at export)", f"`{sha256_file(DVC_LOCK)}`" if os.path.isfile(DVC_LOCK) else UNKNOWN),
         ("dvc.lock md5 of models/policy", _dvc_out_md5(POLICY)),
         ("MLflow run that registered it (evaluate)", f"`{run_id}`" if run_id else UNKNOWN),
-        ("MLflow pipeline run id (rlhf.pipeline_run_id)",
-         f"`{tags[PIPELINE_RUN_TAG]}`" if PIPELINE_RUN_TAG in tags else UNKNOWN),
-    ]  # fmt: skip
+        (
+            "MLflow pipeline run id (rlhf.pipeline_run_id)",
+            f"`{tags[PIPELINE_RUN_TAG]}`" if PIPELINE_RUN_TAG in tags else UNKNOWN,
+        ),
+    ]
     if run_id and client is not None:
         return rows + _run_lineage(client, run_id)
     return rows + [("MLflow pipeline (parent) run", UNKNOWN)]
@@ -260,8 +276,9 @@ def card_facts(folder_sha: str, found=None, client=None, exported_from: str = ""
     params = read_params()
     section = {name: stage_params(name, params) if name in params else None for name in PARAM_SECTIONS}
     section |= {"judge": stage_params("judge", params)} if "judge" in params else {}  # the independent judge
-    model, data, registry, ppo = ({} if name not in params else stage_params(name, params)
-                                  for name in ("model", "data", "registry", "ppo"))  # fmt: skip
+    model, data, registry, ppo = (
+        {} if name not in params else stage_params(name, params) for name in ("model", "data", "registry", "ppo")
+    )
     base, detail = model.get("source", UNKNOWN), ""
     try:
         gguf = resolve_model_source(base)[1]
@@ -273,8 +290,10 @@ def card_facts(folder_sha: str, found=None, client=None, exported_from: str = ""
     tags, commit_now = (found.tags if found is not None else {}), git_commit()
     note = None
     if tags.get(COMMIT_TAG) and tags[COMMIT_TAG] != commit_now:
-        note = (f"the params are the checkout's (commit {commit_now}); the version was trained at commit "
-                f"{tags[COMMIT_TAG]}, whose params.yaml may differ.")  # fmt: skip
+        note = (
+            f"the params are the checkout's (commit {commit_now}); the version was trained at commit "
+            f"{tags[COMMIT_TAG]}, whose params.yaml may differ."
+        )
     metric_facts = _metric_facts(found, client, registry, folder_sha)
     return {
         "model_name": f"{found.name} v{found.version}" if found is not None else "RLHF policy (unregistered)",
@@ -330,8 +349,10 @@ def limitations(random_weights: bool, judge_doubtful: Any, tags: dict[str, str],
     if tags.get("rlhf.gate.decision") == "fail":
         lines.append("This version FAILED its policy gate.")
     if found is None:
-        lines.append("This folder matches no registered version: its metrics are the project's latest files when "
-                     "it is the evaluated models/policy, unknown otherwise.")  # fmt: skip
+        lines.append(
+            "This folder matches no registered version: its metrics are the project's latest files when "
+            "it is the evaluated models/policy, unknown otherwise."
+        )
     return lines
 
 
@@ -345,19 +366,30 @@ def render_card(facts: dict[str, Any]):
     from huggingface_hub import EvalResult, ModelCard, ModelCardData  # noqa: PLC0415 (huggingface_hub: only the card needs it)
 
     metrics, results = facts["metrics_raw"], []
-    names = {"eval/judge/win_rate": "judge win rate", "eval/proxy/win_rate": "proxy win rate",
-             "eval/win_rate": "proxy win rate", "eval/judge/lc_win_rate": "judge length-controlled win rate",
-             "eval/proxy/lc_win_rate": "proxy length-controlled win rate", "eval/policy/kl": "KL to SFT"}  # fmt: skip
+    names = {
+        "eval/judge/win_rate": "judge win rate",
+        "eval/proxy/win_rate": "proxy win rate",
+        "eval/win_rate": "proxy win rate",
+        "eval/judge/lc_win_rate": "judge length-controlled win rate",
+        "eval/proxy/lc_win_rate": "proxy length-controlled win rate",
+        "eval/policy/kl": "KL to SFT",
+    }
     for key, name in names.items():
         if key == "eval/win_rate" and "eval/proxy/win_rate" in metrics:
             continue
         value = _number(metrics.get(key, ""))
         if value is not None and math.isfinite(value):
-            results.append(EvalResult(
-                task_type="text-generation", dataset_type="Anthropic/hh-rlhf" if facts["hh"] else "local",
-                dataset_name="held-out eval prompts", dataset_split="eval_prompts",
-                metric_type=key.split("/", 1)[1].replace("/", "_"), metric_name=name, metric_value=round(value, 6),
-            ))  # fmt: skip
+            results.append(
+                EvalResult(
+                    task_type="text-generation",
+                    dataset_type="Anthropic/hh-rlhf" if facts["hh"] else "local",
+                    dataset_name="held-out eval prompts",
+                    dataset_split="eval_prompts",
+                    metric_type=key.split("/", 1)[1].replace("/", "_"),
+                    metric_name=name,
+                    metric_value=round(value, 6),
+                )
+            )
     base = facts["base_model"]
     hub_id = base.count("/") == 1 and ":" not in base and not os.path.exists(base) and not base.endswith(".gguf")
     data = ModelCardData(

@@ -199,18 +199,56 @@ def known_profiles(params: dict[str, Any]) -> set[str]:
 # from the environment or their own files.
 SECRET_WORDS = frozenset(
     {
-        "secret", "secrets", "password", "passwd", "pwd", "passphrase", "token", "credential", "credentials",
-        "creds", "auth", "authorization", "apikey", "accesskey", "secretkey", "privatekey", "pkey", "sessiontoken",
-        "accesstoken", "cookie", "cookies", "signature", "sig", "sas", "bearer",
+        "secret",
+        "secrets",
+        "password",
+        "passwd",
+        "pwd",
+        "passphrase",
+        "token",
+        "credential",
+        "credentials",
+        "creds",
+        "auth",
+        "authorization",
+        "apikey",
+        "accesskey",
+        "secretkey",
+        "privatekey",
+        "pkey",
+        "sessiontoken",
+        "accesstoken",
+        "cookie",
+        "cookies",
+        "signature",
+        "sig",
+        "sas",
+        "bearer",
     }
-)  # fmt: skip
+)
 KEY_QUALIFIERS = frozenset(  # "<qualifier>_key" names a key that opens something ("sort_key" does not)
-    {"api", "access", "secret", "private", "account", "master", "client", "sas", "shared", "signing", "encryption",
-     "storage", "subscription", "auth", "ssh", "service"}
-)  # fmt: skip
+    {
+        "api",
+        "access",
+        "secret",
+        "private",
+        "account",
+        "master",
+        "client",
+        "sas",
+        "shared",
+        "signing",
+        "encryption",
+        "storage",
+        "subscription",
+        "auth",
+        "ssh",
+        "service",
+    }
+)
 TOKENIZER_WORDS = frozenset(  # "eos_token", "pad_token_id", "max_token_length": a tokenizer's tokens, not secrets
     {"pad", "eos", "bos", "unk", "sep", "cls", "mask", "special", "end", "start", "stop", "max", "min", "num", "new"}
-)  # fmt: skip
+)
 NOT_A_CREDENTIAL = {"", "anon", "anonymous", "cloud", "google_default", "cache", "browser"}  # modes, not secrets
 SECRET_VALUES = (  # well-known credential formats, wherever they stand
     (re.compile(r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b"), "an AWS access key id"),

@@ -139,8 +139,13 @@ def register(client, name: str, folder: str, run_id: str, tags: dict[str, str], 
     source = f"{client.get_run(run_id).info.artifact_uri.rstrip('/')}/{ARTIFACT_PATH}"
     found = _guard(f"register {name}", client.create_model_version, name, source, run_id=run_id, tags=tags)
     if tags.get(SHA_TAG):  # kept where deleting the version cannot take it: refuse_deleted() reads it
-        _guard("record the content", client.set_registered_model_tag, name, f"{CONTENT_PREFIX}{found.version}",
-               tags[SHA_TAG])  # fmt: skip
+        _guard(
+            "record the content",
+            client.set_registered_model_tag,
+            name,
+            f"{CONTENT_PREFIX}{found.version}",
+            tags[SHA_TAG],
+        )
     return found
 
 
@@ -197,8 +202,9 @@ def restore(client, name: str, number: str, reason: str) -> None:
     if not reason.strip() or len(reason.strip()) > MAX_REASON:
         raise RegistryError(f"registry: --reason must say why, in at most {MAX_REASON:,} characters; nothing done")
     record = {"reason": reason.strip(), "at": datetime.now(UTC).isoformat(timespec="seconds")}
-    _guard("record the restore", client.set_registered_model_tag, name, f"{RESTORED_PREFIX}{number}",
-           json.dumps(record))  # fmt: skip
+    _guard(
+        "record the restore", client.set_registered_model_tag, name, f"{RESTORED_PREFIX}{number}", json.dumps(record)
+    )
 
 
 def find_by_sha(client, name: str, sha: str):
@@ -344,8 +350,14 @@ def decide_once(client, name: str, candidate, judge, reason: str, move: bool = T
             # a challenger of a DVC experiment whose model now runs outside one (the experiment was applied
             # and committed): its pass takes effect, once
             experiment, stored["experiment"] = stored["experiment"], None
-            _guard("store the decision", client.set_model_version_tag, name, str(candidate.version), CHECKS_TAG,
-                   json.dumps(stored))  # fmt: skip
+            _guard(
+                "store the decision",
+                client.set_model_version_tag,
+                name,
+                str(candidate.version),
+                CHECKS_TAG,
+                json.dumps(stored),
+            )
             move_alias(client, name, str(candidate.version), "gate", f"{reason}; decided in experiment {experiment}")
         return {**stored, "decided": "before"}
     checks, extra = judge()
