@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from prefect.exceptions import FlowPauseTimeout
+from prefect.flow_runs import pause_flow_run
 from prefect.input import RunInput
 from pydantic import Field
 
@@ -51,8 +53,6 @@ def await_approval(report: dict[str, Any], timeout_s: int, poll_s: int = 10, say
     Raises:
         RegistryError: the registry cannot be reached (one line).
     """
-    from prefect.exceptions import FlowPauseTimeout  # noqa: PLC0415 (Prefect: seconds to import)
-    from prefect.flow_runs import pause_flow_run  # noqa: PLC0415 (Prefect: seconds to import)
 
     name, version = report["candidate"]["name"], report["candidate"]["version"]
     say(

@@ -153,8 +153,8 @@ def run_on_pool(stage: str, pool: str, pipeline_run_id: str, revision: str, limi
         PoolWaitError: no live worker, not started in time, or its worker lost (one line naming stage and pool).
         RuntimeError: the flow run did not complete (its state and message), or returned no lock entry.
     """
-    from prefect.client.orchestration import get_client  # noqa: PLC0415 (Prefect: seconds to import)
-    from prefect.deployments import run_deployment  # noqa: PLC0415 (Prefect: seconds to import)
+    from prefect.client.orchestration import get_client  # noqa: PLC0415 (Prefect's client: rlhf-deploy --help starts without it)
+    from prefect.deployments import run_deployment  # noqa: PLC0415 (Prefect's client: rlhf-deploy --help starts without it)
 
     with get_client(sync_client=True) as client:
         check_live_worker(client, stage, pool, limits)

@@ -23,6 +23,7 @@ from prefect.states import Completed
 from rich.console import Console
 from rich.table import Table
 
+from flows.approval import await_approval, awaiting
 from flows.deployments import clean_revision, run_on_pool, stage_pool
 from flows.pools import pool_limits
 from flows.stages import (
@@ -185,7 +186,6 @@ def run_pipeline(stages: list[str] | None = None, pools: bool = False) -> dict[s
 def approve_policy(report_path: str = paths.POLICY_GATE) -> str | None:
     """With ``registry.policy_approval.required``, wait for a person's approval of a policy that passed its gate
     and waits for one (:mod:`flows.approval`); returns the outcome, or None when nothing waits."""
-    from flows.approval import await_approval, awaiting  # noqa: PLC0415 (Prefect's pause: only an approval needs it)
 
     if not os.path.exists(report_path):  # no policy gate ran (nor a project with a registry section)
         return None

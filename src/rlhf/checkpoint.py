@@ -15,10 +15,12 @@ import tempfile
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
 from rlhf.distributed import Ranks
-from rlhf.lora import is_lora, load_adapter_weights
+from rlhf.lora import add_lora, is_lora, load_adapter_weights, merged_copy
+from rlhf.models import load_causal_lm
 from rlhf.sharding import full_state_dict, load_full_state_dict, model_class
 
 
@@ -151,7 +153,6 @@ def save_kept_policy(policy: PreTrainedModel, folder: str, meta: dict[str, Any],
     temporary folder and renamed, so a folder that exists is complete. Every process calls it (a sharded
     policy is gathered first); rank 0 of ``ranks`` writes.
     """
-    from safetensors.torch import save_file  # noqa: PLC0415 (safetensors.torch imports torch)
 
     whole = full_state_dict(policy)  # None: not sharded
     if ranks is not None and not ranks.main:
@@ -182,10 +183,6 @@ def load_kept_policy(sft: str, folder: str) -> PreTrainedModel:
         FileNotFoundError: ``folder`` is not a kept policy.
         ValueError: its weights do not fit the SFT model (names or shapes).
     """
-    from safetensors.torch import load_file  # noqa: PLC0415 (safetensors.torch imports torch)
-
-    from rlhf.lora import add_lora, merged_copy  # noqa: PLC0415 (imports torch and transformers)
-    from rlhf.models import load_causal_lm  # noqa: PLC0415 (imports torch and transformers)
 
     meta_path = os.path.join(folder, KEPT_META)
     if not os.path.exists(meta_path):
