@@ -167,6 +167,7 @@ def _supervised(spec: Spec, task: str) -> dict[str, Any]:
         warmup_steps=0,
         checkpoint_every=0,
         trainable_layers=spec.trainable_layers,
+        group_by_length=False,  # TRL's default: the same batches on both sides
         seed=spec.seed,
     )
     if task == "sft":

@@ -18,7 +18,7 @@ import tempfile
 from typing import Any
 
 from rlhf.chat import check_reads_whole
-from rlhf.reward import RewardConfig
+from rlhf.reward import JudgeConfig
 from tasks.kit import paths
 from tasks.kit.backbones import save_source
 from tasks.kit.common import cli
@@ -78,7 +78,7 @@ def main() -> None:
     evaluate, new_tokens = stage_params("evaluate"), stage_params("generation")["max_new_tokens"]
 
     def check() -> None:  # the params, one line each, before any process starts
-        config = config_from_params(RewardConfig, {k: v for k, v in params.items() if k != "source"}, "judge")
+        config = config_from_params(JudgeConfig, {k: v for k, v in params.items() if k != "source"}, "judge")
         covers = (
             ("evaluate.max_prompt_length", evaluate["max_prompt_length"]),
             ("generation.max_new_tokens", new_tokens),

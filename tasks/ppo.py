@@ -82,7 +82,7 @@ def run(
     check_reads_whole(f"{REWARD} (trained at max_length)", trained, *covers)
     models = PPOModels(*policy_and_reference(SFT, config, runtime), runtime.frozen(reward_model), value_model)
     rows = sorted(load_jsonl(PROMPTS), key=lambda row: row["id"])
-    held_out = config.validation_prompts if config.validate_every else 0
+    held_out = config.validation_prompts or 0  # set exactly when validate_every > 0 (PPOConfig)
     if len(rows) <= held_out:
         raise ValueError(f"{PROMPTS}: {len(rows)} prompts, but {held_out} are held out for validation")
     encoded = [encode_prompt(tokenizer, row["prompt"], config.max_prompt_length) for row in rows]
@@ -146,8 +146,7 @@ def main() -> None:
     def check() -> None:  # the params, one line each, before any process starts
         config = config_from_params(PPOConfig, params, "ppo")
         config_from_params(GenerationSettings, generation, "generation")
-        validation_prompts = config.validation_prompts if config.validate_every else None
-        check_processes(config, validation_prompts, device["num_processes"], distributed_type(device) == "FSDP")
+        check_processes(config, config.validation_prompts, device["num_processes"], distributed_type(device) == "FSDP")
 
     def finish(stage, outputs: StagedOutputs, result) -> list[str]:
         reports = outputs.folder(REPORTS)

@@ -39,7 +39,7 @@ class SourceConfig:
 class DataConfig(SourceConfig):
     """The ``data`` section of params.yaml."""
 
-    fractions: dict[str, float] = field(default_factory=dict)
+    fractions: dict[str, float] = field(kw_only=True)  # split -> share of the conversations (params.yaml)
     more_sources: list[dict[str, Any]] = field(default_factory=list)
     ptx_source: str | None = None
     ptx_heldout_fraction: float = 0.2

@@ -39,8 +39,9 @@ from rlhf.training import no_log
 
 CONFIG = SFTConfig(steps=4, batch_size=3, micro_batch_size=1, lr=1e-3, warmup_steps=0, checkpoint_every=2)
 PPO = {"iterations": 2, "rollout_batch_size": 3, "minibatch_size": 2, "value_pretrain_iterations": 1,
-       "validate_every": 0, "checkpoint_every": 1, "ptx_coef": 0.0, "reward_normalize": True, "policy_lr": 1e-3,
-       "value_lr": 1e-3, "collapse_reward_skew": None, "collapse_truncated_share": None}  # fmt: skip
+       "validate_every": 0, "validation_prompts": None, "checkpoint_every": 1, "ptx_coef": 0.0,
+       "reward_normalize": True, "policy_lr": 1e-3, "value_lr": 1e-3, "collapse_reward_skew": None,
+       "collapse_truncated_share": None}  # fmt: skip
 
 
 def train(folder: str, root: str, runtime: Runtime) -> torch.nn.Module | None:

@@ -206,7 +206,7 @@ def test_what_a_launch_cannot_run_is_refused_before_it_starts(tmp_path):
         mixed_precision({"mixed_precision": "fp16"})
     assert distributed_type({"accelerate_config": None}) == "MULTI_GPU"
     assert distributed_type({"accelerate_config": os.path.join(INFRA, "fsdp.yaml")}) == "FSDP"
-    config = PPOConfig(rollout_batch_size=3, minibatch_size=3, lora_rank=4)
+    config = PPOConfig(rollout_batch_size=3, minibatch_size=3, lora_rank=4, trainable_layers=None)
     check_processes(config, 3, 3, False)  # one prompt each; LoRA data parallel
     with pytest.raises(ValueError, match=r"ppo.rollout_batch_size is 3: each of the 4 training processes needs"):
         check_processes(config, None, 4, False)

@@ -80,7 +80,14 @@ def toy_loop(plan: dict[int, str], lr: float = 0.1, steps: int = 5, scheduler: s
 
     try:
         config = LoopConfig(
-            steps=steps, batch_size=1, lr=lr, warmup_steps=0, scheduler=scheduler, max_grad_norm=1.0, checkpoint_every=0
+            steps=steps,
+            batch_size=1,
+            lr=lr,
+            warmup_steps=0,
+            scheduler=scheduler,
+            max_grad_norm=1.0,
+            checkpoint_every=0,
+            group_by_length=False,  # a toy of no lengths
         )
         summary = supervised_loop(
             model,
@@ -224,6 +231,7 @@ def ppo_run(tiny_dir, tokenizer, root, scaler_step=None, **overrides):
         "minibatch_size": 2,
         "ppo_epochs": 1,
         "validate_every": 0,
+        "validation_prompts": None,
         "collapse_reward_skew": None,
         "collapse_truncated_share": None,
         "checkpoint_every": 0,

@@ -143,6 +143,8 @@ def _accuracy_after_training(tiny_dir, tokenizer, kind: str, debiased: bool) -> 
         max_length=64,
         length_expert=debiased,
         length_decorrelation=1.0 if debiased else 0.0,
+        trainable_layers=None,  # every block of the 2-layer model, in a fixed order
+        group_by_length=False,
     )
     train_reward_model(
         model, tokenizer, _pairs(kind, 320, seed=0), config, lambda m, s: None, Runtime(), progress=False

@@ -269,7 +269,14 @@ def test_gradient_checkpointing_trains_exactly_as_without(tiny_dir, tokenizer):
     for checkpointing in (False, True):
         torch.manual_seed(0)
         model, logged = load_causal_lm(tiny_dir), []
-        config = SFTConfig(steps=2, batch_size=2, lr=1e-2, checkpoint_every=0, gradient_checkpointing=checkpointing)
+        config = SFTConfig(
+            steps=2,
+            batch_size=2,
+            lr=1e-2,
+            checkpoint_every=0,
+            gradient_checkpointing=checkpointing,
+            trainable_layers=None,
+        )
         log = logged.append
         train_sft(model, tokenizer, examples, config, lambda m, s, log=log: log(m["sft/loss"]), FP32, progress=False)
         assert model.is_gradient_checkpointing == checkpointing

@@ -72,7 +72,9 @@ def test_lora_policy_and_its_reference_start_exactly_as_sft_and_the_reference_st
     assert stats["ppo/kl"] == 0.0 and stats["ppo/kl_k3"] == 0.0
     # one PPO step at a large learning rate moves the adapters, never the base weights
     before = base_weights(models.policy)
-    config = PPOConfig(rollout_batch_size=4, minibatch_size=4, ppo_epochs=1, policy_lr=1e-2, lora_rank=RANK)
+    config = PPOConfig(
+        rollout_batch_size=4, minibatch_size=4, ppo_epochs=1, policy_lr=1e-2, lora_rank=RANK, trainable_layers=None
+    )
     optimisers = make_optimisers(models.policy, models.value_model, config)
     update = ppo_update(
         models.policy, models.value_model, optimisers, experience, config, TEMPERATURE, 0, None, True, runtime
@@ -133,7 +135,7 @@ def test_ppo_with_a_lora_policy_trains_the_adapters_and_ships_the_best(tiny_dir,
     models, sft = lora_models(tiny_dir)
     before = base_weights(models.policy)
     prompts = [encode_prompt(tokenizer, p, 24) for p in PROMPTS]
-    config = small_config(lora_rank=RANK, lora_alpha=ALPHA, policy_lr=1e-2, validate_every=1)
+    config = small_config(lora_rank=RANK, lora_alpha=ALPHA, policy_lr=1e-2, validate_every=1, trainable_layers=None)
     logged: dict[int, dict[str, float]] = {}
 
     def log(metrics: dict[str, float], step: int) -> None:
@@ -160,7 +162,7 @@ def test_lora_and_trainable_layers_are_refused_together():
     with pytest.raises(ValueError, match="lora_rank and ppo.trainable_layers"):
         PPOConfig(lora_rank=8, trainable_layers=4)
     with pytest.raises(ValueError, match="lora_rank must be >= 0"):
-        PPOConfig(lora_rank=-1)
+        PPOConfig(lora_rank=-1, trainable_layers=None)
     with pytest.raises(ValueError, match="rank >= 1"):
         add_lora(torch.nn.Linear(2, 2), 0, 1.0)
 
@@ -172,7 +174,9 @@ def test_the_ppo_stage_loads_the_sft_weights_once_for_a_lora_policy(tiny_dir, mo
     real = tasks.ppo.load_causal_lm
     monkeypatch.setattr(tasks.ppo, "load_causal_lm", lambda folder: loads.append(folder) or real(folder))
     runtime = Runtime(torch.device("cpu"), "bf16", frozen_bf16=True)
-    policy, reference = tasks.ppo.policy_and_reference(tiny_dir, PPOConfig(lora_rank=RANK), runtime)
+    policy, reference = tasks.ppo.policy_and_reference(
+        tiny_dir, PPOConfig(lora_rank=RANK, trainable_layers=None), runtime
+    )
     assert loads == [tiny_dir] and is_lora(policy) and isinstance(reference, AdapterDisabledReference)
     assert reference.policy is policy and policy.dtype == torch.float32  # frozen_bf16 has no copy to act on
     loads.clear()

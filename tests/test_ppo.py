@@ -234,13 +234,21 @@ def test_resume_after_kill_matches_uninterrupted_run(tiny_dir, tokenizer, tmp_pa
 def test_every_keep_every_th_policy_and_the_last_are_kept_as_they_were(tiny_dir, tokenizer, tmp_path):
     from rlhf.checkpoint import load_kept_policy
 
-    config = small_config(iterations=3, validate_every=0, keep_every=2)
+    config = small_config(iterations=3, validate_every=0, validation_prompts=None, keep_every=2)
     result, _, models = train(tiny_dir, tokenizer, tmp_path / "run", config)
     # policy iterations 2 (every 2nd) and 3 (the last), named by the rollout step: 1 critic pre-training rollout
     assert sorted(os.listdir(result.kept)) == ["iteration-0003", "iteration-0004"]
     last = load_kept_policy(tiny_dir, os.path.join(result.kept, "iteration-0004"))
     for (name, shipped), kept in zip(models.policy.state_dict().items(), last.state_dict().values(), strict=True):
         assert torch.equal(shipped, kept), name  # validation off: the last policy ships, and it was kept whole
-    assert train(tiny_dir, tokenizer, tmp_path / "none", small_config(validate_every=0))[0].kept is None
+    assert (
+        train(
+            tiny_dir,
+            tokenizer,
+            tmp_path / "none",
+            small_config(validate_every=0, validation_prompts=None, keep_every=0),
+        )[0].kept
+        is None
+    )
     with pytest.raises(ValueError, match="ppo.keep_every must be >= 0"):
         small_config(keep_every=-1)

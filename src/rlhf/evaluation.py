@@ -36,11 +36,11 @@ class EvalConfig:
 
     max_prompts: int | None = 32  # the first N eval prompts (by id); None: all
     samples_per_prompt: int = 1  # responses per prompt and model; the interval resamples whole prompts
-    batch_size: int = 8
-    max_prompt_length: int = 192
+    batch_size: int = 16
+    max_prompt_length: int = 128
     greedy: bool = False  # greedy decoding instead of sampling at generation.temperature
     samples_in_table: int = 8  # rows of the Markdown sample table in reports/eval/samples.md
-    curve_prompts: int = 16  # the first N eval prompts: the fixed set of the over-optimisation curve
+    curve_prompts: int = 8  # the first N eval prompts: the fixed set of the over-optimisation curve
     best_of_n: int = 4  # the largest N of best-of-N on the curve prompts (N = 1, 4, 16, ... up to it); 0: none
     bootstrap_resamples: int = 2000
     judge_max_length: int = 256  # tokens of prompt + response the judge reads (the stage passes its max_length)

@@ -32,33 +32,33 @@ def max_skewness(n: int) -> float:
 class PPOConfig:
     """PPO hyperparameters and PPO-max switches (params.yaml section ``ppo``).
 
-    The defaults are a library's, for code that builds a config by hand; the pipeline's values, and the presets
-    (``ppo.presets``: vanilla and ppo_max, which also set ``ptx_coef`` and ``value_pretrain_iterations``), are
-    params.yaml's. Settings that no run could use, or a collapse threshold out of mathematical reach at the
-    configured sizes, are refused when the config is built. Two settings are read only with another:
-    ``validation_prompts`` when ``validate_every`` > 0, and ``kl_target`` and ``kl_horizon`` with
-    ``adaptive_kl``; every other switch acts alone.
+    The defaults are params.yaml's: its ``ppo`` section with the ``ppo_max`` preset (``tests/test_defaults.py``
+    keeps them equal; ``vanilla`` and the profiles are params.yaml's alone). Settings that no run could use, or a
+    collapse threshold out of mathematical reach at the configured sizes, are refused when the config is built.
+    Three settings are read only with another, and are refused without it: ``validation_prompts`` (set exactly
+    when ``validate_every`` > 0), ``kl_target`` and ``kl_horizon`` (set exactly when ``adaptive_kl``).
     """
 
     value_init: str = "reward"  # reward | sft: where the value model starts (paper section 5.3.3)
-    iterations: int = 12  # policy iterations (after critic pre-training)
+    iterations: int = 3  # policy iterations (after critic pre-training)
     rollout_batch_size: int = 8  # prompts per iteration: the (small) experience buffer
     minibatch_size: int = 4
     micro_batch_size: int | None = None  # at most this many rollouts per forward/backward pass (None: a rank's share)
     ppo_epochs: int = 2
-    policy_lr: float = 1e-6
-    value_lr: float = 3e-6
+    policy_lr: float = 1e-5
+    value_lr: float = 3e-5
     scheduler: str = "constant"  # a transformers schedule, stepped once per optimiser step
     warmup_steps: int = 0  # optimiser steps
-    max_prompt_length: int = 192
+    max_prompt_length: int = 128
     gamma: float = 1.0
     lam: float = 0.95
     clip: float = 0.2
     # token-level KL penalty (tutorial Eq. 11) and optional adaptive controller (Ziegler et al. 2019)
     kl_coef: float = 0.05
     adaptive_kl: bool = False
-    kl_target: float = 6.0  # nats per response
-    kl_horizon: int = 160  # samples; Ziegler's 10,000 at batch 512 moves beta by up to 1% a step, as 160 at batch 8
+    kl_target: float | None = None  # nats per response (adaptive_kl only)
+    kl_horizon: int | None = None  # samples (adaptive_kl only); Ziegler's 10,000 at batch 512 moves beta by up to 1%
+    # a step, as 160 at batch 8
     # reward normalisation and clipping by running statistics (paper Eq. 18)
     reward_normalize: bool = True
     reward_clip: float | None = 5.0
@@ -69,12 +69,12 @@ class PPOConfig:
     value_clip: float | None = 0.2
     # critic pre-training (paper 5.3.3): value-only iterations until the explained variance on a fresh
     # rollout reaches the threshold, at most value_pretrain_iterations of them (0: none)
-    value_pretrain_iterations: int = 4
+    value_pretrain_iterations: int = 3
     value_pretrain_explained_variance: float = 0.5
     # global gradient-norm clipping, policy and value separately (None disables)
     max_grad_norm: float | None = 1.0
     # PPO-ptx (tutorial Eq. 14): LM loss on pretraining-style text
-    ptx_coef: float = 0.0
+    ptx_coef: float = 0.5
     ptx_batch_size: int = 2
     ptx_max_length: int = 128
     entropy_coef: float = 0.0
@@ -90,10 +90,10 @@ class PPOConfig:
     on_collapse: str = "stop"  # stop | rollback (to the best policy, fresh policy optimiser) | warn
     max_rollbacks: int = 2  # after this many rollbacks a further collapse stops the run
     validate_every: int = 4
-    validation_prompts: int = 8
-    keep_every: int = 0  # policy iterations between kept policies (and the last): evaluate's over-optimisation curve
-    checkpoint_every: int = 1
-    trainable_layers: int | None = None  # train only the top N blocks of policy and value model (CPU budget); None: all
+    validation_prompts: int | None = 8  # held-out prompts (validate_every > 0 only)
+    keep_every: int = 2  # policy iterations between kept policies (and the last): evaluate's over-optimisation curve
+    checkpoint_every: int = 4
+    trainable_layers: int | None = 8  # train only the top N blocks of policy and value model (CPU budget); None: all
     # LoRA policy (rlhf.lora): adapters of this rank on every linear layer of the policy's blocks, whose reference is
     # the same weights with the adapters disabled (one copy of the weights fewer); 0: the whole policy trains
     lora_rank: int = 0
@@ -105,15 +105,17 @@ class PPOConfig:
 
         Raises:
             ValueError: an unknown choice, a size below 1, warm-up with a schedule
-                that has none, LoRA together with ``trainable_layers``, an inert adaptive-KL horizon, or a collapse
-                threshold that cannot fire at these sizes (names the key).
+                that has none, LoRA together with ``trainable_layers``, an inert adaptive-KL horizon, a collapse
+                threshold that cannot fire at these sizes (names the key), or a setting read only with another
+                switch set without it, or missing with it (names both keys and both values).
         """
+        _check_read_with(self)
         if self.on_collapse not in ("stop", "rollback", "warn"):
             raise ValueError(f"ppo.on_collapse must be stop, rollback or warn, got {self.on_collapse!r}")
         if self.value_init not in ("reward", "sft"):
             raise ValueError(f"ppo.value_init must be reward or sft, got {self.value_init!r}")
         for name in ("rollout_batch_size", "minibatch_size", "ppo_epochs", "collapse_window", "kl_horizon"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"ppo.{name} must be at least 1, got {getattr(self, name)}")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise ValueError(f"ppo.micro_batch_size must be at least 1 or null, got {self.micro_batch_size}")
@@ -155,6 +157,27 @@ class PPOConfig:
     def steps_per_iteration(self) -> int:
         """Optimiser steps per PPO iteration: ``ppo_epochs x ceil(rollout_batch_size / minibatch_size)``."""
         return self.ppo_epochs * -(-self.rollout_batch_size // self.minibatch_size)
+
+
+def _check_read_with(config: PPOConfig) -> None:
+    """Refuse a setting its switch would ignore, and a switch without the settings it reads.
+
+    Raises:
+        ValueError: ``validation_prompts`` set with ``validate_every`` 0, or missing with it above 0;
+            ``kl_target`` or ``kl_horizon`` set without ``adaptive_kl``, or missing with it.
+    """
+    on = {"validation_prompts": config.validate_every > 0, "kl_target": config.adaptive_kl}
+    on["kl_horizon"] = on["kl_target"]
+    switch = {"validation_prompts": "validate_every", "kl_target": "adaptive_kl", "kl_horizon": "adaptive_kl"}
+    for name, read in on.items():
+        value, by = getattr(config, name), switch[name]
+        if read and not value:
+            raise ValueError(f"ppo.{by} is {getattr(config, by)}, which reads ppo.{name}: set it (got {value})")
+        if not read and value is not None:
+            raise ValueError(
+                f"ppo.{name} is {value}, but ppo.{by} is {getattr(config, by)}, which does not read it: set "
+                f"{name}: null, or turn {by} on"
+            )
 
 
 def check_processes(config: PPOConfig, validation_prompts: int | None, processes: int, sharded: bool) -> None:

@@ -34,16 +34,32 @@ class RewardConfig(LoopConfig):
     """Reward-model hyperparameters (params.yaml section ``reward``)."""
 
     section: ClassVar[str] = "reward"
-    steps: int = 60
-    lr: float = 1e-5
+    steps: int = 106
+    batch_size: int = 8
+    lr: float = 1e-4
     warmup_steps: int = 5
+    trainable_layers: int | None = 8
     max_length: int = 256
     margin: float = 0.0
     lm_coef: float = 0.0
     eval_batch_size: int = 16
-    center_max_examples: int | None = None  # demonstrations used to centre the scores (None: all of rm_train)
+    center_max_examples: int | None = 128  # demonstrations used to centre the scores (None: all of rm_train)
     length_expert: bool = True  # product of experts with a length expert fitted first, dropped after training
     length_decorrelation: float = 1.0  # coefficient of |the pairs' mean preference for the longer| (after ODIN)
+
+
+@dataclass
+class JudgeConfig(RewardConfig):
+    """The judge's hyperparameters (params.yaml section ``judge``): a reward model trained the same way on its own
+    pairs, for evaluation only (PPO never reads it); only the section and the defaults differ."""
+
+    section: ClassVar[str] = "judge"
+    steps: int = 31
+    lr: float = 3e-5
+    warmup_steps: int = 3
+    trainable_layers: int | None = 4
+    seed: int = 1
+    center_max_examples: int | None = 64
 
 
 def encode_pairs(

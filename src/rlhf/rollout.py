@@ -35,7 +35,7 @@ class GenerationSettings:
     they always score responses the same way.
     """
 
-    max_new_tokens: int = 64
+    max_new_tokens: int = 128
     temperature: float = 0.7
     # a response cut at max_new_tokens without EOS: penalty (TRL: score - no_eos_value), constant (the N+
     # implementation details: the score becomes no_eos_value) or score (read as if it had ended)

@@ -22,9 +22,10 @@ class SFTConfig(LoopConfig):
     """SFT hyperparameters (params.yaml section ``sft``)."""
 
     section: ClassVar[str] = "sft"
-    steps: int = 40
+    steps: int = 32
     lr: float = 2e-5
     warmup_steps: int = 4
+    trainable_layers: int | None = 12
     max_length: int = 256
 
 

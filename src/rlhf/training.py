@@ -113,10 +113,11 @@ def minibatch_indices(step: int, n: int, batch_size: int, seed: int, lengths: li
 
 @dataclasses.dataclass
 class LoopConfig:
-    """The settings every supervised trainer shares (SFT and the reward model; params.yaml ``sft``/``reward``).
+    """The settings every supervised trainer shares (SFT, the reward model and the judge).
 
-    Subclasses name their params.yaml ``section`` and add their own fields; a warm-up
-    the schedule would ignore is refused when the config is built (:func:`check_schedule`).
+    Subclasses name their params.yaml ``section``, add their own fields and set the defaults where their sections
+    differ: every default is the value in params.yaml (``tests/test_defaults.py``). A warm-up the schedule would
+    ignore is refused when the config is built (:func:`check_schedule`).
     """
 
     section: ClassVar[str] = ""
@@ -127,9 +128,9 @@ class LoopConfig:
     warmup_steps: int = 0  # optimiser steps
     scheduler: str = "cosine"  # a transformers schedule
     max_grad_norm: float | None = 1.0  # global gradient-norm clipping (None: measure only)
-    checkpoint_every: int = 10  # steps between resume checkpoints (0: never)
+    checkpoint_every: int = 25  # steps between resume checkpoints (0: never)
     trainable_layers: int | None = None  # train only the top N blocks (CPU budget); None: all
-    group_by_length: bool = False  # batches of similar length (less padding); still every example once per epoch
+    group_by_length: bool = True  # batches of similar length (less padding); still every example once per epoch
     gradient_checkpointing: bool = False  # recompute each block's activations in the backward: less memory, slower
     seed: int = 0  # minibatch order and any new head's initialisation
 

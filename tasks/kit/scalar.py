@@ -18,13 +18,22 @@ import torch
 
 from rlhf.data import load_jsonl
 from rlhf.models import load_scalar_model, load_tokenizer, save_tokenizer
-from rlhf.reward import RewardConfig, center_rewards, encode_pairs, evaluate_reward_model, train_reward_model
+from rlhf.reward import (
+    JudgeConfig,
+    RewardConfig,
+    center_rewards,
+    encode_pairs,
+    evaluate_reward_model,
+    train_reward_model,
+)
 from rlhf.sharding import whole_model
 from rlhf.stats import chance_warning
 from tasks.kit.common import setup_torch, stage_runtime
 from tasks.kit.configs import config_from_params
 from tasks.kit.outputs import StagedOutputs, write_metrics
 from tasks.kit.resume import run_checkpointer
+
+CONFIGS = {"reward": RewardConfig, "judge": JudgeConfig}  # stage -> its typed config: same fields, own defaults
 
 
 def run(
@@ -50,7 +59,7 @@ def run(
     Raises:
         FloatingPointError: training diverged, or the trained model's scores are not finite.
     """
-    config = config_from_params(RewardConfig, params, stage)
+    config = config_from_params(CONFIGS[stage], params, stage)
     setup_torch(config.seed)  # before the model is built: the seed owns any new head's initialisation
     tokenizer, model = load_tokenizer(init), load_scalar_model(init)
     runtime = stage_runtime(stage, device)
