@@ -1,5 +1,6 @@
 """params.yaml's own values are the defaults: a typed config's field carries no default or params.yaml's value (the
-default profile and preset applied), and every class a stage builds from params.yaml is checked here."""
+default profile and preset applied), every class a stage builds from params.yaml is checked here, and the README's
+tables of values (the PPO-max switches, the data splits) show params.yaml's."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import ast
 import dataclasses
 import importlib
 import pathlib
+import re
 
 import pytest
 
@@ -90,3 +92,69 @@ def test_the_check_sees_a_wrong_default(monkeypatch):
     monkeypatch.setattr(field, "default", _section_values("ppo")["iterations"] + 1)
     with pytest.raises(AssertionError, match="iterations"):
         test_a_field_default_is_params_yaml_value("ppo")
+
+
+def _table(header: str) -> list[list[str]]:
+    """The rows of the README table under ``header`` (its first line), each as its stripped cells."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    start = lines.index(header) + 2  # the header, then the |---| line
+    rows = []
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+    return rows
+
+
+def _readme_value(text: str):
+    text = re.sub(r"\s*\(.*?\)", "", text).strip()  # "0 (off)" -> "0"
+    words = {"on": True, "off": False, "none": None}
+    if text in words:
+        return words[text]
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+PPO_TABLE = "| switch | what it does | source | default (`ppo_max`) | `vanilla` |"
+
+
+@pytest.mark.parametrize("column, preset", [(-2, "ppo_max"), (-1, "vanilla")])
+def test_the_readme_ppo_table_shows_params_yaml_presets(column, preset):
+    params = read_params(str(ROOT / "params.yaml"))
+    params["ppo"]["preset"] = preset
+    values = stage_params("ppo", params)
+    rows = _table(PPO_TABLE)
+    assert len(rows) >= 14
+    for row in rows:
+        keys = re.findall(r"`(\w+)`", re.sub(r"\(.*?\)", "", row[0]))  # keys in parentheses carry no value
+        shown = row[column] if row[column] != "same" else row[-2]
+        for key, text in zip(keys, re.split(r"[,;]\s*", shown), strict=False):
+            assert _readme_value(text) == values[key], (
+                f"README {preset} column: {key} is {text}, params.yaml {values[key]}"
+            )
+
+
+SPLIT_TABLE = (
+    "| split | fraction (demo) | rows (prepared → validated) | read by | fraction (`long`, `gpu`) | rows (prepared) |"
+)
+
+
+@pytest.mark.parametrize("column, profile", [(1, "demo"), (4, "long"), (4, "gpu")])
+def test_the_readme_split_table_shows_params_yaml_fractions(column, profile):
+    params = read_params(str(ROOT / "params.yaml"))
+    params["profile"] = profile
+    data = stage_params("data", params)
+    fractions, heldout = data["fractions"], data["ptx_heldout_fraction"]
+    shares = {
+        **fractions,
+        "ptx_text": fractions["ptx_text"] * (1 - heldout),
+        "ptx_heldout": fractions["ptx_text"] * heldout,
+    }
+    rows = _table(SPLIT_TABLE)
+    assert {row[0].strip("`") for row in rows} == set(shares)
+    for row in rows:
+        formula = re.sub(r"\(\+.*?\)", "", row[column]).replace("×", "*").replace("−", "-")
+        share = eval(formula, {"__builtins__": {}})  # the README's own arithmetic: "0.05 * (1 - 0.2)"
+        assert share == pytest.approx(shares[row[0].strip("`")]), f"README {profile}: {row}"
