@@ -187,7 +187,7 @@ def run(
         ("judge.max_length (evaluate's judge_max_length)", None, config.max_prompt_length),
     ):
         length = config.judge_max_length if model is None else getattr(model.config, "reward_max_length", None)
-        check_reads_whole(reader, length, ("evaluate.max_prompt_length", reads), longest)
+        check_reads_whole(reader, length, ("ppo.max_prompt_length (evaluate's max_prompt_length)", reads), longest)
     heldout = load_jsonl(PTX_HELDOUT)
     metrics, runs = evaluate_policy(sft, policy, scorers, tokenizer, prompts, heldout, config, settings, runtime)
     del policy

@@ -75,12 +75,12 @@ def summary_lines(metrics: dict[str, float]) -> list[str]:
 def main() -> None:
     """DVC stage command."""
     params, device = stage_params("judge"), stage_params("device")
-    evaluate, new_tokens = stage_params("evaluate"), stage_params("generation")["max_new_tokens"]
+    prompt_tokens, new_tokens = stage_params("ppo")["max_prompt_length"], stage_params("generation")["max_new_tokens"]
 
     def check() -> None:  # the params, one line each, before any process starts
         config = config_from_params(JudgeConfig, {k: v for k, v in params.items() if k != "source"}, "judge")
         covers = (
-            ("evaluate.max_prompt_length", evaluate["max_prompt_length"]),
+            ("ppo.max_prompt_length", prompt_tokens),  # evaluate's too (tasks/kit/configs.py DERIVED)
             ("generation.max_new_tokens", new_tokens),
         )
         check_reads_whole("judge.max_length", config.max_length, *covers)

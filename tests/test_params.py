@@ -9,7 +9,7 @@ from rlhf.chat import check_reads_whole
 from rlhf.evaluation import EvalConfig
 from rlhf.gate_rules import GateCriteria, PolicyCriteria
 from rlhf.ppo_config import PPOConfig
-from rlhf.reward import RewardConfig
+from rlhf.reward import JudgeConfig, RewardConfig
 from rlhf.rollout import GenerationSettings
 from rlhf.sft import SFTConfig
 from rlhf.validation import ValidationConfig
@@ -72,7 +72,7 @@ def test_every_section_builds_its_config_under_every_profile_and_preset(profile,
     }
     assert set(stage_params("model", params)) <= MODEL_KEYS
     judge = config_from_params(
-        RewardConfig, {k: v for k, v in stage_params("judge", params).items() if k != "source"}, "judge"
+        JudgeConfig, {k: v for k, v in stage_params("judge", params).items() if k != "source"}, "judge"
     )
     # the reward model and the judge read whole prompts and responses (the stages check this when they start)
     longest = ("generation.max_new_tokens", configs["generation"].max_new_tokens)
@@ -86,9 +86,7 @@ def test_every_section_builds_its_config_under_every_profile_and_preset(profile,
         ("judge.max_length", judge.max_length),
         ("evaluate.judge_max_length", configs["evaluate"].judge_max_length),
     ):
-        check_reads_whole(
-            reader, length, ("evaluate.max_prompt_length", configs["evaluate"].max_prompt_length), longest
-        )
+        check_reads_whole(reader, length, ("ppo.max_prompt_length", configs["evaluate"].max_prompt_length), longest)
     assert configs["validate"].max_length == configs["reward"].max_length  # validation cuts as the reward model reads
 
 

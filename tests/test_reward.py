@@ -269,10 +269,8 @@ def test_a_reader_shorter_than_the_prompt_and_response_it_scores_is_refused_in_o
     check_reads_whole("reward.max_length", 320, ("ppo.max_prompt_length", 192), ("generation.max_new_tokens", 128))
     check_reads_whole("models/reward", None, ("ppo.max_prompt_length", 192), ("generation.max_new_tokens", 128))
     with pytest.raises(ValueError) as refused:
-        check_reads_whole(
-            "judge.max_length", 192, ("evaluate.max_prompt_length", 192), ("generation.max_new_tokens", 64)
-        )
+        check_reads_whole("judge.max_length", 192, ("ppo.max_prompt_length", 192), ("generation.max_new_tokens", 64))
     assert str(refused.value) == (
-        "judge.max_length is 192 tokens, but it scores evaluate.max_prompt_length (192) + generation.max_new_tokens "
+        "judge.max_length is 192 tokens, but it scores ppo.max_prompt_length (192) + generation.max_new_tokens "
         "(64) = 256: a prompt and response would be cut; set it to at least 256"
     )

@@ -14,6 +14,7 @@ DERIVED = {  # (section, field) -> the key of another section whose value it tak
     ("validate", "max_length"): "reward.max_length",  # validation cuts pairs as the reward model reads them
     ("evaluate", "judge_max_length"): "judge.max_length",  # the judge scores at the length it was trained at
     ("evaluate", "ptx_max_length"): "ppo.ptx_max_length",  # the alignment tax reads ptx rows as PPO-ptx trains on them
+    ("evaluate", "max_prompt_length"): "ppo.max_prompt_length",  # the policy is evaluated on prompts as it trained
     # the judge's length floor is the reward gate's: below it a scorer ranks by length
     ("evaluate", "judge_min_length_accuracy"): "registry.reward_gate.min_length_accuracy",
 }
