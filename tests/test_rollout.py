@@ -195,3 +195,19 @@ def test_rollout_stats_explained_variance_and_token_means_by_hand():
     # token means: returns (1 + 3) / 2 tokens = 2; perplexity exp(2 / 2) = e; raw score mean 2, std 1
     assert constant["ppo/returns/mean"] == pytest.approx(2.0) and constant["ppo/perplexity"] == pytest.approx(2.71828)
     assert constant["ppo/reward/mean"] == pytest.approx(2.0) and constant["ppo/reward/std"] == pytest.approx(1.0)
+
+
+def test_the_collapse_guard_compares_with_the_mean_of_the_starting_policys_rollouts_by_hand():
+    from rlhf.guard import detect_collapse, pooled_baseline
+
+    baseline = {}
+    for length, perplexity in ((109.0, 4.0), (74.0, 5.0), (63.0, 3.0), (58.0, 4.0)):  # the long run's SFT rollouts
+        baseline = pooled_baseline(baseline, {"ppo/response_length": length, "ppo/perplexity": perplexity})
+    # (109 + 74 + 63 + 58) / 4 = 76.0 tokens, (4 + 5 + 3 + 4) / 4 = 4.0
+    assert baseline == {"ppo/response_length": 76.0, "ppo/perplexity": 4.0, "rollouts": 4.0}
+    config = PPOConfig(collapse_reward_skew=None, collapse_truncated_share=None)
+    calm = {"ppo/window/reward_skew": 0.0, "ppo/window/truncated_share": 0.0, "ppo/kl": 0.3, "ppo/perplexity": 4.0}
+    # 26.5 tokens: under the first rollout's 109 / 3, not under the pooled 76 / 3 = 25.3
+    assert detect_collapse({**calm, "ppo/response_length": 26.5}, baseline, config) is None
+    reason = detect_collapse({**calm, "ppo/response_length": 25.0}, baseline, config)
+    assert reason == "mean response length fell from 76.0 to 25.0 (limit /3.0)"

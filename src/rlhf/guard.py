@@ -2,8 +2,9 @@
 
 Each check uses a signal that can reach its threshold at the configured sizes
 (:class:`rlhf.ppo_config.PPOConfig` refuses thresholds out of reach): the
-sequence KL of the rollout, its mean length against the first rollout's (a
-fall), its perplexity against the first rollout's (either way), and, pooled over
+sequence KL of the rollout, its mean length against the starting policy's (a
+fall), its perplexity against the starting policy's (either way; both references
+pooled over every rollout the starting policy sampled, :func:`pooled_baseline`), and, pooled over
 the last ``collapse_window`` rollouts, the skewness of the raw scores (a long
 tail) and the share of responses cut at ``max_new_tokens`` (a length blow-up
 cannot show as a ratio under a length cap).
@@ -39,12 +40,33 @@ def window_signals(window: list[dict[str, list[float]]]) -> dict[str, float]:
     }
 
 
+BASELINE_KEYS = ("ppo/response_length", "ppo/perplexity")
+
+
+def pooled_baseline(baseline: dict[str, float], stats: dict[str, float]) -> dict[str, float]:
+    """The guard's reference with one more rollout of the starting policy: the running mean of its
+    :data:`BASELINE_KEYS` over every rollout sampled before the first policy update (critic pre-training samples
+    the SFT policy too), so one rollout's few prompts do not set the reference alone.
+
+    Args:
+        baseline: the reference so far (``{}`` before the first rollout); ``rollouts`` counts what it pools.
+        stats: the new rollout's signals (response length in tokens, perplexity).
+
+    Returns:
+        The new reference: each key the mean over ``rollouts`` rollouts (equal batches weigh equally).
+    """
+    pooled = baseline.get("rollouts", 0.0)
+    means = {key: (baseline.get(key, 0.0) * pooled + stats[key]) / (pooled + 1) for key in BASELINE_KEYS}
+    return {**means, "rollouts": pooled + 1}
+
+
 def detect_collapse(stats: dict[str, float], baseline: dict[str, float], config: PPOConfig) -> str | None:
     """Name the first collapse signal over its threshold, or None.
 
     Args:
         stats: the rollout's signals plus :func:`window_signals` of the window that ends with it.
-        baseline: ``ppo/response_length`` and ``ppo/perplexity`` of the first rollout (the SFT policy).
+        baseline: ``ppo/response_length`` and ``ppo/perplexity`` of the starting (SFT) policy's rollouts
+            (:func:`pooled_baseline`).
         config: thresholds (None disables a check).
 
     Returns:

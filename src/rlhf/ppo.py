@@ -22,7 +22,7 @@ from rlhf import losses
 from rlhf.checkpoint import Checkpointer, save_kept_policy
 from rlhf.device import Runtime
 from rlhf.finite import NonFiniteError, ScalerStep, check_finite_rollout, check_finite_weights
-from rlhf.guard import act_on_collapse, detect_collapse, window_signals
+from rlhf.guard import act_on_collapse, detect_collapse, pooled_baseline, window_signals
 from rlhf.ppo_config import PPOConfig, check_processes
 from rlhf.ppo_state import Best, PPOState
 from rlhf.rollout import GenerationSettings, RunningMoments, make_experience, validation_stats
@@ -301,8 +301,8 @@ def _iteration(loop: _Loop, state: PPOState) -> dict[str, float]:
     truncated = (~ranks.gather(experience.ended)).float().tolist()
     state.window = (state.window + [{"scores": raw_scores.tolist(), "truncated": truncated}])[-config.collapse_window :]
     stats.update(window_signals(state.window))
-    if not state.baseline:
-        state.baseline = {k: stats[k] for k in ("ppo/response_length", "ppo/perplexity")}
+    if state.policy_iterations == 0:  # sampled by the starting policy: the collapse guard's reference pools it
+        state.baseline = pooled_baseline(state.baseline, stats)
     reason = detect_collapse(stats, state.baseline, config) if update_policy else None
     stats["ppo/collapse"] = float(reason is not None)
     held_back = reason is not None and config.on_collapse != "warn"

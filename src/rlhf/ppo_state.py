@@ -24,7 +24,8 @@ class PPOState:
 
     ``iteration`` counts rollouts (critic pre-training included), ``policy_iterations`` policy updates;
     ``value_affine`` is the value head's calibration on the first rollout (``[shift, scale]``, None before);
-    ``baseline`` the first rollout's response length and perplexity (the collapse guard's reference);
+    ``baseline`` the starting policy's mean response length and perplexity over its rollouts (the collapse
+    guard's reference, :func:`rlhf.guard.pooled_baseline`);
     ``window`` the last ``collapse_window`` rollouts' scores and truncation flags; ``history`` and
     ``reward_samples`` the per-rollout figures and score samples by step; ``stopped_by`` the collapse line that
     stopped the run; ``skipped_steps`` the optimiser steps a loss scaler skipped (policy, value).
