@@ -278,7 +278,10 @@ def test_gradient_checkpointing_trains_exactly_as_without(tiny_dir, tokenizer):
             trainable_layers=None,
         )
         log = logged.append
-        train_sft(model, tokenizer, examples, config, lambda m, s, log=log: log(m["sft/loss"]), FP32, progress=False)
+        summary = train_sft(
+            model, tokenizer, examples, config, lambda m, s, log=log: log(m["sft/loss"]), FP32, progress=False
+        )
+        assert summary["sft/epochs"] == 1.0  # 2 steps x 2 of the 4 examples: each once
         assert model.is_gradient_checkpointing == checkpointing
         results.append((logged, model.state_dict()))
     (plain_losses, plain), (checkpointed_losses, checkpointed) = results

@@ -68,6 +68,7 @@ HEADLINE = (  # (input, metric): the figures the parent MLflow run carries
 # the tables of one value per measure: (label, key ("{p}": the file's prefix), "count" | "interval" | "")
 SFT_ROWS = (
     ("examples", "sft/examples", "count"),
+    ("epochs over them (steps x batch / examples)", "sft/epochs", ""),
     ("steps", "sft/steps", "count"),
     ("loss, first step", "sft/loss_first", ""),
     ("loss, last step", "sft/loss_last", ""),

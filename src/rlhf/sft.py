@@ -75,7 +75,8 @@ def train_sft(
         checkpointer: resume point (see :func:`rlhf.training.supervised_loop`).
 
     Returns:
-        Summary metrics (``sft/loss_first``, ``sft/loss_last``, ``sft/steps``, ``sft/examples``).
+        Summary metrics (``sft/loss_first``, ``sft/loss_last``, ``sft/steps``, ``sft/examples``, and
+        ``sft/epochs``: ``steps x batch_size / examples``, how much of the split the model saw; 1.0 is each once).
 
     Raises:
         ValueError: no examples.
@@ -96,4 +97,5 @@ def train_sft(
         checkpointer=checkpointer,
         progress=progress,
     )
-    return {**summary, "sft/examples": float(len(encoded))}
+    epochs = config.steps * config.batch_size / len(encoded)
+    return {**summary, "sft/examples": float(len(encoded)), "sft/epochs": epochs}
