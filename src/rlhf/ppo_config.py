@@ -41,15 +41,16 @@ class PPOConfig:
 
     value_init: str = "reward"  # reward | sft: where the value model starts (paper section 5.3.3)
     iterations: int = 3  # policy iterations (after critic pre-training)
-    rollout_batch_size: int = 8  # prompts per iteration: the (small) experience buffer
-    minibatch_size: int = 4
-    micro_batch_size: int | None = None  # at most this many rollouts per forward/backward pass (None: a rank's share)
-    ppo_epochs: int = 2
+    rollout_batch_size: int = 8  # prompts per iteration, all processes together: the experience buffer (paper 5.4)
+    minibatch_size: int = 4  # rollouts per optimiser step, all processes together
+    micro_batch_size: int | None = None  # at most this many rollouts (or ptx rows) per forward/backward pass (None: a
+    # process's whole share)
+    ppo_epochs: int = 2  # passes over each rollout buffer
     policy_lr: float = 1e-5
     value_lr: float = 3e-5
     scheduler: str = "constant"  # a transformers schedule, stepped once per optimiser step
     warmup_steps: int = 0  # optimiser steps
-    max_prompt_length: int = 128
+    max_prompt_length: int = 128  # tokens: a longer prompt keeps its last turns (cut from the left)
     gamma: float = 1.0
     lam: float = 0.95
     clip: float = 0.2
@@ -70,7 +71,7 @@ class PPOConfig:
     # critic pre-training (paper 5.3.3): value-only iterations until the explained variance on a fresh
     # rollout reaches the threshold, at most value_pretrain_iterations of them (0: none)
     value_pretrain_iterations: int = 3
-    value_pretrain_explained_variance: float = 0.5
+    value_pretrain_explained_variance: float = 0.5  # ...until a fresh rollout's explained variance reaches this
     # global gradient-norm clipping, policy and value separately (None disables)
     max_grad_norm: float | None = 1.0
     # PPO-ptx (tutorial Eq. 14): LM loss on pretraining-style text
@@ -79,7 +80,7 @@ class PPOConfig:
     ptx_max_length: int = 128
     entropy_coef: float = 0.0
     # monitoring
-    histogram_every: int = 5
+    histogram_every: int = 5  # policy iterations between reward histograms (reports/ppo)
     # pattern-collapse guard (paper section 5.2), checked on each rollout before the update; None disables a check
     collapse_window: int = 4  # iterations of rollouts the skew and truncation checks pool
     collapse_kl_max: float | None = 20.0
@@ -89,10 +90,11 @@ class PPOConfig:
     collapse_truncated_share: float | None = 0.9  # share of the window's responses cut at max_new_tokens
     on_collapse: str = "stop"  # stop | rollback (to the best policy, fresh policy optimiser) | warn
     max_rollbacks: int = 2  # after this many rollbacks a further collapse stops the run
-    validate_every: int = 4
+    validate_every: int = 4  # policy iterations between validations (the SFT policy first, the last always); 0: none
     validation_prompts: int | None = 8  # held-out prompts (validate_every > 0 only)
-    keep_every: int = 2  # policy iterations between kept policies (and the last): evaluate's over-optimisation curve
-    checkpoint_every: int = 4
+    keep_every: int = 2  # policy iterations between kept policies (and the last; 0: none), their trained weights
+    # in models/policy_kept: evaluate's over-optimisation curve
+    checkpoint_every: int = 4  # iterations between resume checkpoints (policy, value model, optimisers; 0: never)
     trainable_layers: int | None = 8  # train only the top N blocks of policy and value model (CPU budget); None: all
     # LoRA policy (rlhf.lora): adapters of this rank on every linear layer of the policy's blocks, whose reference is
     # the same weights with the adapters disabled (one copy of the weights fewer); 0: the whole policy trains

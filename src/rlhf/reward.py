@@ -39,11 +39,11 @@ class RewardConfig(LoopConfig):
     lr: float = 1e-4
     warmup_steps: int = 5
     trainable_layers: int | None = 8
-    max_length: int = 256
-    margin: float = 0.0
-    lm_coef: float = 0.0
-    eval_batch_size: int = 16
-    center_max_examples: int | None = 128  # demonstrations used to centre the scores (None: all of rm_train)
+    max_length: int = 256  # tokens of prompt + response it trains and reads at (a long prompt is cut from the left)
+    margin: float = 0.0  # Bradley-Terry margin (0: tutorial Eq. 6 exactly)
+    lm_coef: float = 0.0  # the paper's beta_rm: weight of an LM imitation term on the chosen response
+    eval_batch_size: int = 16  # pairs per scoring pass (centring and the held-out split)
+    center_max_examples: int | None = 128  # chosen responses of rm_train whose mean score becomes 0 (None: all)
     length_expert: bool = True  # product of experts with a length expert fitted first, dropped after training
     length_decorrelation: float = 1.0  # coefficient of |the pairs' mean preference for the longer| (after ODIN)
 

@@ -26,7 +26,7 @@ class SFTConfig(LoopConfig):
     lr: float = 2e-5
     warmup_steps: int = 4
     trainable_layers: int | None = 12
-    max_length: int = 256
+    max_length: int = 256  # tokens of prompt + response (a long prompt is cut from the left)
 
 
 def sft_step(

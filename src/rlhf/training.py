@@ -128,8 +128,8 @@ class LoopConfig:
     warmup_steps: int = 0  # optimiser steps
     scheduler: str = "cosine"  # a transformers schedule
     max_grad_norm: float | None = 1.0  # global gradient-norm clipping (None: measure only)
-    checkpoint_every: int = 25  # steps between resume checkpoints (0: never)
-    trainable_layers: int | None = None  # train only the top N blocks (CPU budget); None: all
+    checkpoint_every: int = 25  # steps between resume checkpoints, each the model and its optimiser (0: never)
+    trainable_layers: int | None = None  # train only the top N blocks, the final norm and the head; None: all
     group_by_length: bool = True  # batches of similar length (less padding); still every example once per epoch
     gradient_checkpointing: bool = False  # recompute each block's activations in the backward: less memory, slower
     seed: int = 0  # minibatch order and any new head's initialisation

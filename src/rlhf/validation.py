@@ -49,7 +49,7 @@ class ValidationConfig:
     role_markers: str = "quarantine"  # quarantine | keep: "Human:"/"Assistant:" inside a response or ptx content
     control_tokens: str = "quarantine"  # quarantine | keep: a control token's text (<|im_end|>, ...) in any content
     max_ptx_tokens: int = 2048  # tokens of a ptx row as PPO-ptx reads it (chat template or text + EOS)
-    max_quarantine_fraction: float = 0.05
+    max_quarantine_fraction: float = 0.05  # a split with more of its rows quarantined fails the stage
 
 
 @dataclass
