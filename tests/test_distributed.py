@@ -196,13 +196,42 @@ def test_fsdp_settings_the_trainers_do_not_implement_are_refused_before_launch(t
         check_accelerate_config(str(path))
 
 
+@pytest.mark.parametrize(
+    ("amx", "avx512_bf16", "expected"), [(True, False, "bf16"), (False, True, "bf16"), (False, False, "no")]
+)
+def test_auto_precision_is_bf16_only_where_the_cpu_computes_it_natively(
+    monkeypatch, capsys, amx, avx512_bf16, expected
+):
+    from accelerate.state import AcceleratorState
+
+    from rlhf.device import mixed_precision
+    from tasks.kit.common import stage_runtime
+
+    def fresh_accelerator() -> None:  # a stage process builds one; reset as accelerate's own tests do
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    auto = {"mixed_precision": "auto", "cpu": True, "frozen_bf16": False}
+    assert mixed_precision(auto) == expected
+    fresh_accelerator()
+    assert stage_runtime("sft", auto).mixed_precision == expected
+    assert f"[sft] device cpu, mixed precision {expected} (auto)" in capsys.readouterr().out
+    # bf16 asked by name is honoured, with a warning where it is only emulated
+    fresh_accelerator()
+    stage_runtime("sft", {**auto, "mixed_precision": "bf16"})
+    fresh_accelerator()
+    warned = "[sft] WARNING: cpu has no native bf16" in capsys.readouterr().out
+    assert warned == (expected == "no")
+
+
 def test_what_a_launch_cannot_run_is_refused_before_it_starts(tmp_path):
     from rlhf.device import mixed_precision
     from rlhf.ppo_config import PPOConfig, check_processes
     from tasks.kit.launch import distributed_type
 
     assert mixed_precision({"mixed_precision": False}) == "no"  # YAML reads an unquoted no as false
-    with pytest.raises(ValueError, match=r"device.mixed_precision 'fp16': use one of no, bf16"):
+    with pytest.raises(ValueError, match=r"device.mixed_precision 'fp16': use one of auto, no, bf16"):
         mixed_precision({"mixed_precision": "fp16"})
     assert distributed_type({"accelerate_config": None}) == "MULTI_GPU"
     assert distributed_type({"accelerate_config": os.path.join(INFRA, "fsdp.yaml")}) == "FSDP"

@@ -20,7 +20,8 @@ def setup_torch(seed: int) -> None:
 
 
 def stage_runtime(stage: str, device: dict[str, Any] | None = None):
-    """The stage's :class:`rlhf.device.Runtime` from accelerate and the ``device`` section; prints it in one line.
+    """The stage's :class:`rlhf.device.Runtime` from accelerate and the ``device`` section; prints it in one line,
+    and a WARNING line when bf16 is asked of a device that only emulates it (:func:`rlhf.device.native_bf16`).
 
     Args:
         stage: named in the line, e.g. ``"sft"``.
@@ -29,18 +30,27 @@ def stage_runtime(stage: str, device: dict[str, Any] | None = None):
     Raises:
         ValueError: an unknown ``device.mixed_precision``.
     """
-    from rlhf.device import runtime_from_params  # noqa: PLC0415 (imports torch and transformers)
+    from rlhf.device import native_bf16, runtime_from_params  # noqa: PLC0415 (imports torch and transformers)
 
-    runtime = runtime_from_params(device if device is not None else stage_params("device"))
+    params = device if device is not None else stage_params("device")
+    runtime = runtime_from_params(params)
     processes = runtime.ranks.world_size
     kind = "data parallel" if runtime.sharding is None else "FSDP: trained models sharded"
     if runtime.ranks.main:
+        chosen = " (auto)" if params["mixed_precision"] == "auto" else ""
         print(
-            f"[{stage}] device {runtime.device}, mixed precision {runtime.mixed_precision}"
+            f"[{stage}] device {runtime.device}, mixed precision {runtime.mixed_precision}{chosen}"
             f"{', frozen models in bf16' if runtime.frozen_bf16 else ''}"
             f"{f', {processes} processes ({kind})' if processes > 1 else ''}",
             flush=True,
         )
+        if (runtime.bf16 or runtime.frozen_bf16) and not native_bf16(runtime.device):
+            print(
+                f"[{stage}] WARNING: {runtime.device} has no native bf16 (no AMX or AVX512-BF16): its bf16 matmuls "
+                "are emulated, tens of times slower than float32; device.mixed_precision: auto (or no) and "
+                "frozen_bf16: false run float32 here",
+                flush=True,
+            )
     return runtime
 
 
