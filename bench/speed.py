@@ -68,6 +68,7 @@ def plan(
     scaling_responses: list[int],
     scaling_steps: int,
     scaling_precision: str,
+    bf16_rows: bool = True,
     fair_epochs: int = 2,
     fair_minibatches: int = 2,
 ) -> list[dict[str, Any]]:
@@ -75,23 +76,27 @@ def plan(
     (both with the lower blocks frozen, ``trainable_layers = lever_layers``; PPO at the demo's
     ``fair_epochs`` x ``fair_minibatches``), then the lever rows (``lever_layers`` None: neither; PPO also a
     LoRA policy of ``lora_rank``, 0: none); the scaling run (ours only, one process) comes once, after the
-    rounds.
+    rounds. ``bf16_rows`` False (bf16 slower than fp32 on this machine): no best rows, the fp32 ones are each at
+    its fastest.
 
     Returns:
         ``[{"row": str, "round": int, "impl": "ours" | "trl", "spec": Spec}]``.
     """
     sizes = {"ppo": {"batch": batch, "response": response, "epochs": epochs, "minibatches": minibatches}}
+    settings = [("fp32", "fp32"), ("best", "bf16")] if bf16_rows else [("fp32", "fp32")]
     runs = []
     for round_ in range(repeats):
         for figure in FIGURES:
             shape = sizes.get(figure, {"batch": train_batch})
             steps = ppo_steps if figure == "ppo" else train_steps
-            for setting, precision in (("fp32", "fp32"), ("best", "bf16")):
+            for setting, precision in settings:
                 for impl in ("ours", "trl"):
                     spec = Spec(task=figure, precision=precision, steps=steps, **shape)
                     runs.append({"row": f"{figure}/{setting}", "round": round_, "impl": impl, "spec": spec})
             fair = {**shape, "epochs": fair_epochs, "minibatches": fair_minibatches} if figure == "ppo" else shape
-            for setting, precision in (("fair_fp32", "fp32"), ("fair_best", "bf16")) if lever_layers else ():
+            for setting, precision in (
+                [(f"fair_{name}", precision) for name, precision in settings] if lever_layers else ()
+            ):
                 for impl in ("ours", "trl"):
                     spec = Spec(task=figure, precision=precision, steps=steps, trainable_layers=lever_layers, **fair)
                     runs.append({"row": f"{figure}/{setting}", "round": round_, "impl": impl, "spec": spec})
@@ -204,10 +209,14 @@ def main(
     print(f"TRL in {ensure_trl()}; inputs in {ensure_inputs()}", flush=True)
     peak = matmul_peak()
     print(f"matmul peak: fp32 {peak['fp32']:.0f} GFLOP/s, bf16 {peak['bf16']:.0f} GFLOP/s", flush=True)
+    bf16_rows = peak["bf16"] > peak["fp32"]
+    if not bf16_rows:  # e.g. an AVX2-only CPU, where torch emulates bf16 (rlhf.device.native_bf16)
+        scaling_precision = "fp32"
+        print("bf16 is slower than fp32 here: each is at its fastest in the fp32 rows, so no bf16 row runs", flush=True)
     runs = plan(
         repeats, ppo_steps, train_steps, batch, response, epochs, minibatches, train_batch,
         lever_layers if levers else None, lora_rank,
-        _ints(scaling_batches), _ints(scaling_responses), scaling_steps, scaling_precision,
+        _ints(scaling_batches), _ints(scaling_responses), scaling_steps, scaling_precision, bf16_rows,
     )  # fmt: skip
     if rows:
         runs = [run for run in runs if run["row"] in rows.split(",")]
