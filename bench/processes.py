@@ -1,7 +1,8 @@
 """Seconds per optimiser step and trained-state memory per process: one process, data parallel and FSDP.
 
 ``python -m bench.processes [--processes 2] [--steps 6] [--model models/base] [--trainable-layers 12]`` runs
-the same global batch (the demo's: SFT 4 examples, reward model 8 pairs, bf16) on one process with every
+the same global batch (the demo's: SFT 4 examples, reward model 8 pairs, the demo's ``mixed_precision: auto``:
+bf16 where the device computes it natively, else fp32) on one process with every
 core, then on N processes with the cores shared out, under ``infra/accelerate/ddp.yaml`` (every process holds
 the whole model) and ``infra/accelerate/fsdp.yaml`` (the trained model sharded, :mod:`rlhf.sharding`): gloo
 on a CPU-only machine, NCCL with one GPU each on a GPU host. It prints one line per trainer and launch: the
@@ -31,7 +32,7 @@ def worker(model: str, steps: int, layers: int | None) -> None:
 
     from rlhf.chat import encode_chat
     from rlhf.data import load_jsonl
-    from rlhf.device import Runtime
+    from rlhf.device import Runtime, mixed_precision
     from rlhf.distributed import Ranks
     from rlhf.models import load_causal_lm, load_scalar_model, load_tokenizer
     from rlhf.reward import RewardConfig, encode_pairs, reward_step
@@ -42,7 +43,8 @@ def worker(model: str, steps: int, layers: int | None) -> None:
     state = PartialState(cpu=not torch.cuda.is_available())
     torch.set_num_threads(max((os.cpu_count() or 1) // state.num_processes, 1))
     ranks = Ranks(state.process_index, state.num_processes)
-    runtime = Runtime(device=state.device, mixed_precision="bf16", ranks=ranks, sharding=sharding_from_environ())
+    precision = mixed_precision({"mixed_precision": "auto", "cpu": state.device.type == "cpu"})
+    runtime = Runtime(device=state.device, mixed_precision=precision, ranks=ranks, sharding=sharding_from_environ())
     tokenizer, rows = load_tokenizer(model), load_jsonl(DATA)[:64]
     encoded = [encode_chat(tokenizer, row["prompt"], row["chosen"], 256) for row in rows]
     trainers = {
@@ -83,12 +85,15 @@ def worker(model: str, steps: int, layers: int | None) -> None:
 def measure(processes: int, config: str | None, model: str, steps: int, layers: int | None) -> dict[str, float]:
     """Run :func:`worker` on ``processes`` processes with accelerate config ``config`` (infra/accelerate/); its
     JSON line."""
+    from rlhf.device import mixed_precision  # noqa: PLC0415 (imports torch, which the launching process needs only here)
+
     args = [__file__, "worker", "--model", model, "--steps", str(steps), "--trainable-layers", str(layers)]
     if processes == 1:
         command = [sys.executable, *args]
     else:
         command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"infra/accelerate/{config}",
-                   "--num_processes", str(processes), "--mixed_precision", "bf16", "--dynamo_backend", "no",
+                   "--num_processes", str(processes), "--mixed_precision", mixed_precision({"mixed_precision": "auto"}),
+                   "--dynamo_backend", "no",
                    *args]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode != 0:
