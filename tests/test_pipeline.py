@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from rlhf.device import mixed_precision
+
 pytestmark = pytest.mark.integration
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -194,7 +196,8 @@ def test_prefect_flow_runs_the_stale_stages_on_two_sharded_processes_and_groups_
     output = run(project, "flows.pipeline", "--stage", "judge", "--stage", "ppo")  # every trainer, on two processes
     ran = ran_stages(output)
     assert ran == ["sft", "reward", "gate", "judge", "ppo"]  # what `device` reaches, up to the stages asked for
-    line = "device cpu:0, mixed precision bf16, 2 processes (FSDP: trained models sharded)"
+    precision = mixed_precision({"mixed_precision": "auto", "cpu": True})  # bf16 only where this CPU has it natively
+    line = f"device cpu:0, mixed precision {precision} (auto), 2 processes (FSDP: trained models sharded)"
     for stage in ("sft", "reward", "judge", "ppo"):  # rank 0 alone prints, logs and writes
         assert output.count(f"[{stage}] {line}") == 1
         assert output.count(f"[{stage}] started (MLflow run") == 1
