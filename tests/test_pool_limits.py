@@ -235,7 +235,7 @@ def test_a_worker_lost_mid_stage_fails_the_pipeline_within_the_bound(site):
         what="the slow stage running on gpu",
     )
     stop(site.gpu)  # Ctrl-C twice, as a person stops a worker
-    lost = time.monotonic()
+    lost = time.time()
     failed = site.wait_for(
         lambda r: (
             r["deployment"] == "scheduled" and r["state"] == "FAILED" and "its worker is lost" in (r["message"] or "")
@@ -243,7 +243,9 @@ def test_a_worker_lost_mid_stage_fails_the_pipeline_within_the_bound(site):
         timeout=60,
         what="the pipeline failing",
     )
-    assert time.monotonic() - lost <= 15 + 2 * 2 + 10  # lost_worker_s, two polls, the reads' own time
+    # when the server recorded the failure, not when this test's polling (a new Python process per read, seconds
+    # each on a loaded 2-core machine) saw it: lost_worker_s, two of the flow's polls, the flow's own reads
+    assert failed[0]["end"] - lost <= 15 + 2 * 2 + 10
     assert "stage slow: its worker is lost: work pool gpu sent no heartbeat for 15 s" in failed[0]["message"]
     (child,) = [r for r in site.runs("run-stage-gpu") if r["id"] not in previous]
     assert child["state"] == "CRASHED", child
