@@ -46,9 +46,9 @@ def stage_runtime(stage: str, device: dict[str, Any] | None = None):
         )
         if (runtime.bf16 or runtime.frozen_bf16) and not native_bf16(runtime.device):
             print(
-                f"[{stage}] WARNING: {runtime.device} has no native bf16 (no AMX or AVX512-BF16): its bf16 matmuls "
-                "are emulated, tens of times slower than float32; device.mixed_precision: auto (or no) and "
-                "frozen_bf16: false run float32 here",
+                f"[{stage}] WARNING: {runtime.device} has no native bf16 (a CPU without AMX or AVX512-BF16, a GPU "
+                "without bf16): its bf16 matmuls are emulated, tens of times slower than float32; "
+                "device.mixed_precision: auto (or no) and frozen_bf16: false run float32 here",
                 flush=True,
             )
     return runtime
