@@ -44,7 +44,9 @@ def test_no_answer_leaves_the_champion_and_an_approval_moves_it_with_the_reviewe
     from prefect.testing.utilities import prefect_test_harness
 
     assert not awaiting({"candidate": {"name": NAME, "version": "1"}})  # no flag: nothing to wait for
-    with prefect_test_harness():
+    # None: the product's start-up timeout (flows/__init__.py, 180 s), not the harness's 30 s, which a CI run on a
+    # busy 2-core machine missed while the test server migrated its database
+    with prefect_test_harness(server_startup_timeout=None):
         report = awaiting_version(tiny_dir, "models/policy-1")
         assert awaiting(report)
         assert wait_for_approval(report, 2) == "timed out"
