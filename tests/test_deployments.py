@@ -110,14 +110,14 @@ def test_scheduled_deployment_runs_each_stale_stage_on_its_pool(tiny_run, tmp_pa
         )
         out = command(project, env, sys.executable, "-c", trigger, timeout=1300)
         assert out.strip().startswith("COMPLETED"), out + (tmp_path / "worker-cpu.log").read_text()[-3000:]
-        runs = json.loads(command(project, env, sys.executable, "-c", READ_RUNS))
+        runs = flow_runs(env["PREFECT_API_URL"])
     finally:
         for process in reversed(processes):
             stop(process)
     with open(os.path.join(project, "params.yaml")) as handle:
         pools = yaml.safe_load(handle)["orchestration"]["work_pools"]
     expected = {stage: pools.get(stage, pools["default"]) for stage in RERUN}
-    assert {r["stage"]: r["pool"] for r in runs if r["state"] == "COMPLETED"} == expected
+    assert {r["stage"]: r["pool"] for r in runs if r["stage"] and r["state"] == "COMPLETED"} == expected
     assert expected["ppo"] == "gpu" and expected["gate"] == "cpu"
     # every output came back to the flow's checkout: ppo and what it needs are up to date there
     status = command(project, env, sys.executable, "-m", "dvc", "status", "--json", "--with-deps", "ppo")
@@ -127,13 +127,21 @@ def test_scheduled_deployment_runs_each_stale_stage_on_its_pool(tiny_run, tmp_pa
         assert json.load(handle)["version"] == "2"  # the gate (cpu) saw the reward model the gpu host registered
 
 
-READ_RUNS = """
-import asyncio, json
-from prefect.client.orchestration import get_client
-async def main():
-    async with get_client() as client:
-        runs = await client.read_flow_runs()
-        print(json.dumps([{"stage": r.parameters["stage"], "pool": r.work_pool_name, "state": r.state.type.value}
-                          for r in runs if "stage" in r.parameters]))
-asyncio.run(main())
-"""
+def flow_runs(api_url: str) -> list[dict]:
+    """Every flow run the Prefect server at ``api_url`` holds: id, deployment name, stage parameter, pool, state
+    type and message, start and end (seconds since the epoch). Read in this process: a new Python process per
+    read costs seconds of CPU that the workers under test would lose on a 2-core machine."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
+        names: dict = {}
+        runs = []
+        for r in client.read_flow_runs():
+            if r.deployment_id and r.deployment_id not in names:
+                names[r.deployment_id] = client.read_deployment(r.deployment_id).name
+            runs.append({"id": str(r.id), "deployment": names.get(r.deployment_id), "stage": r.parameters.get("stage"),
+                         "pool": r.work_pool_name, "state": r.state.type.value, "message": r.state.message,
+                         "start": r.start_time and r.start_time.timestamp(),
+                         "end": r.end_time and r.end_time.timestamp()})  # fmt: skip
+        return runs

@@ -8,14 +8,13 @@ A stand-in project keeps it cheap: the real flows on a two-stage dvc.yaml (``qui
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import time
 
 import pytest
-from test_deployments import BIN, command, free_port, start, start_server_with_pools, stop
+from test_deployments import BIN, command, flow_runs, free_port, start, start_server_with_pools, stop
 from test_pipeline import make_project
 
 pytestmark = pytest.mark.integration
@@ -32,16 +31,6 @@ stages:
 """
 LIMITS = "  start_timeout_s: 15\n  lost_worker_s: 15\n"  # 7 heartbeats: room for a loaded machine
 FAST_WORKER = {"PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_WORKER_HEARTBEAT_SECONDS": "2"}
-
-READ_RUNS = """
-import json, sys
-from prefect.client.orchestration import get_client
-with get_client(sync_client=True) as client:
-    print(json.dumps([{"id": str(r.id), "deployment": r.deployment_id and client.read_deployment(r.deployment_id).name,
-                       "stage": r.parameters.get("stage"), "state": r.state.type.value, "message": r.state.message,
-                       "start": r.start_time and r.start_time.timestamp(), "end": r.end_time and r.end_time.timestamp()}
-                      for r in client.read_flow_runs()]))
-"""
 
 
 class Site:
@@ -109,7 +98,7 @@ class Site:
         return subprocess.run(args, cwd=self.project, env=self.env, capture_output=True, text=True, timeout=300)
 
     def runs(self, deployment: str | None = None, stage: str | None = None) -> list[dict]:
-        runs = json.loads(self.sh(sys.executable, "-c", READ_RUNS))
+        runs = flow_runs(self.env["PREFECT_API_URL"])
         return [
             r
             for r in runs
@@ -247,6 +236,6 @@ def test_a_worker_lost_mid_stage_fails_the_pipeline_within_the_bound(site):
     (child,) = [r for r in site.runs("run-stage-gpu") if r["id"] not in previous]
     assert child["state"] == "CRASHED", child
     # the loss is found when the flow marks the stage's run Crashed, as the server recorded it (the pipeline's own
-    # end comes after its clean-up, and this test's polling starts a Python process per read: seconds each on a
-    # slow 2-core machine): within lost_worker_s, two of the flow's polls and the flow's own reads
+    # end comes after its clean-up, which imports MLflow): within lost_worker_s, two of the flow's polls and the
+    # flow's own reads
     assert child["end"] - lost <= 15 + 2 * 2 + 10, child
