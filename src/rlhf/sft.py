@@ -23,7 +23,7 @@ class SFTConfig(LoopConfig):
 
     section: ClassVar[str] = "sft"
     steps: int = 32
-    lr: float = 2e-5
+    lr: float = 1e-4
     warmup_steps: int = 4
     trainable_layers: int | None = 12
     max_length: int = 256  # tokens of prompt + response (a long prompt is cut from the left)
