@@ -83,12 +83,12 @@ def test_response_logprobs_read_the_logits_one_position_before_each_token(policy
 
 
 def test_value_predictions_read_v_of_s_t_where_token_t_is_predicted_and_apply_calibration(scalar_model):
-    scalar_model.config.value_shift, scalar_model.config.value_scale = 0.3, 2.0
+    scalar_model.config.value_scale, scalar_model.config.value_bias = 2.0, -0.6
     try:
         with torch.no_grad():
             values = value_predictions(scalar_model, IDS, ATTN, P)
     finally:
-        del scalar_model.config.value_shift, scalar_model.config.value_scale
+        del scalar_model.config.value_scale, scalar_model.config.value_bias
     assert values.shape == (2, R)
     for row in range(2):
         head = head_alone(scalar_model, REAL[row])

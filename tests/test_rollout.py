@@ -1,12 +1,14 @@
-"""Scoring where the reward model learned to read, the value model's scale, and settings refused at load time."""
+"""Scoring where the reward model learned to read, the value model's calibration, and settings refused at load time."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from rlhf.device import Runtime
-from rlhf.models import Rollout, load_scalar_model, sequence_scores
+from rlhf.distributed import Ranks
+from rlhf.models import Rollout, load_scalar_model
 from rlhf.ppo_config import PPOConfig, max_skewness
 from rlhf.rollout import (
     GenerationSettings,
@@ -77,25 +79,36 @@ def test_generation_settings_refuse_contradictions(kwargs, message):
         GenerationSettings(**kwargs)
 
 
+def test_value_calibration_is_the_least_squares_fit_of_the_first_rollouts_returns():
+    value_model = SimpleNamespace(config=SimpleNamespace(value_scale=2.0, value_bias=0.5))
+    mask = torch.tensor([[True, True], [True, False]])
+    values = torch.tensor([[0.0, 1.0], [-1.0, 7.0]])  # 7.0 sits on a pad: never read
+    rewards = torch.tensor([[0.0, 2.0], [-1.0, 0.0]])  # Monte Carlo returns (gamma 1): [2, 2] and [-1]
+    calibrated = calibrate_value_head(value_model, values, rewards, mask, 1.0, Ranks())
+    # points (0, 2), (1, 2), (-1, -1): mean x 0, mean y 1, cov 1, var 2/3: slope 1.5, intercept 1
+    assert calibrated[mask].tolist() == pytest.approx([1.0, 2.5, -0.5])
+    # composed with the calibration the predictions were made under: 1.5 * (2 head + 0.5) + 1
+    assert (value_model.config.value_scale, value_model.config.value_bias) == pytest.approx((3.0, 1.75))
+    # a head that says nothing (one value everywhere) starts as the mean return
+    flat = SimpleNamespace(config=SimpleNamespace())
+    assert calibrate_value_head(flat, torch.ones(2, 2), rewards, mask, 1.0, Ranks())[mask].tolist() == [1.0] * 3
+    assert (flat.config.value_scale, flat.config.value_bias) == (0.0, 1.0)
+
+
 @torch.no_grad()
-def test_value_model_from_the_reward_model_starts_on_the_normalised_reward_scale(tiny_dir, tokenizer):
+def test_a_calibrated_value_model_predicts_what_the_calibration_returned(tiny_dir):
     torch.manual_seed(0)
     value_model = load_scalar_model(tiny_dir)
     torch.nn.init.normal_(value_model.score.weight, std=1.0)
-    ids, attn = torch.tensor([[5, 6, 7, 8]]), torch.ones(1, 4, dtype=torch.long)
+    ids, attn = torch.tensor([[5, 6, 7, 8], [5, 6, 9, 10]]), torch.ones(2, 4, dtype=torch.long)
     head = value_predictions(value_model, ids, attn, 2)  # no calibration yet: the raw head at positions 1, 2
-    moments = RunningMoments()
-    moments.update(torch.tensor([1.0, 3.0]))  # mean 2, std 1
-    calibrate_value_head(value_model, offset=0.5, moments=moments)
-    # V = (head - offset - mean) / std = head - 2.5
-    assert value_predictions(value_model, ids, attn, 2) == pytest.approx(head - 2.5, abs=1e-6)
-    calibrate_value_head(value_model, offset=0.5, moments=None)  # normalisation off: only the offset
-    assert value_predictions(value_model, ids, attn, 2) == pytest.approx(head - 0.5, abs=1e-6)
-    # with normalisation off, V of the state before the last token (position 2) is the reward model's
-    # centred score of the first three tokens
-    value_model.config.reward_offset = 0.5
-    full = value_predictions(value_model, ids, attn, 1)
-    assert full[0, -1].item() == pytest.approx(sequence_scores(value_model, ids[:, :3], attn[:, :3]).item(), abs=1e-5)
+    mask = torch.ones(2, 2, dtype=torch.bool)
+    rewards = torch.tensor([[0.1, 1.0], [-0.2, -1.0]])
+    calibrated = calibrate_value_head(value_model, head, rewards, mask, 0.9, Ranks())
+    assert value_predictions(value_model, ids, attn, 2) == pytest.approx(calibrated, abs=1e-5)
+    returns = torch.tensor([[0.1 + 0.9 * 1.0, 1.0], [-0.2 - 0.9, -1.0]])
+    residual = ((returns - calibrated) ** 2).mean()
+    assert residual <= ((returns - returns.mean()) ** 2).mean() + 1e-6  # explained variance >= 0 on the fit
 
 
 def test_max_skewness_by_hand():

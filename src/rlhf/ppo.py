@@ -112,8 +112,8 @@ def _restore(checkpointer: Checkpointer, path: str, loop: _Loop) -> PPOState:
     if saved.get("cuda_rng"):
         torch.cuda.set_rng_state_all(saved["cuda_rng"])
     state = PPOState.from_checkpoint(saved["trainer"])
-    if state.value_affine is not None:
-        models.value_model.config.value_shift, models.value_model.config.value_scale = state.value_affine
+    if state.value_calibration is not None:
+        models.value_model.config.value_scale, models.value_model.config.value_bias = state.value_calibration
     opt.policy_guard.skipped, opt.value_guard.skipped = state.skipped_steps
     return state
 
@@ -273,7 +273,7 @@ def _iteration(loop: _Loop, state: PPOState) -> dict[str, float]:
     size, ranks, prompts = config.rollout_batch_size, loop.runtime.ranks, loop.prompts
     batch = [prompts[minibatch_indices(iteration * size + j, len(prompts), 1, config.seed)[0]] for j in range(size)]
     seeds = [prompt_seed(config.seed, iteration, j) for j in range(size)]  # a prompt's tokens: not its rank's
-    calibrate = config.value_init == "reward" and state.value_affine is None
+    calibrate = config.value_init == "reward" and state.value_calibration is None
     experience, stats = make_experience(
         models.as_tuple(),
         loop.tokenizer,
@@ -288,7 +288,7 @@ def _iteration(loop: _Loop, state: PPOState) -> dict[str, float]:
     )
     check_finite_rollout(experience, stats, iteration + 1, ranks)
     if calibrate:
-        state.value_affine = [models.value_model.config.value_shift, models.value_model.config.value_scale]
+        state.value_calibration = [models.value_model.config.value_scale, models.value_model.config.value_bias]
     if state.pretraining:
         explained = stats["ppo/value/explained_variance"]
         if explained >= config.value_pretrain_explained_variance or iteration >= config.value_pretrain_iterations:

@@ -23,7 +23,8 @@ class PPOState:
     """The PPO loop's counters and signals; a resumed run continues from exactly these.
 
     ``iteration`` counts rollouts (critic pre-training included), ``policy_iterations`` policy updates;
-    ``value_affine`` is the value head's calibration on the first rollout (``[shift, scale]``, None before);
+    ``value_calibration`` is the value head's affine map fitted on the first rollout (``[scale, bias]``, None
+    before; :func:`rlhf.rollout.calibrate_value_head`);
     ``baseline`` the starting policy's mean response length and perplexity over its rollouts (the collapse
     guard's reference, :func:`rlhf.guard.pooled_baseline`);
     ``window`` the last ``collapse_window`` rollouts' scores and truncation flags; ``history`` and
@@ -35,7 +36,7 @@ class PPOState:
     pretraining: bool
     iteration: int = 0
     policy_iterations: int = 0
-    value_affine: list[float] | None = None
+    value_calibration: list[float] | None = None
     baseline: dict[str, float] = field(default_factory=dict)
     window: list[dict[str, list[float]]] = field(default_factory=list)
     best: Best = field(default_factory=Best)

@@ -19,6 +19,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf import losses
 from rlhf.device import PhaseTimer, Runtime
+from rlhf.distributed import Ranks
 from rlhf.models import Rollout, position_ids_from_mask, response_logprobs, sample, sequence_scores, token_scores
 from rlhf.ppo_config import PPOConfig
 from rlhf.rollout_stats import rollout_stats, sequence_table
@@ -205,9 +206,9 @@ def value_predictions(
 ) -> torch.Tensor:
     """``V(s_t)`` for each response token: the value head at the position that predicts token ``t``.
 
-    The head's output is mapped by the model's calibration (``config.value_shift``,
-    ``config.value_scale``; 0 and 1 unless :func:`calibrate_value_head` set them):
-    ``V = (head - shift) * scale``.
+    The head's output is mapped by the model's calibration (``config.value_scale``,
+    ``config.value_bias``; 1 and 0 unless :func:`calibrate_value_head` set them):
+    ``V = head * scale + bias``.
 
     Args:
         input_ids, attention_mask: ``(B, T)``; response tokens start at ``response_start``.
@@ -217,28 +218,52 @@ def value_predictions(
         ``(B, T - response_start)`` float32.
     """
     head = token_scores(value_model, input_ids, attention_mask, entry)[:, response_start - 1 : -1]
-    shift = float(getattr(value_model.config, "value_shift", 0.0))
     scale = float(getattr(value_model.config, "value_scale", 1.0))
-    return (head - shift) * scale
+    bias = float(getattr(value_model.config, "value_bias", 0.0))
+    return head * scale + bias
 
 
-def calibrate_value_head(value_model: PreTrainedModel, offset: float, moments: RunningMoments | None) -> None:
-    """Put a value model initialised from the reward model on the scale of the rewards PPO optimises.
+def calibrate_value_head(
+    value_model: PreTrainedModel,
+    values: torch.Tensor,
+    rewards: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float,
+    ranks: Ranks,
+) -> torch.Tensor:
+    """Put a value model initialised from the reward model on the scale of the returns it must predict.
 
-    The reward model's head reads raw scores; PPO's final reward is the score
-    minus the reward model's centring ``offset``, normalised by the running
-    ``moments`` when normalisation is on (paper Eq. 18). So ``V`` starts as
-    ``(head - offset - mean) / std`` (or ``head - offset``).
+    The reward model's head was trained at the end of a response only; what it reads mid-response has
+    its own offset and spread. The first rollout's Monte Carlo returns ``G_t = sum_l gamma^l r_{t+l}``
+    (the rewards PPO optimises: normalised score and KL penalty) are regressed on the current
+    predictions by least squares over every response token of every rank, ``G ~ a V + b``, and the
+    model's calibration becomes ``V' = a V + b``: the best affine predictor of this rollout's returns,
+    so the critic starts with explained variance >= 0 where a fixed rescaling of the head can start far
+    below (paper section 5.3.3 initialises the critic from the reward model; this puts it on the scale).
 
     Args:
-        value_model: initialised from the reward model.
-        offset: the reward model's ``config.reward_offset``.
-        moments: the running reward statistics, or None when normalisation is off.
+        value_model: initialised from the reward model; its ``config.value_scale`` / ``value_bias`` are set.
+        values: ``(B, R)`` float, its predictions under its current calibration.
+        rewards: ``(B, R)`` float, token rewards (:func:`rlhf.losses.token_rewards`).
+        mask: ``(B, R)`` bool, True on response tokens.
+        gamma: discount in [0, 1].
+        ranks: the processes; each passes its share of the batch.
+
+    Returns:
+        ``(B, R)`` float32, the predictions after calibration (``a * values + b``).
     """
-    mean = moments.mean if moments is not None else 0.0
-    std = moments.std if moments is not None and moments.std > 0 else 1.0
-    value_model.config.value_shift = offset + mean
-    value_model.config.value_scale = 1.0 / std
+    _, targets = losses.gae(rewards, torch.zeros_like(values), mask, gamma, 1.0)
+    x, y = values[mask].double(), targets[mask].double()
+    n, sx, sy, sxx, sxy = ranks.sum(
+        torch.stack([x.new_tensor(x.numel()), x.sum(), y.sum(), (x * x).sum(), (x * y).sum()])
+    )
+    var = sxx / n - (sx / n) ** 2
+    slope = ((sxy / n - sx * sy / n**2) / var).item() if var > 0 else 0.0
+    intercept = (sy / n - slope * sx / n).item()
+    config = value_model.config
+    config.value_scale = slope * float(getattr(config, "value_scale", 1.0))
+    config.value_bias = slope * float(getattr(config, "value_bias", 0.0)) + intercept
+    return (values * slope + intercept).float()
 
 
 @dataclass
@@ -288,8 +313,8 @@ def make_experience(
         moments: running reward statistics (updated here when normalisation is on).
         kl_coef: the current beta.
         runtime: device and precision; every forward pass runs under ``runtime.autocast()``.
-        calibrate_value: put the value model on the reward scale first (:func:`calibrate_value_head`),
-            once the statistics include this batch.
+        calibrate_value: fit the value model's calibration to this rollout's returns
+            (:func:`calibrate_value_head`) before the advantages are computed.
         seeds: one generator seed per prompt (:func:`rlhf.sampling.prompt_seed`), so the tokens a prompt gets
             do not depend on the rank or the rows beside it; None: torch's global generator.
 
@@ -320,14 +345,13 @@ def make_experience(
         scores = moments.normalize(scores, config.reward_clip)
     elif config.reward_clip is not None:
         scores = scores.clamp(-config.reward_clip, config.reward_clip)
-    if calibrate_value:
-        offset = float(getattr(reward_model.config, "reward_offset", 0.0))
-        calibrate_value_head(value_model, offset, moments if config.reward_normalize else None)
     with timer("values"), runtime.autocast():
         value_entry = trunk.entry(value_model)
         values = value_predictions(value_model, ids, attn, start, value_entry)
     logratio = torch.where(mask, logprobs - ref_logprobs, 0.0)
     rewards = losses.token_rewards(logratio, scores, mask, kl_coef)
+    if calibrate_value:
+        values = calibrate_value_head(value_model, values, rewards, mask, config.gamma, runtime.ranks)
     advantages, returns = losses.gae(rewards, values, mask, config.gamma, config.lam)
     experience = Experience(
         ids,
