@@ -189,6 +189,34 @@ def test_make_experience_penalises_each_token_by_k1_and_adds_the_score_once(tiny
     assert stats["ppo/kl"] == pytest.approx(float(k1.mean()), abs=1e-5)
 
 
+@torch.no_grad()
+def test_make_experience_calibrates_the_value_model_on_the_first_rollouts_returns(tiny_dir, tokenizer):
+    # after calibration the returns regressed on the values have slope 1 and intercept 0 (the fit is the identity),
+    # and the values the experience holds are what the calibrated value model now predicts
+    from rlhf.chat import encode_prompt
+    from rlhf.models import load_causal_lm
+    from rlhf.rollout import make_experience
+
+    torch.manual_seed(0)
+    policy, reference = load_causal_lm(tiny_dir), load_causal_lm(tiny_dir)
+    reward_model, value_model = load_scalar_model(tiny_dir), load_scalar_model(tiny_dir)
+    torch.nn.init.normal_(reward_model.score.weight, std=1.0)
+    torch.nn.init.normal_(value_model.score.weight, std=1.0)
+    config = PPOConfig(gamma=1.0, lam=1.0, reward_normalize=False, reward_clip=None, value_init="sft")
+    settings = GenerationSettings(max_new_tokens=5, no_eos="score", no_eos_value=None)
+    prompts = [encode_prompt(tokenizer, [{"role": "user", "content": t}], 16) for t in ("Hi", "Tell me a joke")]
+    models = (policy, reference, reward_model, value_model)
+    experience, _ = make_experience(
+        models, tokenizer, prompts, config, settings, RunningMoments(), 0.1, Runtime(), calibrate_value=True
+    )
+    assert value_model.config.value_scale != 1.0
+    ids, attn, start, mask = experience.input_ids, experience.attention_mask, experience.response_start, experience.mask
+    assert value_predictions(value_model, ids, attn, start)[mask] == pytest.approx(experience.values[mask], abs=1e-5)
+    x, y = experience.values[mask].double(), experience.returns[mask].double()  # gamma = lambda = 1: Monte Carlo
+    slope = ((x - x.mean()) * (y - y.mean())).sum() / ((x - x.mean()) ** 2).sum()
+    assert (float(slope), float(y.mean() - slope * x.mean())) == pytest.approx((1.0, 0.0), abs=1e-4)
+
+
 def test_rollout_stats_explained_variance_and_token_means_by_hand():
     from rlhf.rollout_stats import COLUMNS, rollout_stats
 

@@ -70,7 +70,7 @@ class PPOConfig:
     value_clip: float | None = 0.2
     # critic pre-training (paper 5.3.3): value-only iterations until the explained variance on a fresh
     # rollout reaches the threshold, at most value_pretrain_iterations of them (0: none)
-    value_pretrain_iterations: int = 3
+    value_pretrain_iterations: int = 1
     value_pretrain_explained_variance: float = 0.5  # ...until a fresh rollout's explained variance reaches this
     # global gradient-norm clipping, policy and value separately (None disables)
     max_grad_norm: float | None = 1.0
