@@ -46,6 +46,7 @@ class RewardConfig(LoopConfig):
     center_max_examples: int | None = 128  # chosen responses of rm_train whose mean score becomes 0 (None: all)
     length_expert: bool = True  # product of experts with a length expert fitted first, dropped after training
     length_decorrelation: float = 1.0  # coefficient of |the pairs' mean preference for the longer| (after ODIN)
+    checkpoint_every: int = 53  # a checkpoint writes the whole model (~6 s on 2 cores): at half the demo's steps
 
 
 @dataclass
@@ -60,6 +61,7 @@ class JudgeConfig(RewardConfig):
     trainable_layers: int | None = 4
     seed: int = 1
     center_max_examples: int | None = 64
+    checkpoint_every: int = 25
 
 
 def encode_pairs(
