@@ -36,7 +36,7 @@ class EvalConfig:
 
     max_prompts: int | None = 32  # the first N eval prompts (by id); None: all
     samples_per_prompt: int = 1  # responses per prompt and model; the interval resamples whole prompts
-    batch_size: int = 32
+    batch_size: int = 16
     max_prompt_length: int = 128
     greedy: bool = False  # greedy decoding instead of sampling at generation.temperature
     samples_in_table: int = 8  # rows of the Markdown sample table in reports/eval/samples.md
