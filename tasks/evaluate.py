@@ -283,6 +283,15 @@ def gate_policy(metrics: dict[str, float], run_id: str, doubts: list[str] | None
     return {"candidate": {"name": name, "version": str(candidate.version)}, **decision}
 
 
+def gate_lines(report: dict[str, Any]) -> list[str]:
+    """What the stage prints of the policy gate: the decision, whether it was taken now or is the one stored on
+    this policy content before (with when; its figures are that run's, not this one's), and each failed check."""
+    candidate = report["candidate"]
+    when = "decided now" if report["decided"] == "now" else f"decided before, at {report['decided_at']}, kept"
+    head = f"[evaluate] policy {candidate['name']} version {candidate['version']}: {report['decision']} ({when})"
+    return [head] + [f"[evaluate] {line}" for line in report["lines"] if line.startswith("GATE FAILED")]
+
+
 def main() -> None:
     """DVC stage command."""
     import mlflow  # noqa: PLC0415 (MLflow: seconds to import)
@@ -312,11 +321,8 @@ def main() -> None:
         "[evaluate] " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items() if not any(s in k for s in shown)),
         flush=True,
     )
-    candidate = report["candidate"]
-    print(f"[evaluate] policy {candidate['name']} version {candidate['version']}: {report['decision']}", flush=True)
-    for line in report["lines"]:
-        if line.startswith("GATE FAILED"):
-            print(f"[evaluate] {line}", flush=True)
+    for line in gate_lines(report):
+        print(line, flush=True)
 
 
 if __name__ == "__main__":

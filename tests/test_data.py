@@ -21,8 +21,11 @@ from tasks.kit.outputs import StagedOutputs
 
 SHARED = "../shared/data/hh-rlhf/harmless-base/pairs.jsonl.gz"
 
+# every split with a share of its own (params.yaml's until rm_eval's and judge_eval's went to judge_train)
 FRACTIONS = {"judge_train": 0.12, "sft": 0.08, "rm_train": 0.45, "rm_eval": 0.1, "ppo_prompts": 0.07,
-             "judge_eval": 0.05, "ptx_text": 0.05, "eval_prompts": 0.08}  # params.yaml's  # fmt: skip
+             "judge_eval": 0.05, "ptx_text": 0.05, "eval_prompts": 0.08}  # fmt: skip
+with open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "params.yaml"), encoding="utf-8") as handle:
+    PARAMS_FRACTIONS = yaml.safe_load(handle)["data"]["fractions"]
 
 
 def one(row):
@@ -207,21 +210,26 @@ def test_real_data_parses():
 TRAINING_SPLITS = ("sft", "rm_train", "judge_train", "ppo_prompts", "ptx_text")
 
 
-def test_judge_splits_share_no_conversation_with_any_other_split_but_eval_prompts():
-    """The judge's own conversations (params.yaml's fractions): none reaches the RM, PPO, SFT, ptx or eval splits.
-    judge_eval (and rm_eval) also hold the eval_prompts conversations' pairs, on purpose: neither model trains on
-    its eval split and evaluation reads only the prompts of eval_prompts, so no split that trains sees them."""
-    with open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "params.yaml"), encoding="utf-8") as handle:
-        fractions = yaml.safe_load(handle)["data"]["fractions"]
+@pytest.mark.parametrize(
+    "fractions, min_train, min_own",
+    [(PARAMS_FRACTIONS, 450, 0), (FRACTIONS, 200, 100)],
+    ids=["params.yaml (no own eval shares)", "own eval shares"],
+)
+def test_judge_splits_share_no_conversation_with_any_other_split_but_eval_prompts(fractions, min_train, min_own):
+    """The judge's own conversations: none reaches the RM, PPO, SFT, ptx or eval splits. judge_eval (and rm_eval)
+    hold the eval_prompts conversations' pairs, on purpose: neither model trains on its eval split and evaluation
+    reads only the prompts of eval_prompts, so no split that trains sees them. params.yaml gives the judge ~490
+    training pairs and, in judge_eval, only those 285 held-out pairs; a judge_eval share of its own stays its own."""
     prepared = prepare_rows([Source(SHARED, read_jsonl(SHARED))], fractions)
     roots = {
         split: {conversation_root(row.get("prompt") or row["messages"]) for row in rows}
         for split, rows in prepared.splits.items()
     }
-    assert roots["eval_prompts"] < roots["judge_eval"]  # every eval conversation's pairs, and the judge's own
-    assert roots["eval_prompts"] < roots["rm_eval"]  # the same for the reward model
+    assert roots["eval_prompts"] <= roots["judge_eval"]  # every eval conversation's pairs, and the judge's own
+    assert roots["eval_prompts"] <= roots["rm_eval"]  # the same for the reward model
     own = roots["judge_eval"] - roots["eval_prompts"]
-    assert len(roots["judge_train"]) > 200 and len(own) > 100 and len(roots["judge_eval"]) > 250
+    assert len(roots["judge_train"]) > min_train and len(own) >= min_own and len(roots["judge_eval"]) > 250
+    assert (not own) == (fractions["judge_eval"] == 0)  # no share of its own: only the held-out pairs
     assert not roots["judge_train"] & roots["judge_eval"]
     for split in set(roots) - {"judge_eval"}:
         assert roots[split] and not own & roots[split], split  # the judge's own share is in no other split

@@ -347,7 +347,7 @@ def test_inside_a_dvc_experiment_a_passing_candidate_is_only_a_challenger(regist
 
 
 def test_evaluate_registers_the_policy_once_and_promotes_it_only_through_its_gate(registry_project, tiny_dir):
-    from tasks.evaluate import gate_policy
+    from tasks.evaluate import gate_lines, gate_policy
     from tasks.kit.runs import tracking_client
 
     shutil.copytree(tiny_dir, "models/policy")
@@ -380,6 +380,12 @@ def test_evaluate_registers_the_policy_once_and_promotes_it_only_through_its_gat
            "eval/judge/ties": 0.0}  # fmt: skip
     again = gate_policy(won, client_.create_run(experiment).info.run_id)
     assert (again["candidate"]["version"], again["decided"], again["decision"]) == ("1", "before", "fail")
+    printed = gate_lines(again)  # says the decision is the stored one, and the failed check it stored
+    assert (
+        printed[0] == f"[evaluate] policy rlhf-policy version 1: fail (decided before, at {report['decided_at']}, kept)"
+    )
+    assert printed[1:] == [f"[evaluate] {failed[0]}"]
+    assert gate_lines(report)[0] == "[evaluate] policy rlhf-policy version 1: fail (decided now)"
     # a new policy that wins: version 2 takes the champion alias
     model = load_scalar_model("models/reward")  # any other weights: another content hash
     shutil.rmtree("models/policy")

@@ -34,7 +34,7 @@ class RewardConfig(LoopConfig):
     """Reward-model hyperparameters (params.yaml section ``reward``)."""
 
     section: ClassVar[str] = "reward"
-    steps: int = 106
+    steps: int = 107
     batch_size: int = 8
     lr: float = 1e-4
     warmup_steps: int = 5
@@ -55,13 +55,11 @@ class JudgeConfig(RewardConfig):
     pairs, for evaluation only (PPO never reads it); only the section and the defaults differ."""
 
     section: ClassVar[str] = "judge"
-    steps: int = 31
-    lr: float = 3e-5
+    steps: int = 62
     warmup_steps: int = 3
-    trainable_layers: int | None = 4
     seed: int = 1
     center_max_examples: int | None = 64
-    checkpoint_every: int = 25
+    checkpoint_every: int = 31
 
 
 def encode_pairs(
