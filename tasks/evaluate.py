@@ -89,7 +89,7 @@ def judge_figures(judge: dict[str, Any], min_length_accuracy: float) -> tuple[di
 def curve(sft: Any, scorers: Scorers, tokenizer, prompts: list, config, settings, runtime) -> list[dict[str, float]]:
     """The over-optimisation curve: one row per policy PPO kept (``models/policy_kept/iteration-NNNN``, the rollout
     step) and the SFT model (iteration 0), each sampled the same way (one sample of each of the first
-    ``curve_prompts`` prompts, the same seed and batches): mean proxy and judge score
+    ``curve_prompts`` prompts, each from its own generator as the evaluation draws it): mean proxy and judge score
     and the KL to the SFT model, nats per response: ``kl`` (k1, as ``eval/policy/kl``; its mean over a few
     samples can come out below 0), ``kl_k3`` (never negative) and ``sqrt_kl`` = sqrt(``kl_k3``), the axis of
     Gao et al. 2023."""

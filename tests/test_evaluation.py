@@ -227,6 +227,26 @@ def test_the_judge_stage_names_its_figures_judge_and_warns_at_chance():
     assert lines[-1].startswith("[judge] WARNING: judge_eval balanced accuracy 0.55 [0.47, 0.62] includes chance")
 
 
+def test_a_sample_depends_on_its_prompt_and_index_not_on_the_batch_or_the_samples_beside_it(tiny_dir, tokenizer):
+    """Each (prompt, sample) draws from its own generator: batches of 1 and of 4 give the same texts and scores
+    (fp32), the first of two samples of a prompt is its only sample in a one-sample run (the curve and best-of-N
+    read the sample evaluated), and the two samples of a prompt differ."""
+    sft = load_causal_lm(tiny_dir)
+    scorers = Scorers(load_scalar_model(tiny_dir), load_scalar_model(tiny_dir), tokenizer)
+    settings = GenerationSettings(max_new_tokens=6, temperature=1.0, no_eos="score", no_eos_value=None)
+    prompts = PROMPTS + [[{"role": "user", "content": "Why is the sky blue, and why are sunsets red?"}]]
+
+    def run(batch_size: int, samples: int) -> dict:
+        config = EvalConfig(batch_size=batch_size, bootstrap_resamples=50)
+        return generate_and_score(sft, sft, scorers, tokenizer, prompts, config, settings, CPU, samples)
+
+    one_by_one, together, single = run(1, 2), run(4, 2), run(4, 1)
+    assert one_by_one["texts"] == together["texts"]
+    assert torch.allclose(one_by_one["proxy"], together["proxy"], atol=1e-6)
+    assert together["texts"][::2] == single["texts"]
+    assert together["texts"][::2] != together["texts"][1::2]
+
+
 def test_best_of_n_of_sft_keeps_the_proxys_pick_scored_by_the_judge_at_its_analytic_kl(tiny_dir, tokenizer):
     from rlhf.comparison import best_of_n
     from tasks.evaluate import best_of_n_figures

@@ -23,6 +23,7 @@ from rlhf.data import ptx_token_ids
 from rlhf.device import Runtime
 from rlhf.models import response_logprobs
 from rlhf.rollout import GenerationSettings, sample_and_score, treat_unfinished
+from rlhf.sampling import prompt_seed
 from rlhf.shared_prompt import score_groups
 from rlhf.stats import PairedRate, TiesWarning, clustered_rate
 from rlhf.text_stats import distinct_n, refusal_rate
@@ -131,20 +132,26 @@ def generate_and_score(
 ) -> dict[str, Any]:
     """Sample ``samples`` responses per prompt (or decode greedily) and score them as PPO does, and by the judge.
 
+    Sample ``s`` of prompt ``i`` comes from its own generator (:func:`rlhf.sampling.prompt_seed` of
+    ``config.seed``, ``s``, ``i``), so it does not depend on the batch size or the prompts beside it, and every
+    model sampled on the same prompt draws the same random numbers (SFT and the policy are compared on common
+    random numbers; the curve's and best-of-N's first sample of a prompt is the one evaluated).
+
     Returns:
         ``proxy``, ``judge``, ``kl`` and ``kl_k3`` (nats per response to ``reference``, the k1 and k3 estimates
         summed over the response's tokens; k3 is never negative), ``length`` (tokens): ``(P, samples)``
         float32 on the CPU; ``ended`` ``(P, samples)`` bool; ``texts``: ``P * samples`` strings, prompt-major.
     """
-    torch.manual_seed(config.seed)
     repeated = [p for p in prompts for _ in range(samples)]
+    seeds = [prompt_seed(config.seed, s, i) for i in range(len(prompts)) for s in range(samples)]
     encoded = [encode_prompt(tokenizer, p, config.max_prompt_length) for p in repeated]
     temperature = 1.0 if config.greedy else settings.temperature
     out: dict[str, list] = {key: [] for key in ("proxy", "unfinished", "ended", "kl", "kl_k3", "length", "texts")}
     for start in range(0, len(encoded), config.batch_size):
         with runtime.autocast():
+            batch = slice(start, start + config.batch_size)
             scored = sample_and_score(
-                model, scorers.proxy, tokenizer, encoded[start : start + config.batch_size], settings, config.greedy
+                model, scorers.proxy, tokenizer, encoded[batch], settings, config.greedy, seeds=seeds[batch]
             )
             rollout = scored.rollout
             ids, attn, begin, mask = (
