@@ -13,6 +13,7 @@ ones as they were.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from typing import Any
@@ -158,6 +159,15 @@ def best_of_n_figures(sft: Any, scorers: Scorers, tokenizer, prompts: list, conf
     }
 
 
+def sampling_settings(config: EvalConfig, generation: GenerationSettings) -> tuple[GenerationSettings, tuple[str, int]]:
+    """The generation section's settings with evaluation's own token limit (``evaluate.max_new_tokens``, when set),
+    and ``(key, tokens)`` of that limit: the longest response the reward model and the judge must read whole."""
+    if config.max_new_tokens is None:
+        return generation, ("generation.max_new_tokens", generation.max_new_tokens)
+    limit = ("evaluate.max_new_tokens", config.max_new_tokens)
+    return dataclasses.replace(generation, max_new_tokens=config.max_new_tokens), limit
+
+
 def run(
     params: dict[str, Any], generation: dict[str, Any], device: dict[str, Any] | None = None
 ) -> tuple[dict[str, float], list[dict[str, Any]], list[dict[str, float]], EvalConfig, list[str]]:
@@ -168,7 +178,7 @@ def run(
     reference of the KL) and the policy are placed alike, so identical weights give identical logprobs.
     """
     config = config_from_params(EvalConfig, params, "evaluate", derived_values("evaluate", stage_params))
-    settings = config_from_params(GenerationSettings, generation, "generation")
+    settings, longest = sampling_settings(config, config_from_params(GenerationSettings, generation, "generation"))
     champion = require_champion(REWARD)  # the reward model the policy was trained against
     setup_torch(config.seed)
     rows = sorted(load_jsonl(PROMPTS), key=lambda row: row["id"])[: config.max_prompts]
@@ -180,7 +190,6 @@ def run(
     scorers = Scorers(
         runtime.frozen(load_scalar_model(REWARD)), runtime.frozen(load_scalar_model(JUDGE)), load_tokenizer(JUDGE)
     )
-    longest = ("generation.max_new_tokens", settings.max_new_tokens)
     for reader, model, reads in (
         (f"{REWARD} (trained at max_length)", scorers.proxy, config.max_prompt_length),
         (f"{JUDGE} (trained at max_length)", scorers.judge, config.max_prompt_length),

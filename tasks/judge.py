@@ -22,7 +22,7 @@ from rlhf.reward import JudgeConfig
 from tasks.kit import paths
 from tasks.kit.backbones import save_source
 from tasks.kit.common import cli
-from tasks.kit.configs import config_from_params
+from tasks.kit.configs import config_from_params, longest_response
 from tasks.kit.outputs import StagedOutputs
 from tasks.kit.params import stage_params
 from tasks.kit.scalar import run as train_scalar
@@ -75,15 +75,12 @@ def summary_lines(metrics: dict[str, float]) -> list[str]:
 def main() -> None:
     """DVC stage command."""
     params, device = stage_params("judge"), stage_params("device")
-    prompt_tokens, new_tokens = stage_params("ppo")["max_prompt_length"], stage_params("generation")["max_new_tokens"]
+    prompt_tokens, longest = stage_params("ppo")["max_prompt_length"], longest_response(stage_params)
 
     def check() -> None:  # the params, one line each, before any process starts
         config = config_from_params(JudgeConfig, {k: v for k, v in params.items() if k != "source"}, "judge")
-        covers = (
-            ("ppo.max_prompt_length", prompt_tokens),  # evaluate's too (tasks/kit/configs.py DERIVED)
-            ("generation.max_new_tokens", new_tokens),
-        )
-        check_reads_whole("judge.max_length", config.max_length, *covers)
+        # ppo.max_prompt_length is evaluate's too (tasks/kit/configs.py DERIVED)
+        check_reads_whole("judge.max_length", config.max_length, ("ppo.max_prompt_length", prompt_tokens), longest)
 
     def finish(stage, outputs: StagedOutputs, trained) -> list[str]:
         metrics, figure = trained

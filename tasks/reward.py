@@ -13,7 +13,7 @@ from rlhf.chat import check_reads_whole
 from rlhf.reward import RewardConfig
 from tasks.kit import paths
 from tasks.kit.common import cli
-from tasks.kit.configs import config_from_params
+from tasks.kit.configs import config_from_params, longest_response
 from tasks.kit.outputs import StagedOutputs
 from tasks.kit.params import stage_params
 from tasks.kit.registry import register, version_tags
@@ -40,12 +40,11 @@ def register_version(folder: str, metrics: dict[str, float], params: dict[str, A
 def main() -> None:
     """DVC stage command."""
     params, device = stage_params("reward"), stage_params("device")
-    ppo, new_tokens = stage_params("ppo"), stage_params("generation")["max_new_tokens"]
+    prompt_tokens, longest = stage_params("ppo")["max_prompt_length"], longest_response(stage_params)
 
     def check() -> None:  # the params, one line each, before any process starts
         config = config_from_params(RewardConfig, params, "reward")
-        covers = (("ppo.max_prompt_length", ppo["max_prompt_length"]), ("generation.max_new_tokens", new_tokens))
-        check_reads_whole("reward.max_length", config.max_length, *covers)
+        check_reads_whole("reward.max_length", config.max_length, ("ppo.max_prompt_length", prompt_tokens), longest)
 
     def finish(stage, outputs: StagedOutputs, trained) -> list[str]:
         metrics, figure = trained

@@ -23,7 +23,7 @@ from rlhf.rollout import GenerationSettings
 from rlhf.shared_prompt import score_sequences
 from rlhf.text_stats import distinct_n, is_refusal, refusal_rate
 from rlhf.training import freeze_lower_layers
-from tasks.evaluate import judge_figures, summary_lines
+from tasks.evaluate import judge_figures, sampling_settings, summary_lines
 
 CPU = Runtime(torch.device("cpu"), "no")
 PROMPTS = [[{"role": "user", "content": "How do I bake bread?"}], [{"role": "user", "content": "Is it safe?"}]]
@@ -271,3 +271,13 @@ def test_best_of_n_of_sft_keeps_the_proxys_pick_scored_by_the_judge_at_its_analy
     gain = figures["eval/best_of_n/4/judge"] - figures["eval/best_of_n/1/judge"]
     assert figures["eval/best_of_n/judge_gain"] == pytest.approx(gain, abs=1e-6)
     assert best_of_n_figures(sft, scorers, tokenizer, PROMPTS, EvalConfig(best_of_n=0), settings, CPU) == {}
+
+
+def test_evaluation_samples_at_its_own_token_limit_only_where_one_is_set():
+    generation = GenerationSettings(max_new_tokens=128, temperature=0.7, no_eos="constant", no_eos_value=-1.0)
+    same, longest = sampling_settings(EvalConfig(max_new_tokens=None), generation)
+    assert same == generation and longest == ("generation.max_new_tokens", 128)
+    longer, longest = sampling_settings(EvalConfig(max_new_tokens=256), generation)
+    assert longer == GenerationSettings(256, 0.7, "constant", -1.0) and longest == ("evaluate.max_new_tokens", 256)
+    with pytest.raises(ValueError, match="evaluate.max_new_tokens must be >= 1 or null, got 0"):
+        EvalConfig(max_new_tokens=0)

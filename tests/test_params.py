@@ -13,7 +13,7 @@ from rlhf.reward import JudgeConfig, RewardConfig
 from rlhf.rollout import GenerationSettings
 from rlhf.sft import SFTConfig
 from rlhf.validation import ValidationConfig
-from tasks.kit.configs import DERIVED, config_from_params, derived_values
+from tasks.kit.configs import DERIVED, config_from_params, derived_values, longest_response
 from tasks.kit.params import load_yaml, read_params, stage_params
 from tasks.prepare import DataConfig
 
@@ -75,7 +75,8 @@ def test_every_section_builds_its_config_under_every_profile_and_preset(profile,
         JudgeConfig, {k: v for k, v in stage_params("judge", params).items() if k != "source"}, "judge"
     )
     # the reward model and the judge read whole prompts and responses (the stages check this when they start)
-    longest = ("generation.max_new_tokens", configs["generation"].max_new_tokens)
+    longest = longest_response(read)  # what the stages check: PPO's rollouts or evaluation's samples
+    assert longest[1] == max(configs["generation"].max_new_tokens, configs["evaluate"].max_new_tokens or 0)
     check_reads_whole(
         "reward.max_length",
         configs["reward"].max_length,
@@ -119,11 +120,11 @@ def test_a_derived_value_is_set_once_refused_where_it_is_derived_and_reruns_its_
         assert f"{source.split('.')[0]}.profiles" in listed, (stage, source)
     values = stage_params("evaluate", params)
     derived = derived_values("evaluate", lambda name: stage_params(name, params))
-    assert derived["judge_max_length"] == ("judge.max_length", 256)
+    assert derived["judge_max_length"] == ("judge.max_length", 384)
     with pytest.raises(ValueError) as refused:
         config_from_params(EvalConfig, {**values, "judge_max_length": 192}, "evaluate", derived)
     assert str(refused.value) == (
-        "params.yaml: evaluate.judge_max_length (192) is derived from judge.max_length (256): remove it and set "
+        "params.yaml: evaluate.judge_max_length (192) is derived from judge.max_length (384): remove it and set "
         "judge.max_length"
     )
 
@@ -246,3 +247,12 @@ def test_params_are_parsed_once_while_the_file_stays_the_same_and_again_when_it_
     assert read_params(str(path)) == {"sft": {"lr": 1.0e-4}} and len(parsed) == 1
     path.write_text("sft: {lr: 2.0e-4}\n")  # same size, likely the same modification time
     assert read_params(str(path)) == {"sft": {"lr": 2.0e-4}} and len(parsed) == 2
+
+
+def test_the_longest_response_is_evaluations_only_where_it_samples_longer_than_ppo():
+    sections = {"generation": {"max_new_tokens": 128}, "evaluate": {"max_new_tokens": None}}
+    assert longest_response(sections.__getitem__) == ("generation.max_new_tokens", 128)
+    sections["evaluate"]["max_new_tokens"] = 256
+    assert longest_response(sections.__getitem__) == ("evaluate.max_new_tokens", 256)
+    sections["evaluate"]["max_new_tokens"] = 64  # shorter than the rollouts: they are the longest it scores
+    assert longest_response(sections.__getitem__) == ("generation.max_new_tokens", 128)

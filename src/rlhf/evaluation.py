@@ -36,6 +36,7 @@ class EvalConfig:
     """Evaluation settings (params.yaml section ``evaluate``)."""
 
     max_prompts: int | None = 32  # the first N eval prompts (by id); None: all
+    max_new_tokens: int | None = 256  # responses' token limit here; None: generation.max_new_tokens (PPO's)
     samples_per_prompt: int = 1  # responses per prompt and model; the interval resamples whole prompts
     batch_size: int = 16
     max_prompt_length: int = 128
@@ -44,18 +45,21 @@ class EvalConfig:
     curve_prompts: int = 8  # the first N eval prompts: the fixed set of the over-optimisation curve
     best_of_n: int = 4  # the largest N of best-of-N on the curve prompts (N = 1, 4, 16, ... up to it); 0: none
     bootstrap_resamples: int = 2000
-    judge_max_length: int = 256  # tokens of prompt + response the judge reads (the stage passes its max_length)
+    judge_max_length: int = 384  # tokens of prompt + response the judge reads (the stage passes its max_length)
     judge_min_length_accuracy: float = 0.35  # below it on either length kind of pair: ranks by length
     ptx_max_length: int = 128  # tokens of a held-out ptx row (the alignment tax's perplexity), as PPO-ptx reads it
     seed: int = 1234
 
     def __post_init__(self) -> None:
-        """Raises ValueError on a count below 1, or a negative ``best_of_n`` (names the key)."""
+        """Raises ValueError on a count below 1, a negative ``best_of_n`` or a ``max_new_tokens`` below 1 (names
+        the key)."""
         for name in ("samples_per_prompt", "batch_size", "curve_prompts", "bootstrap_resamples"):
             if getattr(self, name) < 1:
                 raise ValueError(f"evaluate.{name} must be >= 1, got {getattr(self, name)}")
         if self.best_of_n < 0:
             raise ValueError(f"evaluate.best_of_n must be >= 0 (0: none), got {self.best_of_n}")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ValueError(f"evaluate.max_new_tokens must be >= 1 or null, got {self.max_new_tokens}")
 
 
 @dataclass

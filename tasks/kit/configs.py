@@ -82,3 +82,13 @@ def config_from_params(
         elif kind.startswith("str") and not isinstance(value, str):
             raise ValueError(f"params.yaml: {section}.{key} must be a string, got {value!r}")
     return cls(**values)
+
+
+def longest_response(stage_params) -> tuple[str, int]:
+    """The longest response a reward model or the judge scores, ``(key, tokens)``: ``generation.max_new_tokens``
+    (PPO's rollouts and, by default, evaluation's samples) or ``evaluate.max_new_tokens`` where it is larger.
+    ``stage_params(section)`` reads a section (profile applied)."""
+    rollouts, evaluated = stage_params("generation")["max_new_tokens"], stage_params("evaluate").get("max_new_tokens")
+    if evaluated is not None and int(evaluated) > int(rollouts):
+        return "evaluate.max_new_tokens", int(evaluated)
+    return "generation.max_new_tokens", int(rollouts)
