@@ -180,7 +180,9 @@ def test_a_huge_learning_rate_stops_sft_and_reward_training_at_the_first_non_fin
         model, train, config = load_causal_lm(tiny_dir), train_sft, SFTConfig
     else:
         model, train, config = load_scalar_model(tiny_dir), train_reward_model, RewardConfig
-    config = config(steps=6, batch_size=2, lr=1e8, warmup_steps=0, scheduler="constant", checkpoint_every=0)
+    # 1e20: the first update takes weights to ~1e20, whose squares overflow float32 in the next forward on any
+    # CPU (at 1e8 an AMX Xeon's SFT saturated its softmax: zero gradients, a finite loss, nothing to stop)
+    config = config(steps=6, batch_size=2, lr=1e20, warmup_steps=0, scheduler="constant", checkpoint_every=0)
     with pytest.raises(FloatingPointError) as caught:
         train(model, tokenizer, ROWS, config, lambda m, s: logged.update({s: m}), Runtime(), None, progress=False)
     prefix = "sft" if kind == "sft" else "rm"
