@@ -16,6 +16,7 @@ from rlhf.evaluation import (
     judge_scores,
     ptx_perplexity,
     sample_rows,
+    tie_identical_responses,
 )
 from rlhf.lora import add_lora
 from rlhf.models import load_causal_lm, load_scalar_model
@@ -106,6 +107,7 @@ def test_evaluating_the_sft_model_against_itself_is_all_ties_and_zero_kl(tiny_di
         metrics, runs = evaluate_policy(sft, sft, Scorers(judge, judge, tokenizer), tokenizer, PROMPTS,
                                         [{"text": "Some text."}], config, settings, CPU)  # fmt: skip
     assert metrics["eval/policy/kl"] == 0.0 and metrics["eval/prompts"] == 2 and metrics["eval/samples_per_prompt"] == 2
+    assert metrics["eval/identical_responses"] == 4
     assert torch.equal(runs["policy"]["kl_k3"], torch.zeros(2, 2))  # the curve's axis: k3, 0 for the same model
     for who in ("proxy", "judge"):  # the same seed and weights: the same responses, every comparison a tie
         assert math.isnan(metrics[f"eval/{who}/win_rate"]) and metrics[f"eval/{who}/ties"] == 4
@@ -281,3 +283,17 @@ def test_evaluation_samples_at_its_own_token_limit_only_where_one_is_set():
     assert longer == GenerationSettings(256, 0.7, "constant", -1.0) and longest == ("evaluate.max_new_tokens", 256)
     with pytest.raises(ValueError, match="evaluate.max_new_tokens must be >= 1 or null, got 0"):
         EvalConfig(max_new_tokens=0)
+
+
+def test_the_same_response_scored_in_two_batches_is_a_tie_by_both_scorers():
+    # prompt-major texts of 2 prompts x 2 samples: the policy repeats SFT's first and last response word for word
+    runs = {
+        "sft": {"texts": ["a", "b", "c", "d"], "proxy": torch.tensor([[0.5, 0.1], [0.2, -1.0]]),
+                "judge": torch.tensor([[0.3, 0.0], [0.1, 0.4]])},
+        "policy": {"texts": ["a", "x", "y", "d"], "proxy": torch.tensor([[0.502, 0.7], [0.9, -0.998]]),
+                   "judge": torch.tensor([[0.299, 0.2], [0.0, 0.401]])},
+    }  # fmt: skip
+    assert tie_identical_responses(runs) == 2
+    assert torch.equal(runs["policy"]["proxy"], torch.tensor([[0.5, 0.7], [0.9, -1.0]]))
+    assert torch.equal(runs["policy"]["judge"], torch.tensor([[0.3, 0.2], [0.0, 0.4]]))
+    assert torch.equal(runs["sft"]["proxy"], torch.tensor([[0.5, 0.1], [0.2, -1.0]]))  # SFT's own are untouched

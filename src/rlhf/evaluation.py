@@ -250,8 +250,9 @@ def evaluate_policy(
         response); every interval 95%, a bootstrap over prompts (``config.bootstrap_resamples``,
         ``config.seed``). For M in (sft, policy) ``eval/M/{length,eos_rate,truncated_share,distinct_1,distinct_2,
         refusal_rate,ptx_perplexity}`` (``truncated_share``: cut at ``max_new_tokens``, ``1 - eos_rate``);
-        ``eval/policy/kl``, ``eval/prompts``, ``eval/samples_per_prompt``. ``runs``: each model's
-        :func:`generate_and_score` result.
+        ``eval/policy/kl``, ``eval/prompts``, ``eval/samples_per_prompt``, ``eval/identical_responses`` (the
+        policy's responses that are SFT's text, ties by construction: :func:`tie_identical_responses`). ``runs``:
+        each model's :func:`generate_and_score` result.
 
     Raises:
         ValueError: no prompts.
@@ -266,7 +267,12 @@ def evaluate_policy(
         "sft": generate_and_score(sft, sft, scorers, tokenizer, prompts, config, settings, runtime, k),
         "policy": generate_and_score(policy, sft, scorers, tokenizer, prompts, config, settings, runtime, k),
     }
-    metrics = {"eval/prompts": float(len(prompts)), "eval/samples_per_prompt": float(k)}
+    identical = tie_identical_responses(runs)
+    metrics = {
+        "eval/prompts": float(len(prompts)),
+        "eval/samples_per_prompt": float(k),
+        "eval/identical_responses": float(identical),
+    }
     resamples, seed = config.bootstrap_resamples, config.seed
     for scorer in ("proxy", "judge"):
         policy_scores, sft_scores = runs["policy"][scorer], runs["sft"][scorer]
@@ -304,6 +310,24 @@ def evaluate_policy(
         }
     metrics["eval/policy/kl"] = float(runs["policy"]["kl"].mean())
     return metrics, runs
+
+
+def tie_identical_responses(runs: dict[str, dict[str, Any]]) -> int:
+    """Give the policy's response SFT's proxy and judge scores wherever it is the same text, in place.
+
+    The same response is scored twice, once in each model's batches: under bf16 the other rows' padding moves a
+    score by a few thousandths, and that noise must not decide a comparison (the demo's 15 responses the policy
+    left as SFT wrote them gave the proxy 11 "decisive" comparisons). Scores are ``(P, samples)``; ``texts``
+    prompt-major, as :func:`generate_and_score` returns them.
+
+    Returns:
+        How many responses are identical (each is a tie by both scorers).
+    """
+    same = [a == b for a, b in zip(runs["policy"]["texts"], runs["sft"]["texts"], strict=True)]
+    mask = torch.tensor(same).reshape(runs["sft"]["proxy"].shape)
+    for scorer in ("proxy", "judge"):
+        runs["policy"][scorer] = torch.where(mask, runs["sft"][scorer], runs["policy"][scorer])
+    return sum(same)
 
 
 def sample_rows(prompts: list[dict[str, Any]], runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
