@@ -324,7 +324,7 @@ def tie_identical_responses(runs: dict[str, dict[str, Any]]) -> int:
         How many responses are identical (each is a tie by both scorers).
     """
     same = [a == b for a, b in zip(runs["policy"]["texts"], runs["sft"]["texts"], strict=True)]
-    mask = torch.tensor(same).reshape(runs["sft"]["proxy"].shape)
+    mask = torch.tensor(same, device=runs["sft"]["proxy"].device).reshape(runs["sft"]["proxy"].shape)
     for scorer in ("proxy", "judge"):
         runs["policy"][scorer] = torch.where(mask, runs["sft"][scorer], runs["policy"][scorer])
     return sum(same)
