@@ -277,9 +277,9 @@ def test_bad_process_and_pass_sizes_are_refused_with_one_line(tmp_path):
     from rlhf.sft import SFTConfig
     from tasks.kit.launch import other_rank
 
-    with pytest.raises(ValueError, match=r"sft.micro_batch_size must be at least 1 or null, got 0"):
+    with pytest.raises(ValueError, match=r"sft.micro_batch_size must be at least 1, got 0"):
         SFTConfig(micro_batch_size=0)
-    with pytest.raises(ValueError, match=r"ppo.micro_batch_size must be at least 1 or null, got -1"):
+    with pytest.raises(ValueError, match=r"ppo.micro_batch_size must be at least 1, got -1"):
         PPOConfig(micro_batch_size=-1)
     with pytest.raises(FileNotFoundError, match=r"device.accelerate_config infra/none.yaml: no such file"):
         other_rank({"num_processes": 2, "accelerate_config": "infra/none.yaml", "mixed_precision": "no"}, "m", id, id)

@@ -161,7 +161,7 @@ def test_ppo_with_a_lora_policy_trains_the_adapters_and_ships_the_best(tiny_dir,
 def test_lora_and_trainable_layers_are_refused_together():
     with pytest.raises(ValueError, match="lora_rank and ppo.trainable_layers"):
         PPOConfig(lora_rank=8, trainable_layers=4)
-    with pytest.raises(ValueError, match="lora_rank must be >= 0"):
+    with pytest.raises(ValueError, match="ppo.lora_rank must be at least 0, got -1"):
         PPOConfig(lora_rank=-1, trainable_layers=None)
     with pytest.raises(ValueError, match="rank >= 1"):
         add_lora(torch.nn.Linear(2, 2), 0, 1.0)

@@ -250,5 +250,5 @@ def test_every_keep_every_th_policy_and_the_last_are_kept_as_they_were(tiny_dir,
         )[0].kept
         is None
     )
-    with pytest.raises(ValueError, match="ppo.keep_every must be >= 0"):
+    with pytest.raises(ValueError, match="ppo.keep_every must be at least 0, got -1"):
         small_config(keep_every=-1)

@@ -136,6 +136,17 @@ def test_max_skewness_by_hand():
         ({"scheduler": "constant", "warmup_steps": 5}, "has no warm-up"),
         ({"value_pretrain_explained_variance": 1.5}, "out of reach"),
         ({"value_init": "random"}, "value_init"),
+        ({"iterations": -1}, r"^ppo.iterations must be at least 1, got -1$"),
+        ({"iterations": 0}, r"^ppo.iterations must be at least 1, got 0$"),
+        ({"kl_coef": -1.0}, r"^ppo.kl_coef must be at least 0, got -1.0$"),
+        ({"clip": -0.2}, r"^ppo.clip must be above 0, got -0.2$"),
+        ({"clip": 0.0}, r"^ppo.clip must be above 0, got 0.0$"),
+        ({"policy_lr": 0.0}, r"^ppo.policy_lr must be above 0, got 0.0$"),
+        ({"gamma": 1.5}, r"^ppo.gamma must be in \[0, 1\], got 1.5$"),
+        ({"lam": -0.1}, r"^ppo.lam must be in \[0, 1\], got -0.1$"),
+        ({"ptx_coef": -0.5}, r"^ppo.ptx_coef must be at least 0, got -0.5$"),
+        ({"value_clip": 0.0}, r"^ppo.value_clip must be above 0, got 0.0$"),
+        ({"max_prompt_length": 0}, r"^ppo.max_prompt_length must be at least 1, got 0$"),
     ],
 )
 def test_ppo_config_refuses_settings_that_cannot_act(kwargs, message):

@@ -115,3 +115,24 @@ def test_config_from_params_reads_yaml_exponents_and_rejects_unknown_keys():
     with pytest.raises(ValueError, match="sft.steps must be set"):
         config_from_params(SFTConfig, {"steps": None}, "sft")
     assert config_from_params(SFTConfig, {"trainable_layers": None}, "sft").trainable_layers is None
+
+
+@pytest.mark.parametrize(
+    "config, kwargs, message",
+    [
+        (SFTConfig, {"steps": 0}, r"^sft.steps must be at least 1, got 0$"),
+        (SFTConfig, {"lr": -1e-5}, r"^sft.lr must be at least 0, got -1e-05$"),
+        (RewardConfig, {"batch_size": 0}, r"^reward.batch_size must be at least 1, got 0$"),
+        (RewardConfig, {"max_grad_norm": 0.0}, r"^reward.max_grad_norm must be above 0, got 0.0$"),
+        (
+            RewardConfig,
+            {"warmup_steps": -2, "scheduler": "linear"},
+            r"^reward.warmup_steps must be at least 0, got -2$",
+        ),
+        (RewardConfig, {"checkpoint_every": -1}, r"^reward.checkpoint_every must be at least 0, got -1$"),
+    ],
+)
+def test_supervised_configs_refuse_counts_and_rates_outside_their_domain(config, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        config(**kwargs)
+    assert config(max_grad_norm=None, trainable_layers=None).max_grad_norm is None  # null switches a feature off

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from rlhf.training import check_schedule
+from rlhf.training import check_ranges, check_schedule
 
 
 def max_skewness(n: int) -> float:
@@ -106,7 +106,9 @@ class PPOConfig:
         """Reject settings no run could use, before any model is loaded.
 
         Raises:
-            ValueError: an unknown choice, a size below 1, warm-up with a schedule
+            ValueError: an unknown choice, a count, rate, coefficient or clip outside its domain
+                (:func:`rlhf.training.check_ranges`: e.g. ``iterations`` below 1, ``kl_coef`` or ``clip`` negative,
+                ``gamma`` or ``lam`` outside [0, 1]), warm-up with a schedule
                 that has none, LoRA together with ``trainable_layers``, an inert adaptive-KL horizon, a collapse
                 threshold that cannot fire at these sizes (names the key), or a setting read only with another
                 switch set without it, or missing with it (names both keys and both values).
@@ -116,11 +118,49 @@ class PPOConfig:
             raise ValueError(f"ppo.on_collapse must be stop, rollback or warn, got {self.on_collapse!r}")
         if self.value_init not in ("reward", "sft"):
             raise ValueError(f"ppo.value_init must be reward or sft, got {self.value_init!r}")
-        for name in ("rollout_batch_size", "minibatch_size", "ppo_epochs", "collapse_window", "kl_horizon"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"ppo.{name} must be at least 1, got {getattr(self, name)}")
-        if self.micro_batch_size is not None and self.micro_batch_size < 1:
-            raise ValueError(f"ppo.micro_batch_size must be at least 1 or null, got {self.micro_batch_size}")
+        check_ranges(
+            "ppo",
+            self,
+            at_least_1=(
+                "iterations",
+                "rollout_batch_size",
+                "minibatch_size",
+                "micro_batch_size",
+                "ppo_epochs",
+                "max_prompt_length",
+                "kl_horizon",
+                "ptx_batch_size",
+                "ptx_max_length",
+                "collapse_window",
+            ),
+            positive=(
+                "policy_lr",
+                "value_lr",
+                "clip",
+                "kl_target",
+                "reward_clip",
+                "advantage_clip",
+                "value_clip",
+                "max_grad_norm",
+                "lora_alpha",
+                "collapse_kl_max",
+            ),
+            non_negative=(
+                "warmup_steps",
+                "kl_coef",
+                "value_pretrain_iterations",
+                "ptx_coef",
+                "entropy_coef",
+                "histogram_every",
+                "max_rollbacks",
+                "validate_every",
+                "keep_every",
+                "checkpoint_every",
+                "trainable_layers",
+                "lora_rank",
+            ),
+            unit=("gamma", "lam"),
+        )
         check_schedule("ppo", self.scheduler, self.warmup_steps)
         if self.adaptive_kl and 0.2 * self.rollout_batch_size / self.kl_horizon < 0.001:
             raise ValueError(
@@ -141,17 +181,11 @@ class PPOConfig:
                 f"ppo.value_pretrain_explained_variance {self.value_pretrain_explained_variance} is out of reach "
                 "(explained variance is at most 1)"
             )
-        if self.lora_rank < 0 or self.lora_alpha <= 0:
-            raise ValueError(
-                f"ppo.lora_rank must be >= 0 and ppo.lora_alpha > 0, got {self.lora_rank}, {self.lora_alpha}"
-            )
         if self.lora_rank and self.trainable_layers is not None:
             raise ValueError(
                 "ppo.lora_rank and ppo.trainable_layers both choose what the policy trains: with lora_rank "
                 f"{self.lora_rank} set trainable_layers to null (the value model then trains every block)"
             )
-        if self.keep_every < 0:
-            raise ValueError(f"ppo.keep_every must be >= 0 (0: keep no policy for the curve), got {self.keep_every}")
         for name in ("collapse_length_ratio", "collapse_perplexity_ratio"):
             if getattr(self, name) is not None and getattr(self, name) <= 1:
                 raise ValueError(f"ppo.{name} must be above 1 (a factor of change), got {getattr(self, name)}")

@@ -57,6 +57,34 @@ def check_schedule(section: str, name: str, warmup_steps: int) -> None:
         )
 
 
+_RANGES = {
+    "at_least_1": (lambda v: v >= 1, "at least 1"),
+    "positive": (lambda v: v > 0, "above 0"),
+    "non_negative": (lambda v: v >= 0, "at least 0"),
+    "unit": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+}
+
+
+def check_ranges(section: str, config: object, **rules: tuple[str, ...]) -> None:
+    """Refuse a numeric setting outside its domain (a null one, which switches a feature off, passes).
+
+    Args:
+        section: params.yaml section named in the message (e.g. ``"ppo"``).
+        config: the config whose fields are checked.
+        rules: a rule of :data:`_RANGES` (``at_least_1``, ``positive``, ``non_negative``, ``unit``) mapped to
+            the field names it applies to.
+
+    Raises:
+        ValueError: the first field out of its range, e.g. ``ppo.iterations must be at least 1, got -1``.
+    """
+    for rule, names in rules.items():
+        holds, wording = _RANGES[rule]
+        for name in names:
+            value = getattr(config, name)
+            if value is not None and not holds(value):
+                raise ValueError(f"{section}.{name} must be {wording}, got {value}")
+
+
 def make_scheduler(
     optimizer: torch.optim.Optimizer, name: str, warmup_steps: int, total_steps: int
 ) -> torch.optim.lr_scheduler.LRScheduler:
@@ -135,14 +163,21 @@ class LoopConfig:
     seed: int = 0  # minibatch order and any new head's initialisation
 
     def __post_init__(self) -> None:
-        """Refuse a warm-up the schedule would ignore, and passes of no examples.
+        """Refuse a warm-up the schedule would ignore, and a count or rate outside its domain.
 
         Raises:
-            ValueError: see :func:`check_schedule`; a ``micro_batch_size`` below 1.
+            ValueError: see :func:`check_schedule`; ``steps``, ``batch_size`` or ``micro_batch_size`` below 1,
+                ``max_grad_norm`` not above 0, ``lr``, ``warmup_steps``, ``checkpoint_every`` or
+                ``trainable_layers`` below 0 (:func:`check_ranges`, naming the key).
         """
         check_schedule(self.section, self.scheduler, self.warmup_steps)
-        if self.micro_batch_size is not None and self.micro_batch_size < 1:
-            raise ValueError(f"{self.section}.micro_batch_size must be at least 1 or null, got {self.micro_batch_size}")
+        check_ranges(
+            self.section,
+            self,
+            at_least_1=("steps", "batch_size", "micro_batch_size"),
+            positive=("max_grad_norm",),
+            non_negative=("lr", "warmup_steps", "checkpoint_every", "trainable_layers"),  # lr 0: measure only
+        )
 
 
 def supervised_loop(
