@@ -123,7 +123,9 @@ def test_a_broken_row_or_a_bad_argument_stops_the_command_with_one_line(reward_d
         assert not out.exists()
     path.write_text('{"prompt": "Hi", "chosen": "a", "rejected": "b"}\n{"prompt": \n')
     result = runner.invoke(model_cli.app, ["score-pairs", reward_dir, str(path)])
-    assert result.exit_code == 1 and result.output.strip() == f"{path}:2: invalid JSON: Expecting value"
+    assert result.exit_code == 1 and result.output.strip() == (
+        f"{path}:2: invalid JSON: Expecting value (--skip-bad-rows leaves such rows out)"
+    )
     path.write_text(json.dumps({"q": "Hi", "good": "Hello there!", "bad": "Go away."}) + "\n")
     mapping = '{"q": "prompt", "good": "chosen", "bad": "rejected"}'
     result = runner.invoke(model_cli.app, ["score-pairs", reward_dir, str(path), "--mapping", mapping])
@@ -141,6 +143,23 @@ def test_a_broken_row_or_a_bad_argument_stops_the_command_with_one_line(reward_d
         result = runner.invoke(model_cli.app, ["score-pairs", *args])
         assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1, result.output
         assert result.output.startswith(line), result.output
+
+
+def test_skip_bad_rows_leaves_out_and_counts_what_prepare_would_quarantine(reward_dir, tmp_path):
+    path = tmp_path / "pairs.jsonl"
+    rows = [pairs_row(*ANSWERS[0]), pairs_row(ANSWERS[1][0], "", ANSWERS[1][2]), pairs_row(*ANSWERS[2])]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    result = runner.invoke(model_cli.app, ["score-pairs", reward_dir, str(path)])
+    assert result.exit_code == 1, result.output
+    assert result.output.strip() == f"{path}:2: chosen response is empty (--skip-bad-rows leaves such rows out)"
+    result = runner.invoke(model_cli.app, ["score-pairs", reward_dir, str(path), "--skip-bad-rows"])
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[0] == f"{reward_dir} on {path}: 2 pairs from 3 rows, max length 256 tokens"
+    assert lines[1] == f"left out 1 rows that do not parse, the first {path}:2: chosen response is empty"
+    path.write_text(json.dumps(rows[1]) + "\n")
+    result = runner.invoke(model_cli.app, ["score-pairs", reward_dir, str(path), "--skip-bad-rows"])
+    assert result.exit_code == 1 and result.output.strip() == f"{path}: no rows left after 1 that do not parse"
 
 
 def test_score_pairs_reads_a_registered_version_and_checks_its_hash(registry_project, reward_dir, tmp_path):

@@ -151,7 +151,10 @@ def chance_warning(name: str, rate: float | None, low: float | None, high: float
         interval lies wholly above chance.
     """
     if any(v is None or not math.isfinite(v) for v in (rate, low, high)):
-        return f"{name} is undefined (no decisive pairs: every pair tied), so it cannot be told from chance ({chance})"
+        return (
+            f"{name} is undefined (no decisive pairs, or for a balanced accuracy none with the chosen response "
+            f"shorter or none with it longer), so it cannot be told from chance ({chance})"
+        )
     if low <= chance <= high:
         return f"{name} {rate:.2f} [{low:.2f}, {high:.2f}] includes chance ({chance})"
     if high < chance:

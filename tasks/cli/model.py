@@ -399,25 +399,31 @@ def score_pairs(
     ),
     batch_size: int = typer.Option(8, min=1, help="sequences scored together"),
     max_rows: int = typer.Option(None, min=1, help="read at most this many rows (default: all)"),
+    skip_bad_rows: bool = typer.Option(False, help="leave out rows that do not parse (counted) instead of stopping"),
     json_out: str = typer.Option(None, "--json", help="also write the metrics to this JSON file (atomically)"),
     project: str = typer.Option(None, help="the project folder, for models:/ URIs (default: found from here)"),
 ) -> None:
     """Score a reward model on a pairs file with the reward stage's own measure and print every figure: accuracy
     with its Wilson interval, the chosen-shorter/longer accuracies, calibration, margin, the empty-answer check.
-    Rows are checked before the model loads; a row that does not parse stops it with one line (file:line: rule)."""
+    Rows are checked before the model loads; a row that does not parse stops it with one line (file:line: rule),
+    or with --skip-bad-rows is left out and counted."""
     from rlhf.checkpoint import write_json
     from tasks.cli import score_pairs as scoring
 
     if json_out is not None:
         json_out = os.path.abspath(json_out)  # a models:/ URI makes the project folder current
     with _one_line():
-        examples, rows = scoring.read_pairs(pairs, fmt, scoring.parse_mapping(mapping), max_rows)
+        examples, rows, left_out = scoring.read_pairs(
+            pairs, fmt, scoring.parse_mapping(mapping), max_rows, skip_bad_rows
+        )
         with model_folder(model, project) as folder:
             reward_model, tokenizer, length = scoring.load_reward_model(folder, max_length)
         metrics = scoring.score(reward_model, tokenizer, examples, length, batch_size)
         if json_out is not None:
             write_json(json_out, scoring.json_metrics(metrics))
     typer.echo(f"{model} on {pairs}: {len(examples)} pairs from {rows} rows, max length {length} tokens")
+    if left_out:
+        typer.echo(f"left out {len(left_out)} rows that do not parse, the first {left_out[0]}")
     for line in scoring.metric_lines(metrics):
         typer.echo(line)
     if json_out is not None:

@@ -5,7 +5,8 @@ compressed or not; each row parsed by :func:`rlhf.formats.to_examples`, so HH te
 conversational and ranking rows all work), then scored by :func:`rlhf.reward.evaluate_reward_model`, the
 function the reward and gate stages measure with, so the figures are the ones those stages report. Unlike
 prepare, a row that does not parse is not quarantined: it stops the command with one line naming the file, the
-line and the rule (:class:`PairsError`). The command itself (its options) is in :mod:`tasks.cli.model`.
+line and the rule (:class:`PairsError`), unless ``--skip-bad-rows`` leaves it out (counted and named). The
+command itself (its options) is in :mod:`tasks.cli.model`.
 """
 
 from __future__ import annotations
@@ -62,8 +63,12 @@ def parse_mapping(text: str | None) -> dict[str, str] | None:
 
 
 def read_pairs(
-    path: str, fmt: str = "auto", mapping: dict[str, str] | None = None, max_rows: int | None = None
-) -> tuple[list[dict[str, Any]], int]:
+    path: str,
+    fmt: str = "auto",
+    mapping: dict[str, str] | None = None,
+    max_rows: int | None = None,
+    skip_bad_rows: bool = False,
+) -> tuple[list[dict[str, Any]], int, list[str]]:
     """Preference examples ``{"prompt", "chosen", "rejected"}`` (message lists) of a pairs file.
 
     Args:
@@ -71,28 +76,32 @@ def read_pairs(
         fmt: one of :data:`rlhf.formats.FORMATS` (``auto`` detects each row's format).
         mapping: renames each row's keys before parsing.
         max_rows: read at most this many rows (a ranking row gives several pairs); None reads all.
+        skip_bad_rows: leave out a row that does not parse (as prepare quarantines it) instead of stopping.
 
     Returns:
-        ``(examples, rows_read)``.
+        ``(examples, rows_read, left_out)``: ``left_out`` holds one ``FILE:LINE: rule`` line per row left out.
 
     Raises:
-        PairsError: an unknown format, the first row that does not parse, as ``FILE:LINE: rule`` (the parser's
-            :class:`rlhf.formats.RowError` message), or a file with no rows.
+        PairsError: an unknown format, the first row that does not parse (unless ``skip_bad_rows``), as
+            ``FILE:LINE: rule`` (the parser's :class:`rlhf.formats.RowError` message), or a file with no rows
+            (left).
         FileNotFoundError: no such file.
     """
     if fmt not in FORMATS:
         raise PairsError(f"--format {fmt}: not one of {', '.join(FORMATS)}")
     rows = read_jsonl(path)
-    examples, read = [], 0
+    examples, read, left_out = [], 0, []
     for line, row in islice(rows, max_rows) if max_rows else rows:
         read += 1
         try:
             examples.extend(to_examples(row, fmt, mapping))
         except RowError as err:
-            raise PairsError(f"{path}:{line}: {err}") from None
+            if not skip_bad_rows:
+                raise PairsError(f"{path}:{line}: {err} (--skip-bad-rows leaves such rows out)") from None
+            left_out.append(f"{path}:{line}: {err}")
     if not examples:
-        raise PairsError(f"{path}: no rows")
-    return examples, read
+        raise PairsError(f"{path}: no rows" + (f" left after {len(left_out)} that do not parse" if left_out else ""))
+    return examples, read, left_out
 
 
 def load_reward_model(folder: str, max_length: int | None = None):
