@@ -177,8 +177,10 @@ def test_one_conversation_cut_at_different_turns_lands_in_one_split():
 
 
 def test_split_fractions_must_sum_to_one():
-    with pytest.raises(ValueError, match="sum to 1"):
+    with pytest.raises(ValueError, match=r"^data.fractions must sum to 1, got 1.1 \("):
         assign_split([{"role": "user", "content": "x"}], {"a": 0.5, "b": 0.6})
+    with pytest.raises(ValueError, match=r"^data.fractions.b must be >= 0, got -0.5$"):
+        assign_split([{"role": "user", "content": "x"}], {"a": 1.5, "b": -0.5})
 
 
 def test_read_jsonl_gzip_and_bad_lines(tmp_path):

@@ -176,8 +176,12 @@ def unit_point(key: str, salt: str = "") -> float:
 
 
 def _check_fractions(fractions: dict[str, float]) -> None:
-    if any(f < 0 for f in fractions.values()) or abs(sum(fractions.values()) - 1.0) > 1e-6:
-        raise ValueError(f"split fractions must be >= 0 and sum to 1, got {fractions}")
+    negative = [name for name, fraction in fractions.items() if fraction < 0]
+    if negative:
+        raise ValueError(f"data.fractions.{negative[0]} must be >= 0, got {fractions[negative[0]]}")
+    total = sum(fractions.values())
+    if abs(total - 1.0) > 1e-6:
+        raise ValueError(f"data.fractions must sum to 1, got {total:.6g} (lower another split when you raise one)")
 
 
 def assign_split(prompt: list[Message], fractions: dict[str, float]) -> str:
