@@ -207,7 +207,7 @@ def test_the_printed_verdicts_carry_the_paired_difference_and_the_length_control
 
 
 def test_eval_config_refuses_no_samples():
-    with pytest.raises(ValueError, match="evaluate.samples_per_prompt must be >= 1"):
+    with pytest.raises(ValueError, match="evaluate.samples_per_prompt must be at least 1"):
         EvalConfig(samples_per_prompt=0)
 
 
@@ -281,8 +281,24 @@ def test_evaluation_samples_at_its_own_token_limit_only_where_one_is_set():
     assert same == generation and longest == ("generation.max_new_tokens", 128)
     longer, longest = sampling_settings(EvalConfig(max_new_tokens=256), generation)
     assert longer == GenerationSettings(256, 0.7, "constant", -1.0) and longest == ("evaluate.max_new_tokens", 256)
-    with pytest.raises(ValueError, match="evaluate.max_new_tokens must be >= 1 or null, got 0"):
+    with pytest.raises(ValueError, match="evaluate.max_new_tokens must be at least 1, got 0"):
         EvalConfig(max_new_tokens=0)
+
+
+@pytest.mark.parametrize(
+    "config, kwargs, message",
+    [
+        (EvalConfig, {"max_prompts": 0}, r"^evaluate.max_prompts must be at least 1, got 0$"),
+        (EvalConfig, {"best_of_n": -4}, r"^evaluate.best_of_n must be at least 0, got -4$"),
+        (EvalConfig, {"judge_min_length_accuracy": 1.2}, r"^evaluate.judge_min_length_accuracy must be in \[0, 1\]"),
+        (GenerationSettings, {"max_new_tokens": -1}, r"^generation.max_new_tokens must be at least 1, got -1$"),
+        (GenerationSettings, {"temperature": 0.0}, r"^generation.temperature must be above 0, got 0.0$"),
+    ],
+)
+def test_evaluation_and_generation_refuse_settings_outside_their_domain(config, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        config(**kwargs)
+    assert EvalConfig(max_prompts=None, best_of_n=0).max_prompts is None  # null: all prompts; 0: no best-of-N
 
 
 def test_the_same_response_scored_in_two_batches_is_a_tie_by_both_scorers():

@@ -27,6 +27,7 @@ from rlhf.sampling import prompt_seed
 from rlhf.shared_prompt import score_groups
 from rlhf.stats import PairedRate, TiesWarning, clustered_rate
 from rlhf.text_stats import distinct_n, refusal_rate
+from rlhf.training import check_ranges
 
 MODELS = ("sft", "policy")
 
@@ -51,15 +52,25 @@ class EvalConfig:
     seed: int = 1234
 
     def __post_init__(self) -> None:
-        """Raises ValueError on a count below 1, a negative ``best_of_n`` or a ``max_new_tokens`` below 1 (names
-        the key)."""
-        for name in ("samples_per_prompt", "batch_size", "curve_prompts", "bootstrap_resamples"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"evaluate.{name} must be >= 1, got {getattr(self, name)}")
-        if self.best_of_n < 0:
-            raise ValueError(f"evaluate.best_of_n must be >= 0 (0: none), got {self.best_of_n}")
-        if self.max_new_tokens is not None and self.max_new_tokens < 1:
-            raise ValueError(f"evaluate.max_new_tokens must be >= 1 or null, got {self.max_new_tokens}")
+        """Raises ValueError on a count or length below 1, a negative ``best_of_n`` or ``samples_in_table``, or a
+        ``judge_min_length_accuracy`` outside [0, 1] (:func:`rlhf.training.check_ranges`, naming the key)."""
+        check_ranges(
+            "evaluate",
+            self,
+            at_least_1=(
+                "max_prompts",
+                "max_new_tokens",
+                "samples_per_prompt",
+                "batch_size",
+                "max_prompt_length",
+                "curve_prompts",
+                "bootstrap_resamples",
+                "judge_max_length",
+                "ptx_max_length",
+            ),
+            non_negative=("best_of_n", "samples_in_table"),
+            unit=("judge_min_length_accuracy",),
+        )
 
 
 @dataclass

@@ -23,6 +23,7 @@ from rlhf.distributed import Ranks
 from rlhf.models import Rollout, position_ids_from_mask, response_logprobs, sample, sequence_scores, token_scores
 from rlhf.ppo_config import PPOConfig
 from rlhf.rollout_stats import rollout_stats, sequence_table
+from rlhf.training import check_ranges
 from rlhf.trunk import SharedTrunk, TrunkEntry
 
 NO_EOS_CHOICES = ("penalty", "constant", "score")
@@ -48,7 +49,8 @@ class GenerationSettings:
         """Refuse unknown choices and a value that the choice would not use.
 
         Raises:
-            ValueError: names the key and the rule.
+            ValueError: names the key and the rule; ``max_new_tokens`` below 1 or ``temperature`` not above 0
+                (:func:`rlhf.training.check_ranges`).
         """
         if self.no_eos not in NO_EOS_CHOICES:
             raise ValueError(f"generation.no_eos must be one of {NO_EOS_CHOICES}, got {self.no_eos!r}")
@@ -59,8 +61,7 @@ class GenerationSettings:
             )
         if self.empty_response not in ("no_eos", "score"):
             raise ValueError(f"generation.empty_response must be no_eos or score, got {self.empty_response!r}")
-        if self.max_new_tokens < 1 or self.temperature <= 0:
-            raise ValueError("generation.max_new_tokens must be at least 1 and generation.temperature above 0")
+        check_ranges("generation", self, at_least_1=("max_new_tokens",), positive=("temperature",))
 
 
 def treat_unfinished(scores: torch.Tensor, unfinished: torch.Tensor, settings: GenerationSettings) -> torch.Tensor:
