@@ -7,7 +7,7 @@ from conftest import Killed
 from rlhf.checkpoint import Checkpointer
 from rlhf.device import Runtime
 from rlhf.models import load_causal_lm, load_scalar_model
-from rlhf.reward import RewardConfig, train_reward_model
+from rlhf.reward import JudgeConfig, RewardConfig, train_reward_model
 from rlhf.sft import SFTConfig, train_sft
 from rlhf.training import minibatch_indices
 
@@ -130,6 +130,10 @@ def test_config_from_params_reads_yaml_exponents_and_rejects_unknown_keys():
             r"^reward.warmup_steps must be at least 0, got -2$",
         ),
         (RewardConfig, {"checkpoint_every": -1}, r"^reward.checkpoint_every must be at least 0, got -1$"),
+        (SFTConfig, {"max_length": 0}, r"^sft.max_length must be at least 1, got 0$"),
+        (RewardConfig, {"lm_coef": -1.0}, r"^reward.lm_coef must be at least 0, got -1.0$"),
+        (RewardConfig, {"length_decorrelation": -0.5}, r"^reward.length_decorrelation must be at least 0, got -0.5$"),
+        (JudgeConfig, {"center_max_examples": 0}, r"^judge.center_max_examples must be at least 1, got 0$"),
     ],
 )
 def test_supervised_configs_refuse_counts_and_rates_outside_their_domain(config, kwargs, message):

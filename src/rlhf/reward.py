@@ -26,7 +26,7 @@ from rlhf.losses import language_model_loss, last_token_index, target_tokens
 from rlhf.models import position_ids_from_mask
 from rlhf.shared_prompt import can_pack, pack, packed_hidden, packed_length, score_groups, score_sequences
 from rlhf.stats import TiesWarning, paired_rate
-from rlhf.training import LogFn, LoopConfig, freeze_lower_layers, supervised_loop
+from rlhf.training import LogFn, LoopConfig, check_ranges, freeze_lower_layers, supervised_loop
 
 
 @dataclass
@@ -47,6 +47,18 @@ class RewardConfig(LoopConfig):
     length_expert: bool = True  # product of experts with a length expert fitted first, dropped after training
     length_decorrelation: float = 1.0  # coefficient of |the pairs' mean preference for the longer| (after ODIN)
     checkpoint_every: int = 53  # a checkpoint writes the whole model (~6 s on 2 cores): at half the demo's steps
+
+    def __post_init__(self) -> None:
+        """Raises ValueError: the shared loop's checks (:class:`rlhf.training.LoopConfig`); ``max_length``,
+        ``eval_batch_size`` or ``center_max_examples`` below 1; ``margin``, ``lm_coef`` or ``length_decorrelation``
+        below 0 (:func:`rlhf.training.check_ranges`, naming the key)."""
+        super().__post_init__()
+        check_ranges(
+            self.section,
+            self,
+            at_least_1=("max_length", "eval_batch_size", "center_max_examples"),
+            non_negative=("margin", "lm_coef", "length_decorrelation"),
+        )
 
 
 @dataclass

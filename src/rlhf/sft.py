@@ -14,7 +14,7 @@ from rlhf.checkpoint import Checkpointer
 from rlhf.device import Runtime
 from rlhf.losses import language_model_loss, target_tokens
 from rlhf.models import position_ids_from_mask
-from rlhf.training import LogFn, LoopConfig, freeze_lower_layers, supervised_loop
+from rlhf.training import LogFn, LoopConfig, check_ranges, freeze_lower_layers, supervised_loop
 
 
 @dataclass
@@ -27,6 +27,11 @@ class SFTConfig(LoopConfig):
     warmup_steps: int = 4
     trainable_layers: int | None = 12
     max_length: int = 256  # tokens of prompt + response (a long prompt is cut from the left)
+
+    def __post_init__(self) -> None:
+        """Raises ValueError: the shared loop's checks (:class:`rlhf.training.LoopConfig`), ``max_length`` below 1."""
+        super().__post_init__()
+        check_ranges(self.section, self, at_least_1=("max_length",))
 
 
 def sft_step(
