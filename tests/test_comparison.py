@@ -14,6 +14,7 @@ from rlhf.comparison import (
     length_controlled_rate,
     length_logit_fit,
     paired_difference,
+    rate_difference,
 )
 from rlhf.stats import TiesWarning
 
@@ -49,6 +50,30 @@ def test_paired_difference_of_one_prompt_has_no_interval_and_nan_is_an_error():
         paired_difference(np.zeros((2, 1)), np.zeros((3, 1)))
     with pytest.raises(ValueError, match=r"\(P, K\)"):
         paired_difference(np.zeros(3), np.zeros(3))
+
+
+def test_rate_difference_of_2_prompts_by_hand():
+    # the policy refuses prompt 1's response, SFT neither: per-prompt differences [1, 0], mean 0.5.
+    # Bootstrap: the resample mean is j / 2, j ~ Binomial(2, 1/2) the draws of prompt 1: P(0) = P(1) = 1/4, both
+    # above 2.5%, so the percentile interval is [0, 1] (a tail of 2000 resamples misses 1/4 with probability
+    # 0.75^2000). Newcombe's floor (rlhf.stats.paired_rates_interval, worked in test_stats): [-0.272573, 0.905469].
+    # Reported: the wider end of each, [-0.272573, 1.0].
+    result = rate_difference(_column([1, 0]), _column([0, 0]), resamples=2000, seed=0)
+    assert (result.mean, result.high, result.prompts) == (0.5, 1.0, 2)
+    assert result.low == pytest.approx(-0.272573, abs=1e-6)
+
+
+def test_rate_difference_does_not_collapse_when_nothing_happened():
+    # no refusal by either on 16 prompts: every difference is 0, so the bootstrap alone says [0, 0]; the floor
+    # says what 16 prompts can resolve: Wilson(0 of 16) = [0, 0.193607], so [-0.193607, 0.193607]
+    result = rate_difference(np.zeros((16, 1)), np.zeros((16, 1)), resamples=200, seed=0)
+    assert result.mean == 0.0 and (result.low, result.high) == pytest.approx((-0.193607, 0.193607), abs=1e-6)
+    # one prompt: no bootstrap (no spread over prompts), the floor alone; Wilson(1 of 1) = [0.206549, 1],
+    # Wilson(0 of 1) = [0, 0.793451]: low = 1 - sqrt(0.793451^2 + 0.793451^2) = -0.122109, high = 1
+    one = rate_difference(np.ones((1, 1)), np.zeros((1, 1)))
+    assert (one.mean, one.high, one.prompts) == (1.0, 1.0, 1) and one.low == pytest.approx(-0.122109, abs=1e-6)
+    with pytest.raises(ValueError, match="0/1 outcomes"):
+        rate_difference(np.full((2, 1), 0.5), np.zeros((2, 1)))
 
 
 def _column(values: list[float]) -> np.ndarray:

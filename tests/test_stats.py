@@ -7,7 +7,16 @@ import pytest
 import torch
 
 from rlhf.evaluation import win_rate
-from rlhf.stats import Z95, PairedRate, TiesWarning, chance_warning, clustered_rate, paired_rate, wilson_interval
+from rlhf.stats import (
+    Z95,
+    PairedRate,
+    TiesWarning,
+    chance_warning,
+    clustered_rate,
+    paired_rate,
+    paired_rates_interval,
+    wilson_interval,
+)
 
 
 def test_wilson_120_of_196_by_hand():
@@ -156,3 +165,43 @@ def test_chance_warning():
     assert chance_warning("acc", 0.2, 0.1, 0.3) == "acc 0.20 [0.10, 0.30] is below chance (0.5)"  # ranks backwards
     assert "undefined" in chance_warning("acc", None, None, None)
     assert "undefined" in chance_warning("acc", float("nan"), float("nan"), float("nan"))
+
+
+def _outcomes(a: int, b: int, c: int, d: int) -> tuple[list[int], list[int]]:
+    """A paired 2x2 table as two 0/1 lists: a both 1, b only the first, c only the second, d neither."""
+    return [1] * (a + b) + [0] * (c + d), [1] * a + [0] * b + [1] * c + [0] * d
+
+
+def test_paired_rates_interval_newcombe_36_12_2_0_by_hand():
+    # Newcombe 1998's first example (paired data, method 10): a = 36, b = 12, c = 2, d = 0, n = 50
+    # p1 = 48/50 = 0.96, p2 = 38/50 = 0.76, difference 0.2; Wilson: [l1, u1] = [0.865399, 0.988961],
+    # [l2, u2] = [0.625873, 0.857026]; phi = (ad - bc) / sqrt((a+b)(c+d)(a+c)(b+d)) = -24 / sqrt(48*2*38*12)
+    # = -0.114708 (the Pearson correlation of the two 0/1 lists)
+    # low = 0.2 - sqrt(0.094601^2 - 2 phi 0.094601 * 0.097026 + 0.097026^2) = 0.2 - 0.143070 = 0.056930
+    # high = 0.2 + sqrt(0.134127^2 - 2 phi 0.134127 * 0.028961 + 0.028961^2) = 0.2 + 0.140428 = 0.340428
+    low, high = paired_rates_interval(*_outcomes(36, 12, 2, 0))
+    assert (low, high) == pytest.approx((0.056930, 0.340428), abs=1e-6)
+    # phi taken as 0 would give sqrt(0.094601^2 + 0.097026^2) = 0.135513: the correlation matters
+    assert 0.2 - low != pytest.approx(0.135513, abs=1e-3)
+
+
+def test_paired_rates_interval_when_nothing_happened_or_on_one_prompt_by_hand():
+    # 0 of 16 by both: p1 = p2 = 0, phi = 0 (neither varies); Wilson(0, 16) = [0, z^2 / (16 + z^2)]
+    # = [0, 3.841459 / 19.841459] = [0, 0.193607], so the difference is [-0.193607, 0.193607], not [0, 0]
+    assert paired_rates_interval([0] * 16, [0] * 16) == pytest.approx((-0.193607, 0.193607), abs=1e-6)
+    # 2 prompts, the first does it on prompt 1 only: p1 = 0.5, p2 = 0; Wilson(1, 2) = [0.094531, 0.905469],
+    # Wilson(0, 2) = [0, 0.657620]; phi = 0 (the second does not vary)
+    # low = 0.5 - sqrt(0.405469^2 + 0.657620^2) = 0.5 - 0.772573 = -0.272573; high = 0.5 + 0.405469 = 0.905469
+    assert paired_rates_interval([1, 0], [0, 0]) == pytest.approx((-0.272573, 0.905469), abs=1e-6)
+    # K samples count a prompt once, by its share: prompt 1 does it in 1 of its 2 samples, prompt 2 in neither.
+    # p1 = 0.25 over 2 prompts: Wilson(0.5 of 2): center (0.25 + 0.960365) / 2.920730 = 0.414405, half
+    # 0.671049 * sqrt(0.25 * 0.75 / 2 + 0.240091) = 0.387727, so u1 = 0.802133 and high = 0.25 + 0.552133; the
+    # 4 samples taken as 4 prompts (Wilson(1 of 4), u1 = 0.699358) would claim more than 2 prompts can show
+    assert paired_rates_interval([0.5, 0.0], [0, 0])[1] == pytest.approx(0.802133, abs=1e-6)
+    assert paired_rates_interval([1, 0, 0, 0], [0] * 4)[1] == pytest.approx(0.699358, abs=1e-6)
+    low, high = paired_rates_interval([], [])
+    assert math.isnan(low) and math.isnan(high)
+    with pytest.raises(ValueError, match=r"rates in \[0, 1\]"):
+        paired_rates_interval([2], [0])
+    with pytest.raises(ValueError, match="equal-length"):
+        paired_rates_interval([1, 0], [0])

@@ -6,6 +6,9 @@ often it would win at equal length (a policy that only learned to write longer a
 from a length-biased scorer, not a length-controlled one). :func:`best_of_n_kl` is the KL that best-of-n
 sampling from the SFT model spends, to read the policy's KL against.
 
+:func:`rate_difference` says how much more often one model does something than the other on the same prompts
+(the policy's refusal rate minus SFT's: a policy can win by helping less).
+
 Every interval counts prompts, never comparisons: a 95% percentile bootstrap over prompts (Efron & Tibshirani
 1993, ch. 13; ``scipy.stats.bootstrap``) that resamples whole rows of the ``(P, K)`` inputs. Ties follow the
 product's rule (:func:`rlhf.stats.paired_rate`). Imports NumPy and SciPy, nothing of MLflow, Prefect or DVC.
@@ -24,7 +27,7 @@ from scipy.optimize import minimize
 from scipy.special import expit, log_expit
 from scipy.stats import bootstrap
 
-from rlhf.stats import paired_rate
+from rlhf.stats import paired_rate, paired_rates_interval
 
 LC_L2 = 1e-2  # the L2 penalty on the length coefficient of length_controlled_rate (why: its docstring)
 
@@ -131,6 +134,39 @@ def paired_difference(first: Any, second: Any, resamples: int = 2000, seed: int 
         return Difference(mean, mean, mean, prompts)
     low, high = _percentiles(_over_prompts(lambda rows: float(per_prompt[rows].mean()), prompts, resamples, seed))
     return Difference(mean, low, high, prompts)
+
+
+def rate_difference(first: Any, second: Any, resamples: int = 2000, seed: int = 0) -> Difference:
+    """How much more often ``first`` does something than ``second`` on the same prompts, e.g. the policy's refusal
+    rate minus SFT's: the mean over prompts of each prompt's difference of shares, with a 95% interval.
+
+    The point and the interval are :func:`paired_difference`'s (a percentile bootstrap over prompts, pairs kept
+    together), floored by Newcombe's paired score interval over prompts (:func:`rlhf.stats.paired_rates_interval`,
+    each prompt counted once by its share): neither bound is ever more optimistic than that floor. A percentile
+    bootstrap alone collapses when nothing happened (no refusal by either model on 16 prompts resamples to
+    ``[0, 0]``) and is too narrow when little did, as :func:`rlhf.stats.clustered_rate` explains for win rates;
+    the floor says what the prompts can resolve (0 of 16 by both: ``[-0.194, 0.194]``; 0 of 150: ``[-0.025,
+    0.025]``).
+
+    Args:
+        first, second: ``(P, K)`` 0/1 outcomes (torch or NumPy; 1: the response does it), K samples of P prompts.
+        resamples, seed: of the bootstrap.
+
+    Returns:
+        :class:`Difference`: ``mean`` the difference of the two rates, ``low``/``high`` its interval (the floor
+        alone for one prompt).
+
+    Raises:
+        ValueError: shapes differ or are not ``(P, K)``, or an outcome is not 0 or 1.
+    """
+    a, b = _matrix(first, "first"), _matrix(second, "second")
+    if not (np.isin(a, (0.0, 1.0)).all() and np.isin(b, (0.0, 1.0)).all()):
+        raise ValueError("rate_difference needs 0/1 outcomes")
+    diff = paired_difference(a, b, resamples, seed)
+    low, high = paired_rates_interval(a.mean(axis=1), b.mean(axis=1))
+    if diff.prompts >= 2:
+        low, high = min(low, diff.low), max(high, diff.high)
+    return Difference(diff.mean, low, high, diff.prompts)
 
 
 def length_logit_fit(wins: np.ndarray, length_diff: np.ndarray, l2: float = LC_L2) -> tuple[float, float]:

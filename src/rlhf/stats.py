@@ -135,6 +135,47 @@ def paired_rate(first: Any, second: Any, z: float = Z95, what: str = "pairs") ->
     return PairedRate(rate=wins / n if n else float("nan"), low=low, high=high, wins=wins, n=n, ties=ties)
 
 
+def paired_rates_interval(first: Any, second: Any, z: float = Z95) -> tuple[float, float]:
+    """A 95% interval of ``mean(first) - mean(second)``, two rates measured on the same prompts.
+
+    Newcombe's hybrid score interval for paired proportions (Newcombe 1998, "Improved confidence intervals for
+    the difference between binomial proportions based on paired data", Statistics in Medicine 17, method 10):
+    with ``p1, p2`` the two rates, ``[l1, u1]`` and ``[l2, u2]`` their Wilson intervals (:func:`wilson_interval`)
+    and ``phi`` the correlation of the pairs,
+    ``low = p1 - p2 - sqrt((p1 - l1)^2 - 2 phi (p1 - l1)(u2 - p2) + (u2 - p2)^2)`` and
+    ``high = p1 - p2 + sqrt((p2 - l2)^2 - 2 phi (p2 - l2)(u1 - p1) + (u1 - p1)^2)``. For 0/1 outcomes ``phi`` is
+    the 2x2 table's ``(ad - bc) / sqrt((a+b)(c+d)(a+c)(b+d))``, which is the Pearson correlation of the two
+    outcome vectors; here it is that correlation of the per-prompt rates, so a prompt with K samples counts once,
+    by its share (the effective count of :func:`clustered_rate`'s floor). ``phi`` is 0 where a rate does not vary.
+    Unlike a percentile bootstrap it does not collapse when nothing happened: 0 refusals of 16 by both gives
+    ``[-0.194, 0.194]``, not ``[0, 0]``.
+
+    Args:
+        first, second: ``(P,)`` per-prompt rates in [0, 1] (e.g. each prompt's share of refused responses),
+            paired by prompt; anything iterable of numbers.
+        z: standard-normal quantile (``Z95``).
+
+    Returns:
+        ``(low, high)`` within [-1, 1]; ``(nan, nan)`` for no prompts.
+
+    Raises:
+        ValueError: the lengths differ or a rate is outside [0, 1] (or NaN).
+    """
+    x, y = [float(v) for v in first], [float(v) for v in second]
+    if len(x) != len(y) or not all(0.0 <= v <= 1.0 for v in x + y):
+        raise ValueError(f"paired_rates_interval needs two equal-length lists of rates in [0, 1], got {x} and {y}")
+    n = len(x)
+    if n == 0:
+        return float("nan"), float("nan")
+    p1, p2 = sum(x) / n, sum(y) / n
+    (l1, u1), (l2, u2) = wilson_interval(min(p1 * n, n), n, z), wilson_interval(min(p2 * n, n), n, z)
+    spread = math.sqrt(sum((v - p1) ** 2 for v in x) * sum((v - p2) ** 2 for v in y))
+    phi = sum((a - p1) * (b - p2) for a, b in zip(x, y, strict=True)) / spread if spread > 0 else 0.0
+    low = p1 - p2 - math.sqrt(max((p1 - l1) ** 2 - 2 * phi * (p1 - l1) * (u2 - p2) + (u2 - p2) ** 2, 0.0))
+    high = p1 - p2 + math.sqrt(max((p2 - l2) ** 2 - 2 * phi * (p2 - l2) * (u1 - p1) + (u1 - p1) ** 2, 0.0))
+    return max(low, -1.0), min(high, 1.0)
+
+
 def chance_warning(name: str, rate: float | None, low: float | None, high: float | None, chance: float = 0.5) -> str:
     """The loud line for a rate whose interval includes chance (or lies below it), or ``""`` when it is above.
 
