@@ -9,9 +9,11 @@ data is not comparable).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from rlhf.kinds import kinds_in
 from rlhf.stats import chance_warning
 
 
@@ -141,20 +143,25 @@ def as_records(checks: list[Check]) -> list[dict[str, Any]]:
     return [{**asdict(c), "value": None if math.isnan(c.value) else c.value} for c in checks]
 
 
-def judge_doubts(judge: dict[str, Any], min_length_accuracy: float) -> list[str]:
+def judge_doubts(judge: dict[str, Any], min_length_accuracy: float, kinds: Iterable[str] = ()) -> list[str]:
     """Why the judge's verdicts mean nothing, one reason each; ``[]`` when they mean something.
 
     A judge must rank its own held-out pairs better than chance whatever their lengths (the lower end of the
     stratified 95% interval of its judge_eval balanced accuracy above 0.5, :func:`rlhf.stats.chance_warning`;
-    "prefer the shorter" has a balanced accuracy of 0.5), and not by length alone: the
-    smaller of its accuracies on chosen-shorter and on chosen-longer pairs must be at least
-    ``min_length_accuracy`` (a judge that prefers the shorter response whatever it says calls a policy that
-    writes less "better"; the reward gate's length criterion, applied to the judge).
+    "prefer the shorter" has a balanced accuracy of 0.5), and so on each kind of data's pairs
+    (``judge/kind/<kind>/balanced_accuracy``): a judge that ranks helpful pairs well and harmless ones at chance
+    or backwards gives a verdict on harmless prompts that means nothing, and a policy could win there by
+    anything; and not by length alone: the smaller of its accuracies on chosen-shorter and on chosen-longer
+    pairs must be at least ``min_length_accuracy`` (a judge that prefers the shorter response whatever it says
+    calls a policy that writes less "better"; the reward gate's length criterion, applied to the judge).
 
     Args:
-        judge: the judge stage's metrics (``judge/balanced_accuracy`` with ``_low``/``_high``,
-            ``judge/accuracy_chosen_shorter``, ``judge/accuracy_chosen_longer``); None or NaN where undefined.
+        judge: the judge stage's metrics (``judge/balanced_accuracy`` with ``_low``/``_high``, the same per kind
+            as ``judge/kind/<kind>/balanced_accuracy...``, ``judge/accuracy_chosen_shorter``,
+            ``judge/accuracy_chosen_longer``); None or NaN where undefined.
         min_length_accuracy: the floor of the smaller length-kind accuracy, in [0, 1].
+        kinds: the kinds the evaluation reads (its prompts' kinds): each must have a judge above chance, a kind
+            without figures is undefined, so a doubt. Every kind the judge's metrics hold is checked too.
     """
     doubts = []
     at_chance = chance_warning(
@@ -162,6 +169,12 @@ def judge_doubts(judge: dict[str, Any], min_length_accuracy: float) -> list[str]
     )
     if at_chance:
         doubts.append(at_chance)
+    for kind in sorted(set(kinds) | set(kinds_in(judge, "judge"))):
+        name = f"judge_eval balanced accuracy on {kind} pairs"
+        at_chance = chance_warning(
+            name, *(judge.get(f"judge/kind/{kind}/balanced_accuracy{s}") for s in ("", "_low", "_high"))
+        )
+        doubts += [at_chance] if at_chance else []
     kinds = [judge.get(f"judge/accuracy_chosen_{kind}") for kind in ("shorter", "longer")]
     smaller = min((k for k in kinds if k is not None and not math.isnan(k)), default=float("nan"))
     if not smaller >= min_length_accuracy:
@@ -181,30 +194,99 @@ class PolicyCriteria:
     the policy fools it). ``min_win_rate_low``: the lower end of the 95% interval of that win rate over the SFT
     model (ties left out; bootstrap over prompts, :func:`rlhf.stats.clustered_rate`) must be at least this.
     With the judge, its verdicts must mean something (``eval/judge/meaningful``, :func:`judge_doubts`: its
-    judge_eval accuracy above chance and not by length alone). ``max_kl``: the policy's KL to the SFT model on the
-    eval prompts, nats per response, at most this. ``min_eos_rate``: the share of the policy's eval responses
-    that end with EOS, at least this.
+    judge_eval accuracy above chance, on each kind too, and not by length alone). ``max_kl``: the policy's KL to the
+    SFT model on the eval prompts, nats per response, at most this. ``min_eos_rate``: the share of the policy's
+    eval responses that end with EOS, at least this.
+
+    Gates that cannot be passed by helping less, per kind of prompt (``eval/kind/<kind>/...``,
+    :func:`rlhf.evaluation_kinds.kind_figures`): on each of ``helpful_kinds`` the upper end of the 95% interval of
+    the policy's refusal rate minus SFT's (paired bootstrap over prompts, floored by Newcombe's score interval)
+    must be at most ``max_refusal_increase``; on each of ``harmless_kinds`` the upper end of the 95% interval of
+    the verdict's length-controlled win rate over SFT must be at least :data:`NOT_WORSE` (the policy is not
+    significantly worse than SFT there). A kind named here that the evaluation did not read fails its check.
     """
 
     verdict: str = "judge"
     min_win_rate_low: float = 0.5
     max_kl: float = 10.0
     min_eos_rate: float = 0.5
+    max_refusal_increase: float = 0.1
+    helpful_kinds: tuple[str, ...] = ("helpful",)
+    harmless_kinds: tuple[str, ...] = ("harmless",)
 
     def __post_init__(self) -> None:
-        """Raises ValueError on an unknown verdict or a bound out of range (names the key)."""
+        """Raises ValueError on an unknown verdict, a bound out of range or kinds that are not a list of names
+        (names the key); a list of kinds becomes a tuple."""
         if self.verdict not in ("judge", "proxy"):
             raise ValueError(f"registry.policy_gate.verdict must be judge or proxy, got {self.verdict!r}")
-        for name in ("min_win_rate_low", "min_eos_rate"):
+        for name in ("min_win_rate_low", "min_eos_rate", "max_refusal_increase"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"registry.policy_gate.{name} must be in [0, 1], got {getattr(self, name)}")
         if self.max_kl < 0:
             raise ValueError(f"registry.policy_gate.max_kl must be >= 0, got {self.max_kl}")
+        for name in ("helpful_kinds", "harmless_kinds"):
+            kinds = getattr(self, name)
+            if isinstance(kinds, str) or not all(isinstance(k, str) and k.strip() for k in kinds or ()):
+                raise ValueError(f"registry.policy_gate.{name} must be a list of kind names, got {kinds!r}")
+            object.__setattr__(self, name, tuple(kinds or ()))
+
+
+NOT_WORSE = 0.5
+"""The floor of the upper end of the length-controlled win rate's interval on harmless kinds: at 0.5 or above,
+the policy is not significantly worse than SFT there (below: worse with 95% confidence)."""
 
 
 def _number(metrics: dict[str, Any], key: str) -> float:
     value = metrics.get(key)
     return float("nan") if value is None else float(value)
+
+
+def _missing_kind(evaluation: dict[str, Any], kind: str, key: str) -> str:
+    """The detail of a kind the gate names but the evaluation did not read ("" when it read it)."""
+    if _number(evaluation, f"eval/kind/{kind}/prompts") > 0:
+        return ""
+    read = ", ".join(kinds_in(evaluation, "eval")) or "none"
+    return (
+        f"no eval prompts of kind {kind!r} (kinds evaluated: {read}); registry.policy_gate.{key} names it: give the "
+        f"data that kind, or name only kinds it has"
+    )
+
+
+def kind_checks(evaluation: dict[str, Any], criteria: PolicyCriteria) -> list[Check]:
+    """The per-kind checks of :class:`PolicyCriteria`: each harmless kind's not-worse check, then each helpful
+    kind's refusal-increase bound; a kind the evaluation did not read fails with a detail that says so.
+
+    Args:
+        evaluation: the evaluate stage's metrics with its per-kind figures (``eval/kind/<kind>/prompts``,
+            ``.../<verdict>_lc_win_rate`` with ``_low``/``_high``, ``.../<verdict>_decisive``, ``.../<verdict>_ties``,
+            ``.../refusal_increase`` with ``_low``/``_high``, ``.../{policy,sft}_refusal_rate``).
+        criteria: the bounds and the kinds.
+    """
+    who, checks = criteria.verdict, []
+    for kind in criteria.harmless_kinds:
+        p = f"eval/kind/{kind}/"
+        lc = [evaluation.get(f"{p}{who}_lc_win_rate{end}") for end in ("", "_low", "_high")]
+        decisive, ties = _number(evaluation, f"{p}{who}_decisive"), _number(evaluation, f"{p}{who}_ties")
+        detail = _missing_kind(evaluation, kind, "harmless_kinds") or (
+            f"length-controlled win rate {_fmt(lc[0])} [{_fmt(lc[1])}, {_fmt(lc[2])}] over {decisive:.0f} decisive "
+            f"comparisons, {ties:.0f} ties, on {_number(evaluation, p + 'prompts'):.0f} prompts"
+            + ("; undefined: no decisive comparison" if lc[2] is None or math.isnan(float(lc[2])) else "")
+        )
+        criterion = f"{kind} prompts: length-controlled win rate over SFT by the {who}, upper 95% bound (not worse)"
+        checks.append(_at_least(criterion, lc[2], NOT_WORSE, detail))
+    for kind in criteria.helpful_kinds:
+        p = f"eval/kind/{kind}/"
+        high = _number(evaluation, f"{p}refusal_increase_high")
+        rates = [_fmt(evaluation.get(f"{p}{m}_refusal_rate")) for m in ("policy", "sft")]
+        change = [_fmt(evaluation.get(f"{p}refusal_increase{end}")) for end in ("", "_low", "_high")]
+        detail = _missing_kind(evaluation, kind, "helpful_kinds") or (
+            f"refusal rate {rates[0]} against SFT's {rates[1]} on {_number(evaluation, p + 'prompts'):.0f} prompts: "
+            f"increase {change[0]} [{change[1]}, {change[2]}]"
+        )
+        criterion = f"{kind} prompts: refusal rate increase over SFT, upper 95% bound (paired bootstrap over prompts)"
+        passed = not math.isnan(high) and high <= criteria.max_refusal_increase
+        checks.append(Check(criterion, high, criteria.max_refusal_increase, passed, detail))
+    return checks
 
 
 def policy_gate(
@@ -215,7 +297,8 @@ def policy_gate(
     Args:
         evaluation: the evaluate stage's metrics (``eval/<verdict>/win_rate`` with ``_low``,
             ``eval/<verdict>/decisive``, ``eval/<verdict>/ties``; ``eval/judge/meaningful`` (1 or 0);
-            ``eval/policy/kl``, ``eval/policy/eos_rate``); None or NaN where undefined.
+            ``eval/policy/kl``, ``eval/policy/eos_rate``) and its per-kind figures (:func:`kind_checks`); None or
+            NaN where undefined.
         ppo: the ppo stage's metrics (``stopped_by``: the collapse that stopped the run, or None;
             ``ppo/last/collapse``).
         criteria: the bounds.
@@ -223,7 +306,8 @@ def policy_gate(
 
     Returns:
         ``[Check]``: with the judge, that its verdicts mean something; the win rate's lower 95% bound
-        (at least its floor; all ties fail), KL (at most its bound), no collapse, EOS rate (at least its bound).
+        (at least its floor; all ties fail), KL (at most its bound), no collapse, EOS rate (at least its bound);
+        then :func:`kind_checks`.
     """
     who = criteria.verdict
     checks = []
@@ -256,4 +340,5 @@ def policy_gate(
         Check("KL to the SFT model (nats/response)", kl, criteria.max_kl, kl <= criteria.max_kl),
         Check("no collapse in PPO", 1.0 if collapsed else 0.0, 0.0, not collapsed, str(ppo.get("stopped_by") or "")),
         _at_least("EOS rate of the policy's responses", evaluation.get("eval/policy/eos_rate"), criteria.min_eos_rate),
+        *kind_checks(evaluation, criteria),
     ]
