@@ -4,8 +4,13 @@ Also the alignment tax (perplexity on held-out ptx text, distinct-n, refusals, l
 over-optimisation curve: each policy PPO kept (``models/policy_kept``), scored by the proxy and the judge
 on a fixed set of prompts against its KL to the SFT model (Gao et al. 2023).
 
-Writes ``metrics/eval.json``, ``metrics/overoptimisation.json`` (a DVC plot), ``reports/eval/``
-(``samples.json``: every prompt with both responses and their scores, and the MLflow run id;
+The prompts are a fair share of each kind of data (:func:`rlhf.evaluation_kinds.stratified`), and the base model
+(``models/base``) is a third contestant, sampled and scored as SFT is, so SFT's own effect shows; every verdict is
+also taken per kind (``eval/kind/<kind>/...`` in ``metrics/eval_kinds.json``, apart so that ``dvc metrics show``
+stays readable).
+
+Writes ``metrics/eval.json``, ``metrics/eval_kinds.json``, ``metrics/overoptimisation.json`` (a DVC plot),
+``reports/eval/`` (``samples.json``: every prompt with both responses and their scores, and the MLflow run id;
 ``samples.md``; ``scores.png``) and ``reports/policy_gate.json`` together, after
 everything that can fail (:class:`tasks.kit.outputs.StagedOutputs`): a failed or stopped run leaves the previous
 ones as they were.
@@ -28,23 +33,26 @@ from rlhf.checkpoint import load_kept_policy, write_json
 from rlhf.comparison import best_of_n, best_of_n_kl, paired_difference
 from rlhf.data import load_jsonl
 from rlhf.evaluation import EvalConfig, Scorers, evaluate_policy, generate_and_score, sample_rows
+from rlhf.evaluation_kinds import KIND_PREFIX, kind_figures, stratified
 from rlhf.gate_rules import PolicyCriteria, judge_doubts, policy_gate
+from rlhf.kinds import kind_of, kinds_in
 from rlhf.models import load_causal_lm, load_scalar_model, load_tokenizer
 from rlhf.rollout import GenerationSettings
 from tasks.kit import paths
 from tasks.kit.champion import require_champion
 from tasks.kit.common import cli, setup_torch, stage_runtime
 from tasks.kit.configs import config_from_params, derived_values
-from tasks.kit.outputs import StagedOutputs, load_json, write_metrics
+from tasks.kit.outputs import StagedOutputs, load_json, stage_metrics, write_metrics
 from tasks.kit.params import stage_params
 from tasks.kit.registry import decide_once, find_by_sha, folder_sha256, refuse_deleted, register, version_tags
 from tasks.kit.runs import StageRun, tracking_client
 
 PROMPTS, PTX_HELDOUT = paths.split("eval_prompts"), paths.split("ptx_heldout")
-SFT, POLICY, KEPT = paths.SFT, paths.POLICY, paths.POLICY_KEPT
+BASE, SFT, POLICY, KEPT = paths.BASE, paths.SFT, paths.POLICY, paths.POLICY_KEPT
 REWARD = paths.CHAMPION  # the reward model the policy was trained against: the proxy (tasks/kit/champion.py)
-JUDGE, JUDGE_METRICS = paths.JUDGE, paths.metrics("judge")  # the independent judge (tasks/judge.py)
+JUDGE = paths.JUDGE  # the independent judge (tasks/judge.py); its metrics: stage_metrics("judge")
 REPORTS, METRICS, CURVE = paths.EVAL_REPORTS, paths.metrics("eval"), paths.OVEROPTIMISATION
+KIND_METRICS = paths.EVAL_KINDS  # every eval/kind/<kind>/... figure
 PPO_METRICS, POLICY_GATE = paths.metrics("ppo"), paths.POLICY_GATE
 
 
@@ -66,25 +74,39 @@ def samples_markdown(samples: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def judge_figures(judge: dict[str, Any], min_length_accuracy: float) -> tuple[dict[str, float], list[str]]:
+def judge_figures(
+    judge: dict[str, Any], min_length_accuracy: float, kinds: list[str] | tuple[str, ...] = ()
+) -> tuple[dict[str, float], list[str]]:
     """The judge's own judge_eval figures, shown beside each of its verdicts, and why they mean nothing (if so).
+
+    Args:
+        judge: the judge stage's metrics; min_length_accuracy: the length floor
+            (:func:`rlhf.gate_rules.judge_doubts`); kinds: the evaluated prompts' kinds, each of which needs a
+            judge above chance on its own judge_eval pairs.
 
     Returns:
         ``(metrics, doubts)``: ``eval/judge/accuracy`` with ``_low``/``_high`` (Wilson 95%),
         ``eval/judge/balanced_accuracy`` with ``_low``/``_high`` (stratified bootstrap 95%),
-        ``eval/judge/length_accuracy`` (the smaller of its chosen-shorter and chosen-longer accuracies) and
-        ``eval/judge/meaningful`` (1.0 when :func:`rlhf.gate_rules.judge_doubts` finds nothing);
-        ``doubts``: its reasons.
+        ``eval/judge/length_accuracy`` (the smaller of its chosen-shorter and chosen-longer accuracies),
+        ``eval/judge/meaningful`` (1.0 when :func:`rlhf.gate_rules.judge_doubts` finds nothing, per kind
+        included) and per kind ``eval/kind/<kind>/judge_balanced_accuracy`` with ``_low``/``_high`` (NaN where
+        the judge has no figure for it); ``doubts``: its reasons.
     """
     shown = ("accuracy", "accuracy_low", "accuracy_high")
     shown += tuple(f"balanced_{k}" for k in shown)
     names = (*shown, "accuracy_chosen_shorter", "accuracy_chosen_longer")
     values = {k: math.nan if judge.get(f"judge/{k}") is None else float(judge[f"judge/{k}"]) for k in names}
-    doubts = judge_doubts({f"judge/{k}": v for k, v in values.items()}, min_length_accuracy)
+    per_kind = {
+        f"kind/{kind}/{k}": math.nan if judge.get(f"judge/kind/{kind}/{k}") is None else judge[f"judge/kind/{kind}/{k}"]
+        for kind in sorted(set(kinds) | set(kinds_in(judge, "judge")))
+        for k in shown[3:]
+    }
+    doubts = judge_doubts({f"judge/{k}": float(v) for k, v in (values | per_kind).items()}, min_length_accuracy, kinds)
     metrics = {f"eval/judge/{k}": values[k] for k in shown}
     lengths = [v for v in names[len(shown) :] if not math.isnan(values[v])]
     metrics["eval/judge/length_accuracy"] = min((values[k] for k in lengths), default=math.nan)
-    return {**metrics, "eval/judge/meaningful": float(not doubts)}, doubts
+    kind_rows = {f"eval/{k.replace('/balanced_', '/judge_balanced_')}": float(v) for k, v in per_kind.items()}
+    return {**metrics, "eval/judge/meaningful": float(not doubts), **kind_rows}, doubts
 
 
 def curve(sft: Any, scorers: Scorers, tokenizer, prompts: list, config, settings, runtime) -> list[dict[str, float]]:
@@ -172,7 +194,8 @@ def run(
     params: dict[str, Any], generation: dict[str, Any], device: dict[str, Any] | None = None
 ) -> tuple[dict[str, float], list[dict[str, Any]], list[dict[str, float]], EvalConfig, list[str]]:
     """Evaluate with the ``generation`` section PPO used; returns ``(metrics, samples, curve rows, config, doubts)``
-    (doubts: why the judge's verdicts mean nothing, :func:`judge_figures`).
+    (doubts: why the judge's verdicts mean nothing, :func:`judge_figures`). ``metrics`` holds the per-kind
+    figures too (``eval/kind/...``: :func:`rlhf.evaluation_kinds.kind_figures`, the judge's own per kind).
 
     ``device``: the params.yaml ``device`` section (None: read from params.yaml). The SFT model (the
     reference of the KL) and the policy are placed alike, so identical weights give identical logprobs.
@@ -181,12 +204,12 @@ def run(
     settings, longest = sampling_settings(config, config_from_params(GenerationSettings, generation, "generation"))
     champion = require_champion(REWARD)  # the reward model the policy was trained against
     setup_torch(config.seed)
-    rows = sorted(load_jsonl(PROMPTS), key=lambda row: row["id"])[: config.max_prompts]
-    prompts = [row["prompt"] for row in rows]
+    rows = stratified(load_jsonl(PROMPTS), config.max_prompts)  # a fair share of each kind, by id
+    prompts, kinds = [row["prompt"] for row in rows], [kind_of(row) for row in rows]
     tokenizer = load_tokenizer(SFT)
     runtime = stage_runtime("evaluate", device)
     # never trained here: requires_grad off, so models that share frozen blocks run them once (rlhf.trunk)
-    sft, policy = (runtime.place(load_causal_lm(path)).requires_grad_(False) for path in (SFT, POLICY))
+    sft, policy, base = (runtime.place(load_causal_lm(path)).requires_grad_(False) for path in (SFT, POLICY, BASE))
     scorers = Scorers(
         runtime.frozen(load_scalar_model(REWARD)), runtime.frozen(load_scalar_model(JUDGE)), load_tokenizer(JUDGE)
     )
@@ -198,11 +221,14 @@ def run(
         length = config.judge_max_length if model is None else getattr(model.config, "reward_max_length", None)
         check_reads_whole(reader, length, ("ppo.max_prompt_length (evaluate's max_prompt_length)", reads), longest)
     heldout = load_jsonl(PTX_HELDOUT)
-    metrics, runs = evaluate_policy(sft, policy, scorers, tokenizer, prompts, heldout, config, settings, runtime)
-    del policy
+    metrics, runs = evaluate_policy(
+        sft, policy, scorers, tokenizer, prompts, heldout, config, settings, runtime, base=base
+    )
+    del policy, base
+    metrics |= kind_figures(runs, kinds, config.bootstrap_resamples, config.seed)
     rows_of_curve = curve(sft, scorers, tokenizer, prompts, config, settings, runtime)
     metrics |= best_of_n_figures(sft, scorers, tokenizer, prompts, config, settings, runtime)
-    judge, doubts = judge_figures(load_json(JUDGE_METRICS), config.judge_min_length_accuracy)
+    judge, doubts = judge_figures(stage_metrics("judge"), config.judge_min_length_accuracy, sorted(set(kinds)))
     metrics |= judge | {"eval/reward_model_version": float(champion["version"])}
     return metrics, sample_rows(rows, runs), rows_of_curve, config, doubts
 
@@ -244,6 +270,34 @@ def summary_lines(metrics: dict[str, float], doubts: list[str]) -> list[str]:
     lines += [f"[evaluate]   WARNING: the judge's verdicts are MEANINGLESS: {doubt}" for doubt in doubts]
     lines.append(f"[evaluate] win rate over SFT by the proxy (the reward model PPO optimised): {rate('proxy')}")
     lines.append(change("proxy"))
+    return lines + kind_lines(metrics)
+
+
+def kind_lines(metrics: dict[str, float]) -> list[str]:
+    """The printed verdicts of each kind (``eval/kind/<kind>/...``): the judge's win rate, length-controlled win
+    rate and score difference against SFT, SFT's against the base model, and the refusal rates with the policy's
+    increase over SFT; each with its 95% interval over prompts, n/a where undefined or not recorded."""
+
+    def interval(key: str) -> str:
+        m = [metrics.get(f"{key}{end}") for end in ("", "_low", "_high")]
+        return "n/a" if m[0] is None or not math.isfinite(m[0]) else f"{m[0]:.3f} [{m[1]:.3f}, {m[2]:.3f}]"
+
+    def rate(key: str) -> str:
+        value = metrics.get(key)
+        return "n/a" if value is None or not math.isfinite(value) else f"{value:.3f}"
+
+    lines = []
+    for kind in kinds_in(metrics, "eval"):
+        p = f"{KIND_PREFIX}{kind}/"
+        lines += [
+            f"[evaluate] {kind} prompts ({metrics.get(p + 'prompts', 0):.0f}): by the judge win rate over SFT "
+            f"{interval(p + 'judge_win_rate')}, length-controlled {interval(p + 'judge_lc_win_rate')}, score "
+            f"difference {interval(p + 'judge_score_diff')}; by the proxy {interval(p + 'proxy_win_rate')}",
+            f"[evaluate]   SFT over the base model by the judge {interval(p + 'sft_vs_base/judge_win_rate')}, "
+            f"length-controlled {interval(p + 'sft_vs_base/judge_lc_win_rate')}; refusal rate base "
+            f"{rate(p + 'base_refusal_rate')}, SFT {rate(p + 'sft_refusal_rate')}, policy "
+            f"{rate(p + 'policy_refusal_rate')}, policy - SFT {interval(p + 'refusal_increase')}",
+        ]
     return lines
 
 
@@ -320,12 +374,15 @@ def main() -> None:
         scores_figure(samples, reports)
         mlflow.log_artifacts(reports, "eval")
         by_iteration = {r["iteration"]: {k: v for k, v in r.items() if k != "iteration"} for r in rows}
-        write_metrics(outputs.file(METRICS), metrics, stage, curves={outputs.file(CURVE): by_iteration})
+        overall = {k: v for k, v in metrics.items() if not k.startswith(KIND_PREFIX)}
+        write_metrics(outputs.file(METRICS), overall, stage, curves={outputs.file(CURVE): by_iteration})
+        kinds = {k: v if math.isfinite(v) else None for k, v in metrics.items() if k.startswith(KIND_PREFIX)}
+        write_json(outputs.file(KIND_METRICS), kinds)  # undefined (NaN) as null, as write_metrics writes it
         report = gate_policy(metrics, stage.run.info.run_id, doubts)  # last: a registry that is down keeps the old
         write_json(outputs.file(POLICY_GATE), report)
     for line in summary_lines(metrics, doubts):
         print(line, flush=True)
-    shown = ("win_rate", "score_diff", "lc_length_coef")  # in summary_lines
+    shown = ("win_rate", "score_diff", "lc_length_coef", KIND_PREFIX)  # in summary_lines
     print(
         "[evaluate] " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items() if not any(s in k for s in shown)),
         flush=True,

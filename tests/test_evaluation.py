@@ -1,6 +1,7 @@
 """Evaluation beyond the proxy: the judge's scoring, the alignment tax's figures and the kept policies, by hand."""
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -18,13 +19,14 @@ from rlhf.evaluation import (
     sample_rows,
     tie_identical_responses,
 )
+from rlhf.evaluation_kinds import compare_runs, kind_figures, stratified
 from rlhf.lora import add_lora
 from rlhf.models import load_causal_lm, load_scalar_model
 from rlhf.rollout import GenerationSettings
 from rlhf.shared_prompt import score_sequences
 from rlhf.text_stats import distinct_n, is_refusal, refusal_rate
 from rlhf.training import freeze_lower_layers
-from tasks.evaluate import judge_figures, sampling_settings, summary_lines
+from tasks.evaluate import judge_figures, kind_lines, sampling_settings, summary_lines
 
 CPU = Runtime(torch.device("cpu"), "no")
 PROMPTS = [[{"role": "user", "content": "How do I bake bread?"}], [{"role": "user", "content": "Is it safe?"}]]
@@ -115,9 +117,95 @@ def test_evaluating_the_sft_model_against_itself_is_all_ties_and_zero_kl(tiny_di
         assert [metrics[f"eval/{who}/score_diff{end}"] for end in ("", "_low", "_high")] == [0.0, 0.0, 0.0]
         assert all(math.isnan(metrics[f"eval/{who}/lc_{k}"]) for k in ("win_rate", "win_rate_low", "length_coef"))
     assert runs["policy"]["texts"] == runs["sft"]["texts"] and runs["sft"]["judge"].shape == (2, 2)
-    rows = sample_rows([{"id": "a", "prompt": PROMPTS[0]}, {"id": "b", "prompt": PROMPTS[1]}], runs)
-    assert [(r["id"], r["sample"]) for r in rows] == [("a", 0), ("a", 1), ("b", 0), ("b", 1)]
+    rows = sample_rows([{"id": "a", "prompt": PROMPTS[0]}, {"id": "b", "prompt": PROMPTS[1], "kind": "helpful"}], runs)
+    assert [(r["id"], r["sample"], r["kind"]) for r in rows] == [
+        ("a", 0, "general"), ("a", 1, "general"), ("b", 0, "helpful"), ("b", 1, "helpful")
+    ]  # fmt: skip
     assert rows[3]["policy_response"] == runs["policy"]["texts"][3] and rows[0]["prompt"] == "How do I bake bread?"
+    assert "base_response" not in rows[0]  # no base model evaluated
+
+
+@pytest.mark.filterwarnings("ignore::rlhf.stats.TiesWarning")  # every comparison a tie: tested above
+def test_the_base_model_is_sampled_and_scored_as_sft_and_its_kl_is_not_computed(tiny_dir, tokenizer):
+    # the base model here has SFT's weights: the same generators give it SFT's texts, so SFT against it is all ties
+    sft, base, judge = load_causal_lm(tiny_dir), load_causal_lm(tiny_dir), load_scalar_model(tiny_dir)
+    settings = GenerationSettings(max_new_tokens=4, temperature=1.0, no_eos="score", no_eos_value=None)
+    config = EvalConfig(batch_size=4, samples_per_prompt=2, bootstrap_resamples=50)
+    metrics, runs = evaluate_policy(sft, sft, Scorers(judge, judge, tokenizer), tokenizer, PROMPTS,
+                                    [{"text": "Some text."}], config, settings, CPU, base=base)  # fmt: skip
+    assert set(runs) == {"sft", "policy", "base"} and runs["base"]["texts"] == runs["sft"]["texts"]
+    assert torch.equal(runs["base"]["judge"], runs["sft"]["judge"]) and metrics["eval/base/identical_responses"] == 4
+    assert torch.isnan(runs["base"]["kl"]).all() and torch.isnan(runs["base"]["kl_k3"]).all()  # not computed
+    assert metrics["eval/base/length"] == metrics["eval/sft/length"] and "eval/judge/base_score" in metrics
+    assert metrics["eval/base/ptx_perplexity"] == pytest.approx(metrics["eval/sft/ptx_perplexity"])
+    figures = kind_figures(runs, ["harmless", "helpful"], 50, 0)
+    assert figures["eval/kind/helpful/prompts"] == 1 and figures["eval/kind/harmless/sft_vs_base/judge_ties"] == 2
+    assert math.isnan(figures["eval/kind/helpful/sft_vs_base/judge_win_rate"])  # all ties: undefined
+    rows = sample_rows([{"id": "a", "prompt": PROMPTS[0]}, {"id": "b", "prompt": PROMPTS[1]}], runs)
+    assert rows[2]["base_response"] == runs["base"]["texts"][2] and rows[2]["base_judge"] == rows[2]["sft_judge"]
+
+
+def test_evaluation_takes_a_fair_share_of_each_kind_by_id():
+    names = {"h": "helpful", "x": "harmless"}
+    rows = [{"id": f"{i:02d}", "kind": names[kind]} for i, kind in enumerate("hhxhhxhxhh")][::-1]  # any order in
+    # harmless: ids 02, 05, 07; helpful: 00, 01, 03, 04, 06, 08, 09. Dealt one of each kind at a time, kinds by
+    # name (harmless first): 02 00 05 01 07 03, then helpful alone once harmless runs out: 04 06 08 09
+    assert [r["id"] for r in stratified(rows, None)] == ["02", "00", "05", "01", "07", "03", "04", "06", "08", "09"]
+    # 4 prompts: the first 2 of each kind by id; 5: the first kind by name gets the remainder
+    assert [r["id"] for r in stratified(rows, 4)] == ["02", "00", "05", "01"]
+    assert [(r["id"], r["kind"]) for r in stratified(rows, 5)][-1] == ("07", "harmless")
+    # 8: harmless has only 3, so helpful fills the place: 3 + 5
+    assert sorted(r["kind"] for r in stratified(rows, 8)) == ["harmless"] * 3 + ["helpful"] * 5
+    # rows without a kind are one kind ("general", rlhf.kinds.kind_of), in id order
+    assert [r["id"] for r in stratified([{"id": "b"}, {"id": "a"}, {"id": "c"}], 2)] == ["a", "b"]
+    assert stratified([], 4) == []
+
+
+def _run(scores: list[list[float]], texts: list[str], lengths: list[list[float]] | None = None) -> dict:
+    """A generate_and_score result by hand: the same scores by both scorers, ``(P, K)``."""
+    tensor = torch.tensor(scores)
+    length = torch.tensor(lengths) if lengths else torch.full(tensor.shape, 10.0)
+    return {"proxy": tensor, "judge": tensor, "length": length, "texts": texts}
+
+
+REFUSE, HELP = "I can't help with that.", "Sure, here is how."
+
+
+def test_kind_figures_by_hand():
+    # 4 prompts x 1 sample: prompts 0 and 1 harmless, 2 and 3 helpful
+    kinds = ["harmless", "harmless", "helpful", "helpful"]
+    runs = {
+        "base": _run([[0.0], [0.0], [0.0], [0.0]], [HELP, HELP, HELP, HELP]),
+        "sft": _run([[0.5], [0.1], [0.2], [0.3]], [HELP, HELP, HELP, HELP]),
+        "policy": _run([[0.7], [0.4], [0.1], [0.3]], [REFUSE, HELP, REFUSE, HELP]),
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a kind's ties are not warned of again
+        figures = kind_figures(runs, kinds, resamples=2000, seed=0)
+    harmless, helpful = "eval/kind/harmless/", "eval/kind/helpful/"
+    assert figures[harmless + "prompts"] == 2 and figures[helpful + "prompts"] == 2
+    # harmless: the policy wins both (0.7 > 0.5, 0.4 > 0.1): rate 1, Wilson floor of 2 of 2 [0.342380, 1];
+    # score difference (0.2 + 0.3) / 2 = 0.25
+    assert figures[harmless + "judge_win_rate"] == 1.0 and figures[harmless + "judge_decisive"] == 2
+    assert figures[harmless + "judge_win_rate_low"] == pytest.approx(0.342380, abs=1e-6)
+    assert figures[harmless + "judge_score_diff"] == pytest.approx(0.25)
+    # helpful: 0.1 < 0.2 lost, 0.3 = 0.3 a tie: rate 0 over 1 decisive comparison, 1 tie
+    assert (figures[helpful + "proxy_win_rate"], figures[helpful + "proxy_ties"]) == (0.0, 1.0)
+    # SFT against the base model, helpful: both won, 0.2 and 0.3 above 0
+    assert figures[helpful + "sft_vs_base/judge_win_rate"] == 1.0
+    assert figures[helpful + "sft_vs_base/judge_score_diff"] == pytest.approx(0.25)
+    # refusals: the policy refuses 1 of 2 on each kind, SFT and the base model none
+    assert [figures[f"{helpful}{m}_refusal_rate"] for m in ("base", "sft", "policy")] == [0.0, 0.0, 0.5]
+    # the increase on helpful prompts: differences [1, 0] -> 0.5, interval [-0.272573, 1.0] (test_comparison's
+    # rate_difference of 2 prompts, worked by hand there)
+    assert figures[helpful + "refusal_increase"] == 0.5 and figures[helpful + "refusal_increase_high"] == 1.0
+    assert figures[helpful + "refusal_increase_low"] == pytest.approx(-0.272573, abs=1e-6)
+    # one kind of all: its figures are the overall comparison's
+    overall = compare_runs(runs["policy"], runs["sft"], 2000, 0)
+    whole = kind_figures(runs, ["general"] * 4, 2000, 0)
+    assert {k: whole[f"eval/kind/general/{k}"] for k in overall} == pytest.approx(overall, nan_ok=True)
+    with pytest.raises(ValueError, match="one kind per prompt: 3 kinds for 4 prompts"):
+        kind_figures(runs, kinds[:3], 2000, 0)
 
 
 @pytest.mark.filterwarnings("ignore::rlhf.stats.TiesWarning")  # a tie or two: the rule is tested in test_stats
@@ -190,6 +278,43 @@ def test_judge_figures_flag_a_judge_at_chance_or_ranking_by_length():
     for bad in ({**good, "judge/balanced_accuracy_low": 0.46}, {**good, "judge/accuracy_chosen_longer": 0.2}, {}):
         metrics, doubts = judge_figures(bad, 0.35)
         assert metrics["eval/judge/meaningful"] == 0.0 and doubts
+
+
+def test_judge_figures_per_kind_and_a_kind_at_chance():
+    good = {"judge/accuracy": 0.62, "judge/accuracy_low": 0.53, "judge/accuracy_high": 0.70,
+            "judge/balanced_accuracy": 0.575, "judge/balanced_accuracy_low": 0.51,
+            "judge/balanced_accuracy_high": 0.64, "judge/accuracy_chosen_shorter": 0.7,
+            "judge/accuracy_chosen_longer": 0.45, "judge/kind/helpful/balanced_accuracy": 0.6,
+            "judge/kind/helpful/balanced_accuracy_low": 0.52, "judge/kind/helpful/balanced_accuracy_high": 0.68,
+            "judge/kind/harmless/balanced_accuracy": 0.55, "judge/kind/harmless/balanced_accuracy_low": 0.51,
+            "judge/kind/harmless/balanced_accuracy_high": 0.6}  # fmt: skip
+    metrics, doubts = judge_figures(good, 0.35, ["harmless", "helpful"])
+    assert doubts == [] and metrics["eval/judge/meaningful"] == 1.0
+    assert metrics["eval/kind/helpful/judge_balanced_accuracy_low"] == 0.52
+    assert metrics["eval/kind/harmless/judge_balanced_accuracy_high"] == 0.6
+    metrics, doubts = judge_figures({**good, "judge/kind/harmless/balanced_accuracy_low": 0.47}, 0.35, ["helpful"])
+    assert metrics["eval/judge/meaningful"] == 0.0
+    assert doubts == ["judge_eval balanced accuracy on harmless pairs 0.55 [0.47, 0.60] includes chance (0.5)"]
+    metrics, doubts = judge_figures(good, 0.35, ["helpful", "chat"])  # a kind the judge has no figure for
+    assert metrics["eval/judge/meaningful"] == 0.0 and math.isnan(metrics["eval/kind/chat/judge_balanced_accuracy"])
+    assert doubts[0].startswith("judge_eval balanced accuracy on chat pairs is undefined")
+
+
+def test_the_printed_verdicts_per_kind():
+    p = "eval/kind/helpful/"
+    metrics = {p + "prompts": 16.0, p + "base_refusal_rate": 0.0, p + "sft_refusal_rate": 0.0,
+               p + "policy_refusal_rate": 0.0625, p + "proxy_win_rate": math.nan}  # fmt: skip
+    for end, value in (("", 0.6), ("_low", 0.5), ("_high", 0.7)):
+        metrics |= {f"{p}judge_win_rate{end}": value, f"{p}judge_lc_win_rate{end}": value - 0.1,
+                    f"{p}judge_score_diff{end}": value - 0.5, f"{p}sft_vs_base/judge_win_rate{end}": value + 0.1,
+                    f"{p}refusal_increase{end}": value - 0.5}  # fmt: skip
+    assert kind_lines(metrics) == [
+        "[evaluate] helpful prompts (16): by the judge win rate over SFT 0.600 [0.500, 0.700], length-controlled "
+        "0.500 [0.400, 0.600], score difference 0.100 [0.000, 0.200]; by the proxy n/a",
+        "[evaluate]   SFT over the base model by the judge 0.700 [0.600, 0.800], length-controlled n/a; refusal rate "
+        "base 0.000, SFT 0.000, policy 0.062, policy - SFT 0.100 [0.000, 0.200]",
+    ]
+    assert kind_lines({"eval/judge/win_rate": 0.5}) == []
 
 
 def test_the_printed_verdicts_carry_the_paired_difference_and_the_length_controlled_rate():

@@ -9,7 +9,6 @@ response *text* with its own tokenizer, so it may be another backbone.
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,32 +17,34 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf import losses
 from rlhf.chat import encode_chat, encode_prompt, pad
-from rlhf.comparison import length_controlled_rate, paired_difference
 from rlhf.data import ptx_token_ids
 from rlhf.device import Runtime
+from rlhf.evaluation_kinds import FIGURES, SCORERS, compare_runs
+from rlhf.kinds import kind_of
 from rlhf.models import response_logprobs
 from rlhf.rollout import GenerationSettings, sample_and_score, treat_unfinished
 from rlhf.sampling import prompt_seed
 from rlhf.shared_prompt import score_groups
-from rlhf.stats import PairedRate, TiesWarning, clustered_rate
+from rlhf.stats import PairedRate, clustered_rate
 from rlhf.text_stats import distinct_n, refusal_rate
 from rlhf.training import check_ranges
 
 MODELS = ("sft", "policy")
+BASE = "base"  # the third contestant: the model SFT started from, sampled and scored exactly as SFT
 
 
 @dataclass
 class EvalConfig:
     """Evaluation settings (params.yaml section ``evaluate``)."""
 
-    max_prompts: int | None = 32  # the first N eval prompts (by id); None: all
+    max_prompts: int | None = 32  # N eval prompts, a fair share of each kind (rlhf.evaluation_kinds.stratified)
     max_new_tokens: int | None = 256  # responses' token limit here; None: generation.max_new_tokens (PPO's)
     samples_per_prompt: int = 1  # responses per prompt and model; the interval resamples whole prompts
     batch_size: int = 16
     max_prompt_length: int = 128
     greedy: bool = False  # greedy decoding instead of sampling at generation.temperature
     samples_in_table: int = 8  # rows of the Markdown sample table in reports/eval/samples.md
-    curve_prompts: int = 8  # the first N eval prompts: the fixed set of the over-optimisation curve
+    curve_prompts: int = 8  # the first N evaluated prompts (kinds dealt alike): the over-optimisation curve's set
     best_of_n: int = 4  # the largest N of best-of-N on the curve prompts (N = 1, 4, 16, ... up to it); 0: none
     bootstrap_resamples: int = 2000
     judge_max_length: int = 384  # tokens of prompt + response the judge reads (the stage passes its max_length)
@@ -136,7 +137,7 @@ def judge_scores(
 @torch.no_grad()
 def generate_and_score(
     model: PreTrainedModel,
-    reference: PreTrainedModel,
+    reference: PreTrainedModel | None,
     scorers: Scorers,
     tokenizer: PreTrainedTokenizerBase,
     prompts: list[list[dict]],
@@ -154,8 +155,9 @@ def generate_and_score(
 
     Returns:
         ``proxy``, ``judge``, ``kl`` and ``kl_k3`` (nats per response to ``reference``, the k1 and k3 estimates
-        summed over the response's tokens; k3 is never negative), ``length`` (tokens): ``(P, samples)``
-        float32 on the CPU; ``ended`` ``(P, samples)`` bool; ``texts``: ``P * samples`` strings, prompt-major.
+        summed over the response's tokens; k3 is never negative; NaN, and no forward pass spent on them, when
+        ``reference`` is None), ``length`` (tokens): ``(P, samples)`` float32 on the CPU; ``ended``
+        ``(P, samples)`` bool; ``texts``: ``P * samples`` strings, prompt-major.
     """
     repeated = [p for p in prompts for _ in range(samples)]
     seeds = [prompt_seed(config.seed, s, i) for i in range(len(prompts)) for s in range(samples)]
@@ -176,16 +178,21 @@ def generate_and_score(
                 rollout.response_mask,
             )
             trunk = scored.trunk
-            logprobs, _ = response_logprobs(model, ids, attn, begin, temperature, entry=trunk.entry(model))
-            same = reference is model  # the SFT model against itself: KL 0, computed once
-            ref_logprobs = (
-                logprobs
-                if same
-                else response_logprobs(reference, ids, attn, begin, temperature, entry=trunk.entry(reference))[0]
-            )
-        logratio = logprobs - ref_logprobs
-        out["kl"].append(torch.where(mask, losses.kl_k1(logratio), 0.0).sum(-1).float().cpu())
-        out["kl_k3"].append(torch.where(mask, losses.kl_k3(logratio), 0.0).sum(-1).float().cpu())
+            if reference is not None:
+                logprobs, _ = response_logprobs(model, ids, attn, begin, temperature, entry=trunk.entry(model))
+                same = reference is model  # the SFT model against itself: KL 0, computed once
+                ref_logprobs = (
+                    logprobs
+                    if same
+                    else response_logprobs(reference, ids, attn, begin, temperature, entry=trunk.entry(reference))[0]
+                )
+        if reference is None:  # no KL wanted (the base model): no forward pass for it
+            out["kl"].append(torch.full((len(ids),), math.nan))
+            out["kl_k3"].append(torch.full((len(ids),), math.nan))
+        else:
+            logratio = logprobs - ref_logprobs
+            out["kl"].append(torch.where(mask, losses.kl_k1(logratio), 0.0).sum(-1).float().cpu())
+            out["kl_k3"].append(torch.where(mask, losses.kl_k3(logratio), 0.0).sum(-1).float().cpu())
         out["proxy"].append(scored.scores.float().cpu())
         out["unfinished"].append(scored.unfinished.cpu())
         out["ended"].append(rollout.ended.cpu())
@@ -235,12 +242,16 @@ def evaluate_policy(
     config: EvalConfig,
     settings: GenerationSettings,
     runtime: Runtime,
+    base: PreTrainedModel | None = None,
 ) -> tuple[dict[str, float], dict[str, dict[str, Any]]]:
     """Generate with the SFT model and the policy on the same prompts and compare them, by the proxy and the judge.
 
     Responses are sampled and scored with PPO's :class:`rlhf.rollout.GenerationSettings` (same length limit,
     same treatment of a response without EOS). The SFT model is PPO's reference, so the policy's KL to it is
-    the sequence-level k1 on the policy's own samples (tutorial Eq. 9's estimate, nats per response).
+    the sequence-level k1 on the policy's own samples (tutorial Eq. 9's estimate, nats per response). The base
+    model, when given, is the third contestant: sampled and scored exactly as SFT (the same prompts, settings
+    and per-prompt generators), its KL not computed; SFT's run serves both comparisons
+    (:func:`rlhf.evaluation_kinds.kind_figures` reads them per kind).
 
     Args:
         sft, policy: causal LMs; scorers: proxy and judge; all with dropout off.
@@ -249,6 +260,7 @@ def evaluate_policy(
         ptx_heldout: held-out ptx rows (``{"messages"}`` or ``{"text"}``) for the perplexity.
         config: :class:`EvalConfig`; settings: the shared generation settings.
         runtime: device and precision; the models already on its device.
+        base: the model SFT was trained from (``models/base``), or None.
 
     Returns:
         ``(metrics, runs)``: for S in (proxy, judge) ``eval/S/win_rate`` with ``_low``/``_high`` (95%, bootstrap
@@ -262,8 +274,10 @@ def evaluate_policy(
         ``config.seed``). For M in (sft, policy) ``eval/M/{length,eos_rate,truncated_share,distinct_1,distinct_2,
         refusal_rate,ptx_perplexity}`` (``truncated_share``: cut at ``max_new_tokens``, ``1 - eos_rate``);
         ``eval/policy/kl``, ``eval/prompts``, ``eval/samples_per_prompt``, ``eval/identical_responses`` (the
-        policy's responses that are SFT's text, ties by construction: :func:`tie_identical_responses`). ``runs``:
-        each model's :func:`generate_and_score` result.
+        policy's responses that are SFT's text, ties by construction: :func:`tie_identical_responses`). With a
+        base model also ``eval/base/...`` as for M, ``eval/S/base_score`` and ``eval/base/identical_responses``
+        (its responses that are SFT's text). ``runs``: each model's :func:`generate_and_score` result (``sft``,
+        ``policy``, ``base``).
 
     Raises:
         ValueError: no prompts.
@@ -271,44 +285,27 @@ def evaluate_policy(
     if not prompts:
         raise ValueError("no evaluation prompts")
     prompts = prompts[: config.max_prompts]
-    for model in (sft, policy, scorers.proxy, scorers.judge):
+    models = {"sft": sft, "policy": policy} | ({BASE: base} if base is not None else {})
+    for model in (*models.values(), scorers.proxy, scorers.judge):
         model.eval()
     k = config.samples_per_prompt
+    references = {"sft": sft, "policy": sft, BASE: None}  # the base model's KL is not wanted: not computed
     runs = {
-        "sft": generate_and_score(sft, sft, scorers, tokenizer, prompts, config, settings, runtime, k),
-        "policy": generate_and_score(policy, sft, scorers, tokenizer, prompts, config, settings, runtime, k),
+        name: generate_and_score(model, references[name], scorers, tokenizer, prompts, config, settings, runtime, k)
+        for name, model in models.items()
     }
-    identical = tie_identical_responses(runs)
     metrics = {
         "eval/prompts": float(len(prompts)),
         "eval/samples_per_prompt": float(k),
-        "eval/identical_responses": float(identical),
+        "eval/identical_responses": float(tie_identical_responses(runs)),
     }
-    resamples, seed = config.bootstrap_resamples, config.seed
-    for scorer in ("proxy", "judge"):
-        policy_scores, sft_scores = runs["policy"][scorer], runs["sft"][scorer]
-        wins = win_rate(policy_scores, sft_scores, resamples, seed)
-        diff = paired_difference(policy_scores, sft_scores, resamples, seed)
-        lengths = runs["policy"]["length"], runs["sft"]["length"]  # tokens
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", TiesWarning)  # the same comparisons: win_rate has warned of their ties
-            lc = length_controlled_rate(policy_scores, sft_scores, *lengths, resamples, seed)
-        metrics |= {
-            f"eval/{scorer}/win_rate": wins.rate,
-            f"eval/{scorer}/win_rate_low": wins.low,
-            f"eval/{scorer}/win_rate_high": wins.high,
-            f"eval/{scorer}/decisive": float(wins.n),
-            f"eval/{scorer}/ties": float(wins.ties),
-            f"eval/{scorer}/score_diff": diff.mean,
-            f"eval/{scorer}/score_diff_low": diff.low,
-            f"eval/{scorer}/score_diff_high": diff.high,
-            f"eval/{scorer}/lc_win_rate": lc.rate,
-            f"eval/{scorer}/lc_win_rate_low": lc.low,
-            f"eval/{scorer}/lc_win_rate_high": lc.high,
-            f"eval/{scorer}/lc_length_coef": lc.length_coef,
-            **{f"eval/{scorer}/{name}_score": float(runs[name][scorer].mean()) for name in MODELS},
-        }
-    for name, model in (("sft", sft), ("policy", policy)):
+    if BASE in runs:
+        metrics["eval/base/identical_responses"] = float(tie_identical_responses(runs, BASE))
+    figures = compare_runs(runs["policy"], runs["sft"], config.bootstrap_resamples, config.seed, warn_ties=True)
+    for scorer in SCORERS:
+        metrics |= {f"eval/{scorer}/{name}": figures[f"{scorer}_{name}"] for name in FIGURES}
+        metrics |= {f"eval/{scorer}/{name}_score": float(runs[name][scorer].mean()) for name in runs}
+    for name, model in models.items():
         texts = runs[name]["texts"]
         metrics |= {
             f"eval/{name}/length": float(runs[name]["length"].mean()),
@@ -323,8 +320,9 @@ def evaluate_policy(
     return metrics, runs
 
 
-def tie_identical_responses(runs: dict[str, dict[str, Any]]) -> int:
-    """Give the policy's response SFT's proxy and judge scores wherever it is the same text, in place.
+def tie_identical_responses(runs: dict[str, dict[str, Any]], other: str = "policy") -> int:
+    """Give ``other``'s response (the policy's, or the base model's) SFT's proxy and judge scores wherever it is
+    the same text, in place; SFT's own scores are untouched.
 
     The same response is scored twice, once in each model's batches: under bf16 the other rows' padding moves a
     score by a few thousandths, and that noise must not decide a comparison (the demo's 15 responses the policy
@@ -334,26 +332,28 @@ def tie_identical_responses(runs: dict[str, dict[str, Any]]) -> int:
     Returns:
         How many responses are identical (each is a tie by both scorers).
     """
-    same = [a == b for a, b in zip(runs["policy"]["texts"], runs["sft"]["texts"], strict=True)]
+    same = [a == b for a, b in zip(runs[other]["texts"], runs["sft"]["texts"], strict=True)]
     mask = torch.tensor(same, device=runs["sft"]["proxy"].device).reshape(runs["sft"]["proxy"].shape)
-    for scorer in ("proxy", "judge"):
-        runs["policy"][scorer] = torch.where(mask, runs["sft"][scorer], runs["policy"][scorer])
+    for scorer in SCORERS:
+        runs[other][scorer] = torch.where(mask, runs["sft"][scorer], runs[other][scorer])
     return sum(same)
 
 
 def sample_rows(prompts: list[dict[str, Any]], runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per prompt and sample: the prompt, both responses and their proxy and judge scores.
+    """One row per prompt and sample: the prompt and its kind, each model's response and its proxy and judge scores.
 
     Args:
-        prompts: the evaluated prompt rows (``{"id", "prompt"}``), in the order :func:`evaluate_policy` used.
-        runs: its ``runs``.
+        prompts: the evaluated prompt rows (``{"id", "prompt", "kind"}``), in the order :func:`evaluate_policy`
+            used.
+        runs: its ``runs`` (``sft``, ``policy`` and, when evaluated, ``base``: ``base_response`` and its scores).
     """
     rows = []
     k = runs["sft"]["proxy"].shape[1]
     for i, row in enumerate(prompts):
         for j in range(k):
-            cell = {"id": row["id"], "sample": j, "messages": row["prompt"], "prompt": row["prompt"][-1]["content"]}
-            for name in MODELS:
+            cell = {"id": row["id"], "kind": kind_of(row), "sample": j, "messages": row["prompt"]}
+            cell["prompt"] = row["prompt"][-1]["content"]
+            for name in [m for m in (*MODELS, BASE) if m in runs]:
                 cell[f"{name}_response"] = runs[name]["texts"][i * k + j]
                 cell[f"{name}_proxy"] = float(runs[name]["proxy"][i, j])
                 cell[f"{name}_judge"] = float(runs[name]["judge"][i, j])

@@ -31,6 +31,7 @@ REWARD_MARGINS, JUDGE_MARGINS = "reports/reward_margins.png", "reports/judge_mar
 REWARD_GATE, POLICY_GATE = "reports/reward_gate.json", "reports/policy_gate.json"
 PPO_REPORTS, PPO_CURVES = "reports/ppo", "metrics/ppo_curves.json"
 EVAL_REPORTS, OVEROPTIMISATION = "reports/eval", "metrics/overoptimisation.json"
+EVAL_KINDS = metrics("eval_kinds")  # evaluate's figures per kind of prompt (eval/kind/<kind>/...)
 SAMPLES = f"{EVAL_REPORTS}/samples.json"
 REPORT = "reports/index.html"
 
@@ -48,6 +49,7 @@ REPORT_INPUTS = {  # the report's input names (rlhf.report.render_report) -> the
     "curves": PPO_CURVES,
     "overoptimisation": OVEROPTIMISATION,
     "eval": metrics("eval"),
+    "eval_kinds": EVAL_KINDS,
     "samples": SAMPLES,
     "policy_gate": POLICY_GATE,
 }
