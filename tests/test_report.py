@@ -50,6 +50,29 @@ def _eval(meaningful: float) -> dict:
     return values
 
 
+def _eval_kinds() -> dict:
+    """metrics/eval_kinds.json: harmless and helpful prompts, the proxy's helpful win rate undefined (all ties)."""
+    values = {}
+    for kind, (rate, low, high), refusals in (("harmless", (0.61, 0.45, 0.77), (0.0, 0.0625, 0.125)),
+                                              ("helpful", (None, None, None), (0.0, 0.0, 0.0625))):  # fmt: skip
+        p = f"eval/kind/{kind}/"
+        values |= {p + "prompts": 16.0, p + "refusal_increase": refusals[2] - refusals[1],
+                   p + "refusal_increase_low": -0.14, p + "refusal_increase_high": 0.283,
+                   p + "judge_balanced_accuracy": 0.6, p + "judge_balanced_accuracy_low": 0.52,
+                   p + "judge_balanced_accuracy_high": 0.68}  # fmt: skip
+        for model, share in zip(("base", "sft", "policy"), refusals, strict=True):
+            values |= {f"{p}{model}_refusal_rate": share, f"{p}{model}_length": 30.0}
+        for head in ("", "sft_vs_base/"):
+            for scorer in ("proxy", "judge"):
+                q = f"{p}{head}{scorer}_"
+                found = (rate, low, high) if scorer == "proxy" and head == "" else (0.66, 0.51, 0.8)
+                values |= {q + "win_rate": found[0], q + "win_rate_low": found[1], q + "win_rate_high": found[2],
+                           q + "decisive": 12.0, q + "ties": 4.0, q + "lc_win_rate": 0.57, q + "lc_win_rate_low": 0.42,
+                           q + "lc_win_rate_high": 0.71, q + "score_diff": 0.08, q + "score_diff_low": -0.02,
+                           q + "score_diff_high": 0.19}  # fmt: skip
+    return values
+
+
 def _judge(low: float, high: float) -> dict:
     return {"judge/accuracy": (low + high) / 2 + 0.02, "judge/accuracy_low": low + 0.02,
             "judge/accuracy_high": high + 0.02, "judge/balanced_accuracy": (low + high) / 2,
@@ -99,6 +122,7 @@ INPUTS = {
     "metrics/overoptimisation.json": [{"iteration": i, "kl": i * 0.5, "sqrt_kl": math.sqrt(i * 0.5),
                                        "proxy": 0.1 * i, "judge": 0.05 * i - 0.02 * i * i} for i in range(4)],
     "metrics/eval.json": _eval(1.0),
+    "metrics/eval_kinds.json": _eval_kinds(),
     "reports/eval/samples.json": {"run_id": "abc123", "samples": [
         {"id": f"p{i}", "sample": 0, "messages": [{"role": "user", "content": f"question {i}"}],
          "prompt": f"question {i}", "sft_response": f"plain answer {i}",
@@ -268,3 +292,31 @@ def test_best_of_n_is_a_table_a_verdict_and_points_on_the_over_optimisation_figu
     loaded["eval"]["eval/best_of_n/judge_gain_low"] = 0.01
     html = page(loaded)
     assert "best-of-4 beats SFT by the judge" in html
+
+
+def test_the_evaluation_has_rows_per_kind_sft_against_the_base_model_and_refusals(project):
+    html = report.build({"samples": 2}, report.load_inputs())
+    evaluation = html[html.index('<h2 id="evaluation">') : html.index('<h2 id="samples">')]
+    assert "Per kind of prompt: the policy against SFT" in evaluation
+    assert "Per kind of prompt: SFT against the base model" in evaluation
+    assert re.search(
+        r"<td>harmless</td>\s*<td>proxy</td>\s*<td>0.610 \[0.450, 0.770\]</td>\s*<td>12 / 4</td>", evaluation
+    )
+    assert re.search(r"<td>helpful</td>\s*<td>proxy</td>\s*<td>n/a</td>", evaluation)  # all ties: undefined
+    assert "judge balanced accuracy here 0.600 [0.520, 0.680]" in evaluation
+    # refusals of the three models and the policy's increase over SFT with its interval
+    assert re.search(
+        r"<td>harmless</td>\s*<td>16</td>\s*<td>0.000</td>\s*<td>0.062</td>\s*<td>0.125</td>\s*"
+        r"<td>0.062 \[-0.140, 0.283\]</td>\s*<td>30.0 / 30.0 / 30.0</td>",
+        evaluation,
+    )
+    assert "<th>base model</th>" in evaluation  # the responses table has the base model's column
+    # the judge's verdicts meaningless: its per-kind rows are struck through too
+    loaded = report.load_inputs()
+    loaded["eval"] = _eval(0.0)
+    evaluation = page(loaded)
+    assert len(re.findall(r'<tr class="muted">\s*<td>(?:harmless|helpful)</td>\s*<td>judge</td>', evaluation)) == 4
+    # no per-kind file: the section says so
+    os.remove("metrics/eval_kinds.json")
+    html = report.build({"samples": 2}, report.load_inputs())
+    assert "not produced by this run (metrics/eval_kinds.json missing)" in html and "Per kind of prompt" not in html

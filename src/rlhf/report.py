@@ -17,6 +17,9 @@ from typing import Any
 
 import jinja2
 
+from rlhf.report_cells import NA, fmt, fmt_count, fmt_interval, number
+from rlhf.report_cells import table as _table
+from rlhf.report_kinds import kind_tables
 from rlhf.stats import chance_warning
 
 INPUTS = (  # the stages' files the page is built from, by name (the caller maps each name to its file)
@@ -33,6 +36,7 @@ INPUTS = (  # the stages' files the page is built from, by name (the caller maps
     "curves",
     "overoptimisation",
     "eval",
+    "eval_kinds",
     "samples",
     "policy_gate",
 )
@@ -118,36 +122,6 @@ JUDGE_MEANINGLESS = (  # eval/judge/meaningful 0 (rlhf.gate_rules.judge_doubts: 
     "the verdicts of the judge mean nothing: it is at chance on judge_eval or ranks by length (see the evaluate log)"
 )
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-NA = "n/a"
-
-
-def number(value: Any) -> float | None:
-    """``value`` as a finite float; None for None, NaN, infinities, booleans and anything not a number."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return None
-    return float(value)
-
-
-def fmt(value: Any, digits: int = 3) -> str:
-    """A value for the page: a number with ``digits`` decimals, text as it is, n/a for None or non-finite."""
-    if isinstance(value, str):
-        return value
-    found = number(value)
-    return NA if found is None else f"{found:.{digits}f}"
-
-
-def fmt_count(value: Any) -> str:
-    """A count (rows, pairs, prompts) without decimals; n/a when absent."""
-    found = number(value)
-    return NA if found is None else f"{found:.0f}"
-
-
-def fmt_interval(values: dict[str, Any], key: str) -> str:
-    """``values[key]`` with its 95% interval from ``<key>_low``/``<key>_high``: ``0.589 [0.521, 0.653]``."""
-    rate, low, high = (values.get(k) for k in (key, f"{key}_low", f"{key}_high"))
-    if number(rate) is None:
-        return NA
-    return f"{fmt(rate)} [{fmt(low)}, {fmt(high)}]"
 
 
 def data_uri(png: bytes) -> str:
@@ -205,11 +179,6 @@ def _missing(loaded: dict[str, Any], paths: dict[str, str], *names: str) -> list
 def _section(sid: str, title: str, loaded: dict[str, Any], paths: dict[str, str], *names: str) -> dict[str, Any]:
     missing = _missing(loaded, paths, *names)
     return dict(id=sid, title=title, missing=missing, warnings=[], notes=[], tables=[], figures=[], samples=[])
-
-
-def _table(caption: str, headers: list[str], rows: list[list[str]], classes: list[str] | None = None) -> dict:
-    cells = [{"cells": r, "cls": c} for r, c in zip(rows, classes or [""] * len(rows), strict=True)]
-    return {"caption": caption, "headers": headers, "rows": cells}
 
 
 def _values(caption: str, m: dict[str, Any], spec: tuple, prefix: str = "") -> dict:
@@ -362,8 +331,10 @@ def ppo_section(loaded: dict[str, Any], paths: dict[str, str], figures: dict[str
 
 def eval_section(loaded: dict[str, Any], paths: dict[str, str]) -> dict[str, Any]:
     """Win rates, paired score differences and length-controlled win rates with their intervals (judge rows
-    marked when its verdicts mean nothing) and the policy gate."""
-    section = _section("evaluation", "Evaluation: policy against SFT", loaded, paths, "eval", "policy_gate")
+    marked when its verdicts mean nothing), the same per kind of prompt with SFT against the base model and the
+    refusals (:func:`rlhf.report_kinds.kind_tables`), and the policy gate."""
+    names = ("eval", "eval_kinds", "policy_gate")
+    section = _section("evaluation", "Evaluation: policy against SFT", loaded, paths, *names)
     ev = loaded.get("eval")
     if ev is not None:
         meaningless = number(ev.get("eval/judge/meaningful")) == 0.0
@@ -412,11 +383,11 @@ def eval_section(loaded: dict[str, Any], paths: dict[str, str]) -> dict[str, Any
         ]
         caption = "What the policy changed on the same prompts: by how much, and how often it wins at equal length"
         section["tables"].append(_table(caption, headers, rows, classes))
-        rows = [["KL to SFT (nats / response)", "-", fmt(ev.get("eval/policy/kl"))]]
-        rows += [
-            [label, fmt(ev.get(f"eval/sft/{key}")), fmt(ev.get(f"eval/policy/{key}"))] for label, key in RESPONSE_ROWS
-        ]
-        section["tables"].append(_table("Responses", ["measure", "SFT", "policy"], rows))
+        section["tables"] += kind_tables(loaded.get("eval_kinds"), meaningless)
+        rows = [["KL to SFT (nats / response)", "-", "-", fmt(ev.get("eval/policy/kl"))]]
+        models = ("base", "sft", "policy")
+        rows += [[label, *(fmt(ev.get(f"eval/{m}/{key}")) for m in models)] for label, key in RESPONSE_ROWS]
+        section["tables"].append(_table("Responses", ["measure", "base model", "SFT", "policy"], rows))
         _best_of_n(section, ev)
     _gate(section, loaded.get("policy_gate"), "policy gate")
     return section
@@ -447,7 +418,8 @@ def _best_of_n(section: dict[str, Any], ev: dict[str, Any]) -> None:
 
 
 def samples_section(loaded: dict[str, Any], paths: dict[str, str], limit: int) -> dict[str, Any]:
-    """The first ``limit`` rows of reports/eval/samples.json: prompt, SFT and policy responses with their scores."""
+    """The first ``limit`` rows of reports/eval/samples.json: prompt (and its kind), SFT and policy responses with
+    their scores."""
     section = _section("samples", "Samples", loaded, paths, "samples")
     found = loaded.get("samples")
     if found is not None:
@@ -463,7 +435,8 @@ def samples_section(loaded: dict[str, Any], paths: dict[str, str], limit: int) -
                 }
                 for m in ("sft", "policy")
             ]
-            name = f"{row.get('id', '?')} #{row.get('sample', 0)}" + (f" (+{earlier} earlier turns)" if earlier else "")
+            name = f"{row.get('id', '?')} #{row.get('sample', 0)}" + (f" ({row['kind']})" if row.get("kind") else "")
+            name += f" (+{earlier} earlier turns)" if earlier else ""
             section["samples"].append({"id": name, "prompt": str(row.get("prompt", "")), "sides": sides})
     return section
 
