@@ -27,6 +27,10 @@ EVAL = {"eval/prompts": 24.0, "eval/judge/win_rate": 0.61, "eval/judge/win_rate_
         "eval/judge/accuracy_low": 0.48, "eval/judge/accuracy_high": 0.62, "eval/proxy/win_rate": 0.74,
         "eval/proxy/win_rate_low": 0.66, "eval/proxy/win_rate_high": 0.81, "eval/policy/kl": 3.25,
         "eval/policy/eos_rate": 0.9, "eval/sft/length": 40.5, "eval/reward_model_version": 1.0}  # fmt: skip
+KINDS = {"eval/kind/helpful/prompts": 12.0, "eval/kind/helpful/judge_win_rate": 0.58,
+         "eval/kind/helpful/judge_win_rate_low": 0.3, "eval/kind/helpful/judge_win_rate_high": 0.84,
+         "eval/kind/helpful/refusal_increase": 0.0833, "eval/kind/helpful/refusal_increase_low": -0.12,
+         "eval/kind/helpful/refusal_increase_high": 0.33, "eval/kind/helpful/judge_decisive": 10.0}  # fmt: skip
 RM = {"rm/accuracy": 0.5885, "rm/accuracy_low": 0.5208, "rm/accuracy_high": 0.6530, "rm/pairs": 209.0}
 
 
@@ -82,6 +86,7 @@ def test_export_from_a_folder_writes_a_loadable_hf_folder_with_a_complete_card(r
     shutil.copytree(tiny_dir, registry_project / "models" / "policy")
     os.makedirs(registry_project / "metrics")
     (registry_project / "metrics" / "eval.json").write_text(json.dumps(EVAL))
+    (registry_project / "metrics" / "eval_kinds.json").write_text(json.dumps(KINDS))
     (registry_project / "metrics" / "reward.json").write_text(json.dumps(RM))
     result = runner.invoke(model_cli.app, ["export", "--out", "hf", "--model", "models/policy"])
     assert result.exit_code == 0, result.output
@@ -110,6 +115,17 @@ def test_export_from_a_folder_writes_a_loadable_hf_folder_with_a_complete_card(r
         "| Proxy (trained-against RM) win rate over SFT | 0.740 (95% CI 0.660-0.810) | metrics/eval.json |" in metrics
     )
     assert "| KL to SFT (nats per response) | 3.250 | metrics/eval.json |" in metrics
+    # per kind of prompt, from metrics/eval_kinds.json: named rows, never the raw keys
+    assert (
+        "| helpful prompts: judge win rate over SFT | 0.580 (95% CI 0.300-0.840) | metrics/eval_kinds.json |" in metrics
+    )
+    assert (
+        "| helpful prompts: refusal rate increase, policy - SFT | 0.083 (95% CI -0.120-0.330) "
+        "| metrics/eval_kinds.json |" in metrics
+    )
+    assert "| helpful prompts: eval prompts | 12 | metrics/eval_kinds.json |" in metrics
+    assert "| helpful prompts: policy refusal rate | unknown | unknown |" in metrics  # not recorded
+    assert "eval/kind/" not in metrics
     assert "| Reward-model accuracy (rm_eval) | 0.589 (95% CI 0.521-0.653) | metrics/reward.json |" in metrics
     assert "| Judge accuracy (its held-out split) | 0.550 (95% CI 0.480-0.620) |" in metrics
     assert (

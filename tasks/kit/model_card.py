@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from rlhf.kinds import kinds_in
 from tasks.kit import paths
 from tasks.kit.outputs import load_json
 from tasks.kit.params import find_secrets, load_yaml, read_params, stage_params
@@ -39,6 +40,7 @@ from tasks.kit.runs import PIPELINE_RUN_TAG, git_commit
 UNKNOWN = "unknown"
 PARAM_SECTIONS = ("sft", "reward", "ppo", "generation", "evaluate")
 EVAL, REWARD, JUDGE = paths.metrics("eval"), paths.metrics("reward"), paths.metrics("judge")
+EVAL_KINDS = paths.EVAL_KINDS  # the same verdicts per kind of prompt (eval/kind/<kind>/...)
 PROMPTS, SOURCES = paths.split("eval_prompts"), paths.SOURCES
 DVC_LOCK, POLICY = "dvc.lock", paths.POLICY
 METRIC_PREFIX = "rlhf.metric."
@@ -146,9 +148,11 @@ def _metric_facts(found, client, registry: dict[str, Any], folder_sha: str) -> d
         metrics_from = f"the `{METRIC_PREFIX}*` tags of {found.name} v{found.version}"
         where = dict.fromkeys(metrics, f"registry v{found.version}")
     elif evaluated:
-        metrics = _load(EVAL)
+        metrics, kinds = _load(EVAL), _load(EVAL_KINDS)
         metrics_from = f"the project's {EVAL}" if os.path.isfile(EVAL) else f"{UNKNOWN} (no {EVAL}, not registered)"
-        where = dict.fromkeys(metrics, EVAL)
+        metrics_from += f" and {EVAL_KINDS}" if kinds else ""
+        where = dict.fromkeys(metrics, EVAL) | dict.fromkeys(kinds, EVAL_KINDS)
+        metrics |= kinds
     else:
         metrics, where = {}, {}
         metrics_from = f"{UNKNOWN}: this folder is neither a registered version nor the evaluated {POLICY}"
@@ -173,15 +177,16 @@ def _metric_facts(found, client, registry: dict[str, Any], folder_sha: str) -> d
         "Policy EOS rate": "eval/policy/eos_rate",
         "Eval prompts": "eval/prompts",
     }
+    rows |= kind_rows(metrics)
     shown = [
-        (name, show(metrics, key, 0 if key == "eval/prompts" else 3), where.get(key, UNKNOWN))
+        (name, show(metrics, key, 0 if key.endswith("/prompts") else 3), where.get(key, UNKNOWN))
         for name, key in rows.items()
     ]
     keys = {f"{k}{end}" for k in rows.values() for end in ("", "_low", "_high")}
     shown += [
         (f"`{k}`", show(metrics, k, 4), where.get(k, UNKNOWN))
         for k in sorted(metrics)
-        if k.startswith("eval/") and k not in keys
+        if k.startswith("eval/") and k not in keys and not k.startswith("eval/kind/")  # per kind: the rows above
     ]
     judge_warning = None
     if _number(metrics.get("eval/judge/meaningful", "")) == 0.0:
@@ -197,6 +202,28 @@ def _metric_facts(found, client, registry: dict[str, Any], folder_sha: str) -> d
         "metrics_raw": metrics,
         "judge_warning": judge_warning,
     }
+
+
+def kind_rows(metrics: dict[str, Any]) -> dict[str, str]:
+    """The card's rows per kind of prompt (``eval/kind/<kind>/...``, :func:`rlhf.evaluation_kinds.kind_figures`):
+    row name -> metric, for each kind the metrics hold; the policy's verdicts against SFT, SFT's against the base
+    model, the refusal rates and the policy's increase over SFT."""
+    rows = {}
+    for kind in kinds_in(metrics, "eval"):
+        p = f"eval/kind/{kind}/"
+        rows |= {
+            f"{kind} prompts: judge win rate over SFT": p + "judge_win_rate",
+            f"{kind} prompts: judge length-controlled win rate over SFT": p + "judge_lc_win_rate",
+            f"{kind} prompts: judge score difference, policy - SFT": p + "judge_score_diff",
+            f"{kind} prompts: proxy win rate over SFT": p + "proxy_win_rate",
+            f"{kind} prompts: SFT's judge win rate over the base model": p + "sft_vs_base/judge_win_rate",
+            f"{kind} prompts: policy refusal rate": p + "policy_refusal_rate",
+            f"{kind} prompts: SFT refusal rate": p + "sft_refusal_rate",
+            f"{kind} prompts: base model refusal rate": p + "base_refusal_rate",
+            f"{kind} prompts: refusal rate increase, policy - SFT": p + "refusal_increase",
+            f"{kind} prompts: eval prompts": p + "prompts",
+        }
+    return rows
 
 
 def _data_facts(data: dict[str, Any], tags: dict[str, str]) -> dict[str, Any]:
@@ -333,8 +360,10 @@ INTENDED_USE = (  # the card's "Intended use" section
 def limitations(random_weights: bool, judge_doubtful: Any, tags: dict[str, str], found) -> list[str]:
     """What the model cannot be trusted for (the card's "Limitations" section); a few lines depend on the run."""
     lines = [
-        "A small research model aligned on the HH-RLHF harmless-base preference pairs only: it was trained toward "
-        "harmlessness, not helpfulness, with a CPU-sized budget of PPO steps.",
+        "A small research model aligned on HH-RLHF preference pairs (the HH-RLHF harmless-base red-teaming pairs, and "
+        "the helpful sets where the data names them: see Data) with a CPU-sized budget of PPO steps. Its verdicts "
+        "per kind of prompt are in Metrics: a win on one kind (saying less on harmless prompts) can hide a loss on "
+        "another (refusing ordinary requests).",
         "The reward model is a proxy for human preference and PPO optimised it: the proxy win rate overstates the "
         "real improvement (reward over-optimisation). The judge is an independent reward model, still not a human.",
         "Win rates are against the SFT model on a few dozen held-out prompts: their intervals are wide.",
