@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any
 
-from rlhf.data import SPLITS, Source, prepare_rows, read_jsonl, write_jsonl
+from rlhf.data import PTX_KIND, SPLITS, Source, prepare_rows, read_jsonl, write_jsonl
 from tasks.kit import paths
 from tasks.kit.common import cli
 from tasks.kit.configs import config_from_params
@@ -26,13 +26,16 @@ OUT_DIR = paths.PROCESSED
 
 @dataclass
 class SourceConfig:
-    """One input: ``data.source`` itself or an entry of ``data.more_sources``."""
+    """One input: ``data.source`` itself or an entry of ``data.more_sources``. ``name`` (default: the file's,
+    ``rlhf.data.source_name``) and ``kind`` (e.g. ``helpful``, ``harmless``) travel with each of its rows."""
 
     source: str
     format: str = "auto"
     mapping: dict[str, str] | None = None
     max_rows: int | None = None
     storage_options: dict[str, Any] | None = None
+    name: str | None = None
+    kind: str = "general"
 
 
 @dataclass
@@ -40,7 +43,8 @@ class DataConfig(SourceConfig):
     """The ``data`` section of params.yaml."""
 
     fractions: dict[str, float] = field(kw_only=True)  # split -> share of the conversations (params.yaml)
-    more_sources: list[dict[str, Any]] = field(default_factory=list)
+    kind: str = field(kw_only=True)  # params.yaml gives them: no defaults of their own
+    more_sources: list[dict[str, Any]] = field(kw_only=True)
     ptx_source: str | None = None
     ptx_heldout_fraction: float = 0.2
 
@@ -51,7 +55,7 @@ def run(params: dict[str, Any], outputs: StagedOutputs) -> dict[str, Any]:
     The splits are staged in ``outputs`` (written when they commit).
 
     Reads ``data.source`` and every entry of ``data.more_sources`` (each
-    ``{source, format, mapping, max_rows, storage_options}``), concatenated, and
+    ``{source, name, kind, format, mapping, max_rows, storage_options}``), concatenated, and
     ``data.ptx_source`` when set (rows ``{"messages"}`` or ``{"text"}``, read with
     ``data.storage_options``; ``max_rows`` does not apply to it).
 
@@ -61,7 +65,8 @@ def run(params: dict[str, Any], outputs: StagedOutputs) -> dict[str, Any]:
     Raises:
         ValueError: a source (``data.source``, an entry of ``data.more_sources`` or
             ``data.ptx_source``) that gives no usable row (no rows, or every row
-            quarantined; one line per such source, with the first reason), or a bad fraction.
+            quarantined; one line per such source, with the first reason), a bad fraction, or two sources with
+            one name.
     """
     config = config_from_params(DataConfig, params, "data")
     more = [config_from_params(SourceConfig, spec, "data.more_sources") for spec in config.more_sources]
@@ -69,12 +74,10 @@ def run(params: dict[str, Any], outputs: StagedOutputs) -> dict[str, Any]:
     sources = []
     for spec in inputs:
         rows = read_jsonl(spec.source, spec.storage_options)
-        sources.append(
-            Source(spec.source, islice(rows, spec.max_rows) if spec.max_rows else rows, spec.format, spec.mapping)
-        )
-    ptx = (
-        [Source(config.ptx_source, read_jsonl(config.ptx_source, config.storage_options))] if config.ptx_source else []
-    )
+        rows = islice(rows, spec.max_rows) if spec.max_rows else rows
+        sources.append(Source(spec.source, rows, spec.format, spec.mapping, spec.name, spec.kind))
+    ptx_rows = read_jsonl(config.ptx_source, config.storage_options) if config.ptx_source else None
+    ptx = [Source(config.ptx_source, ptx_rows, kind=PTX_KIND)] if config.ptx_source else []
     prepared = prepare_rows(sources, config.fractions, ptx, config.ptx_heldout_fraction)
     unusable = prepared.unusable_sources()
     if unusable:
@@ -86,10 +89,12 @@ def run(params: dict[str, Any], outputs: StagedOutputs) -> dict[str, Any]:
     with open(os.path.join(folder, "quarantine.jsonl"), "w", encoding="utf-8") as handle:
         write_jsonl(prepared.quarantine, handle)
     reasons = Counter(q["reason"] for q in prepared.quarantine)
+    by_kind = Counter((s, row["kind"]) for s in SPLITS for row in prepared.splits[s])
     counts: dict[str, Any] = {
         "rows_in": prepared.rows_in,
         "quarantined": len(prepared.quarantine),
         **{f"split/{s}": len(prepared.splits[s]) for s in SPLITS},
+        **{f"kind/{kind}/{s}": n for (s, kind), n in sorted(by_kind.items())},
     }
     for reason, n in reasons.most_common():
         print(f"[prepare] quarantined {n} rows: {reason}")
@@ -98,6 +103,8 @@ def run(params: dict[str, Any], outputs: StagedOutputs) -> dict[str, Any]:
         f"(source, line and reason in {OUT_DIR}/quarantine.jsonl); "
         + ", ".join(f"{s}={len(prepared.splits[s])}" for s in SPLITS)
     )
+    for kind in sorted({kind for _, kind in by_kind}):
+        print(f"[prepare] kind {kind}: " + ", ".join(f"{s}={by_kind[s, kind]}" for s in SPLITS if by_kind[s, kind]))
     return counts
 
 

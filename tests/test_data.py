@@ -15,7 +15,16 @@ import yaml
 
 import rlhf.data
 import tasks.prepare
-from rlhf.data import Source, assign_split, conversation_root, prepare_rows, prompt_key, ptx_token_ids, read_jsonl
+from rlhf.data import (
+    Source,
+    assign_split,
+    conversation_root,
+    prepare_rows,
+    prompt_key,
+    ptx_token_ids,
+    read_jsonl,
+    unit_point,
+)
 from rlhf.formats import RowError, to_examples
 from tasks.kit.outputs import StagedOutputs
 
@@ -99,6 +108,7 @@ def test_identical_responses_go_to_quarantine_not_training():
     assert prepared.quarantine == [
         {
             "source": "mem",
+            "file": "mem",
             "line": 1,
             "reason": "chosen and rejected responses are identical",
             "row": {"chosen": text, "rejected": same_after_parsing},
@@ -280,7 +290,9 @@ def test_eval_prompts_pairs_also_go_whole_to_rm_eval_and_judge_eval_and_nothing_
             (e["prompt"], e["chosen"], e["rejected"]) for _, e in eval_pairs
         ]
         assert [row["id"] for row in added] == [f"{prompt_key(e['prompt'])[:16]}-{line}" for line, e in eval_pairs]
-        assert all(set(row) == {"id", "source", "prompt", "chosen", "rejected"} for row in after.splits[measured])
+        assert all(
+            set(row) == {"id", "source", "kind", "prompt", "chosen", "rejected"} for row in after.splits[measured]
+        )
     by_split = {split: [row["id"] for row in rows] for split, rows in after.splits.items()}
     assert all(len(ids) == len(set(ids)) for ids in by_split.values())
     shared = set(by_split["rm_eval"]) & set(by_split["judge_eval"])  # the same pairs, the same ids
@@ -406,12 +418,29 @@ def test_mapping_renames_columns_and_sources_are_kept():
     prepared = prepare_rows(
         [
             Source("a.jsonl", iter(rows_a), "pairs", {"question": "prompt", "good": "chosen", "bad": "rejected"}),
-            Source("b.jsonl", iter(rows_b)),
+            Source("data/b/pairs.jsonl.gz", iter(rows_b), name=None, kind="helpful"),
         ],
         FRACTIONS,
     )
-    sources = sorted(row["source"] for rows in prepared.splits.values() for row in rows)
-    assert sources == ["a.jsonl", "b.jsonl"] and prepared.rows_in == 2
+    sources = sorted((row["source"], row["kind"]) for rows in prepared.splits.values() for row in rows)
+    assert sources == [("a", "general"), ("b", "helpful")] and prepared.rows_in == 2
+
+
+def test_sources_are_named_once_and_kinds_are_plain_names():
+    def named(*sources):
+        return [row["source"] for rows in prepare_rows(list(sources), FRACTIONS).splits.values() for row in rows]
+
+    row = {"prompt": "Q", "chosen": "a", "rejected": "b"}
+    # the same file read twice by default names: told apart by position; given names win
+    assert sorted(named(Source("x/p.jsonl", iter([(1, row)])), Source("y/p.jsonl", iter([(1, row)])))) == [
+        "p-0",
+        "p-1",
+    ]
+    assert named(Source("x/p.jsonl", iter([(1, row)]), name="mine")) == ["mine"]
+    with pytest.raises(ValueError, match=r"sources a.jsonl and b.jsonl are both named 'x'; give each its own name"):
+        prepare_rows([Source("a.jsonl", iter([]), name="x"), Source("b.jsonl", iter([]), name="x")], FRACTIONS)
+    with pytest.raises(ValueError, match=r"source a.jsonl: its kind must be a non-empty string without '/'"):
+        prepare_rows([Source("a.jsonl", iter([]), kind="a/b")], FRACTIONS)
 
 
 def test_ptx_rows_from_the_preference_data_are_chat_messages():
@@ -424,6 +453,7 @@ def test_ptx_rows_from_the_preference_data_are_chat_messages():
         {
             "id": f"{prompt_key(prompt)[:16]}-7",
             "source": "mem",
+            "kind": "general",
             "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}],
         }
     ]
@@ -445,13 +475,13 @@ def test_ptx_source_rows_text_and_messages_leaks_and_bad_rows():
     prepared = prepare_rows(
         [Source("pairs.jsonl", iter(pairs))],
         {"eval_prompts": 1.0},
-        [Source("ptx.jsonl", iter(ptx_rows))],
+        [Source("ptx.jsonl", iter(ptx_rows), kind="ptx")],
         ptx_heldout_fraction=0.5,
     )
     ptx = sorted(prepared.splits["ptx_text"] + prepared.splits["ptx_heldout"], key=lambda r: r["id"][-1])
     assert [(r["source"], {k: v for k, v in r.items() if k not in ("id", "source")}) for r in ptx] == [
-        ("ptx.jsonl", {"text": "Plain pretraining text."}),
-        ("ptx.jsonl", dict(ptx_rows[1][1])),
+        ("ptx", {"kind": "ptx", "text": "Plain pretraining text."}),
+        ("ptx", {"kind": "ptx", **ptx_rows[1][1]}),
     ]
     assert ptx[0]["id"] == f"{prompt_key({'text': 'Plain pretraining text.'})[:16]}-1"
     assert [(q["line"], q["reason"]) for q in prepared.quarantine] == [
@@ -744,7 +774,8 @@ def test_read_jsonl_drops_a_byte_order_mark_and_reads_an_empty_file(tmp_path):
 def run_prepare(tmp_path, monkeypatch, **data):
     monkeypatch.chdir(tmp_path)
     with StagedOutputs() as outputs:  # a failure raises before anything is put in place
-        return tasks.prepare.run({"fractions": {"sft": 0.5, "rm_train": 0.5}, **data}, outputs)
+        defaults = {"fractions": {"sft": 0.5, "rm_train": 0.5}, "kind": "general", "more_sources": []}
+        return tasks.prepare.run({**defaults, **data}, outputs)
 
 
 def test_prepare_reads_gzip_with_odd_names_in_every_source(tmp_path, monkeypatch):
@@ -843,3 +874,28 @@ def test_a_url_with_a_query_string_is_read_by_its_content(tmp_path, monkeypatch,
     assert [row for _, row in read_jsonl(f"{http_root}/plain.jsonl.gz?download=true")] == ROWS[:2]
     counts = run_prepare(tmp_path, monkeypatch, source=url, more_sources=[{"source": f"{http_root}/pairs.jsonl.gz"}])
     assert counts["rows_in"] == 8 and counts["quarantined"] == 0
+
+
+def test_a_conversation_in_two_sources_of_two_kinds_stays_in_one_split():
+    # "Hi" opens a conversation in both files (HH has a few such short openers): its pairs share one split
+    # whichever file they come from, and each row keeps its own source's name and kind
+    harmless = [(1, {"prompt": "Hi", "chosen": "Hello.", "rejected": "Go away."})]
+    helpful = [
+        (1, {"prompt": "Hi", "chosen": "Hello! How can I help?", "rejected": "Hi."}),
+        (2, {"prompt": "Bye", "chosen": "Goodbye!", "rejected": "What?"}),
+    ]
+    fractions = {"sft": 0.1, "rm_train": 0.9}
+    prepared = prepare_rows(
+        [Source("h.jsonl", iter(harmless), kind="harmless"), Source("p.jsonl", iter(helpful), kind="helpful")],
+        fractions,
+    )
+    where = {
+        (r["source"], r["prompt"][0]["content"]): (s, r["kind"]) for s, rows in prepared.splits.items() for r in rows
+    }
+    # by hand: unit_point("Hi") = 0.2118 is past sft's 0.1, in rm_train; unit_point("Bye") = 0.0724 is sft
+    assert round(unit_point("Hi"), 4) == 0.2118 and round(unit_point("Bye"), 4) == 0.0724
+    assert where == {
+        ("h", "Hi"): ("rm_train", "harmless"),
+        ("p", "Hi"): ("rm_train", "helpful"),
+        ("p", "Bye"): ("sft", "helpful"),
+    }
