@@ -21,7 +21,7 @@ from tasks.kit import paths
 from tasks.kit.champion import MARKER, OUT_DIR, VERSION_FILE, held_version, promote_command
 from tasks.kit.common import stage_runtime
 from tasks.kit.configs import config_from_params
-from tasks.kit.outputs import StagedOutputs, load_json, write_metrics
+from tasks.kit.outputs import StagedOutputs, stage_metrics, write_metrics
 from tasks.kit.params import stage_params
 from tasks.kit.registry import (
     SHA_TAG,
@@ -37,7 +37,7 @@ from tasks.kit.registry import (
 )
 from tasks.kit.runs import StageRun, tracking_client
 
-REWARD, METRICS, EVAL = paths.REWARD, paths.metrics("reward"), paths.split("rm_eval")
+REWARD, EVAL = paths.REWARD, paths.split("rm_eval")
 REPORT = paths.REWARD_GATE
 
 
@@ -114,7 +114,7 @@ def run(params: dict[str, Any], reward: dict[str, Any], device: dict[str, Any] |
     """Find (or register) the candidate, decide once, write the champion; returns the report."""
     client, _ = tracking_client()
     name = params["reward_model"]
-    metrics = load_json(METRICS)
+    metrics = stage_metrics("reward")
     sha = folder_sha256(REWARD)
     candidate = find_by_sha(client, name, sha)
     if candidate is None:

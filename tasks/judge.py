@@ -31,7 +31,7 @@ from tasks.kit.scalar import write_outputs
 from tasks.kit.stage import training_stage
 
 TRAIN, EVAL, BASE = paths.split("judge_train"), paths.split("judge_eval"), paths.BASE
-OUT_DIR, FIGURE, METRICS = paths.JUDGE, paths.JUDGE_MARGINS, paths.metrics("judge")
+OUT_DIR, FIGURE = paths.JUDGE, paths.JUDGE_MARGINS
 
 
 def judge_metrics(metrics: dict[str, float]) -> dict[str, float]:
@@ -84,7 +84,7 @@ def main() -> None:
 
     def finish(stage, outputs: StagedOutputs, trained) -> list[str]:
         metrics, figure = trained
-        write_outputs(stage, outputs, metrics, "judge/steps", figure, FIGURE, METRICS)
+        write_outputs(stage, outputs, metrics, "judge/steps", figure, FIGURE, "judge")
         return summary_lines(metrics)
 
     training_stage(

@@ -22,7 +22,7 @@ from tasks.kit.scalar import run, summary_lines, write_outputs
 from tasks.kit.stage import training_stage
 
 TRAIN, EVAL, SFT = paths.split("rm_train"), paths.split("rm_eval"), paths.SFT
-OUT_DIR, FIGURE, METRICS = paths.REWARD, paths.REWARD_MARGINS, paths.metrics("reward")
+OUT_DIR, FIGURE = paths.REWARD, paths.REWARD_MARGINS
 
 
 def register_version(folder: str, metrics: dict[str, float], params: dict[str, Any], run_id: str) -> str:
@@ -48,7 +48,7 @@ def main() -> None:
 
     def finish(stage, outputs: StagedOutputs, trained) -> list[str]:
         metrics, figure = trained
-        write_outputs(stage, outputs, metrics, "rm/steps", figure, FIGURE, METRICS)
+        write_outputs(stage, outputs, metrics, "rm/steps", figure, FIGURE, "reward")
         return [
             *summary_lines(metrics),
             register_version(outputs.staged(OUT_DIR), metrics, params, stage.run.info.run_id),

@@ -12,8 +12,12 @@ from rlhf.gate_rules import GateCriteria, PolicyCriteria, judge_doubts, passed, 
 CRITERIA = GateCriteria(min_accuracy_low=0.5, champion_tolerance=0.02, max_ece=0.15, min_length_accuracy=0.35)
 
 
-def metrics(correct=120, pairs=196, ece=0.05, shorter=0.62, longer=0.6, low=0.54) -> dict[str, float]:
+def metrics(correct=120, pairs=196, ece=0.05, shorter=0.62, longer=0.6, low=0.54, kinds=None) -> dict[str, float]:
+    kinds = {"harmless": (0.6, 0.52), "helpful": (0.62, 0.51)} if kinds is None else kinds
     return {
+        **{f"rm/kind/{k}/balanced_accuracy": v for k, (v, _) in kinds.items()},
+        **{f"rm/kind/{k}/balanced_accuracy_low": v for k, (_, v) in kinds.items()},
+        **{f"rm/kind/{k}/pairs": 98.0 for k in kinds},
         "rm/accuracy": correct / pairs if pairs else math.nan,
         "rm/pairs": float(pairs),
         "rm/ece": ece,
@@ -31,7 +35,7 @@ def test_the_gate_reads_the_balanced_accuracy_and_a_passing_candidate():
     # balanced (0.62 + 0.6) / 2 = 0.61, its stratified lower bound 0.54 >= 0.5
     checks = reward_gate(metrics(), None, CRITERIA)
     assert checks[0].value == pytest.approx(0.54)
-    assert [c.passed for c in checks] == [True, True, True] and passed(checks)
+    assert [c.passed for c in checks] == [True, True, True, True, True] and passed(checks)
     line = checks[0].line()
     assert line.startswith("gate passed: rm_eval balanced accuracy lower 95% bound (stratified bootstrap), 0.540")
     assert "balanced accuracy 0.610; accuracy 0.612 over 196 pairs, prefer-the-shorter 0.550" in line
@@ -64,7 +68,7 @@ def test_each_criterion_fails_alone_with_one_line(candidate, champion, criterion
 
 def test_a_candidate_within_the_tolerance_of_the_champion_passes():
     checks = reward_gate(metrics(), {"rm/balanced_accuracy": 0.63}, CRITERIA)  # 0.61 >= 0.63 - 0.02
-    assert len(checks) == 4 and passed(checks)
+    assert len(checks) == 6 and passed(checks)
 
 
 def test_a_debiased_candidate_is_not_refused_for_giving_up_prefer_the_shorter():
@@ -80,8 +84,38 @@ def test_undefined_figures_fail_rather_than_pass():
     assert not no_pairs[0].passed and no_pairs[0].line().startswith("GATE FAILED") and "n/a" in no_pairs[0].line()
     one_kind = reward_gate(metrics(longer=math.nan), None, CRITERIA)
     assert not one_kind[-1].passed
-    assert not reward_gate(metrics(ece=math.nan), None, CRITERIA)[1].passed
+    assert not next(c for c in reward_gate(metrics(ece=math.nan), None, CRITERIA) if "ECE" in c.criterion).passed
     assert not passed([])
+
+
+@pytest.mark.parametrize(
+    ("kinds", "failed"),
+    [
+        # helpful below chance (the demo's harmless-only model on helpful-base: 0.407 [0.358, 0.459]), harmless
+        # good, and the whole split's lower bound 0.54 still above 0.5: the per-kind check alone fails it
+        ({"harmless": (0.66, 0.60), "helpful": (0.41, 0.36)}, ["helpful"]),
+        # at the bound is not above it: a lower end of exactly 0.5 fails
+        ({"harmless": (0.57, 0.5), "helpful": (0.6, 0.53)}, ["harmless"]),
+        # an undefined kind (no chosen-longer pairs among its decisive ones) fails
+        ({"harmless": (0.6, 0.52), "helpful": (math.nan, math.nan)}, ["helpful"]),
+    ],
+)
+def test_a_reward_model_at_or_below_chance_on_one_kind_fails_the_gate(kinds, failed):
+    checks = reward_gate(metrics(kinds=kinds), None, CRITERIA)
+    assert checks[0].passed and not passed(checks)
+    lost = [c for c in checks if not c.passed]
+    assert [c.criterion for c in lost] == [
+        f"rm_eval balanced accuracy lower 95% bound on {k} pairs (above the bound)" for k in failed
+    ]
+    assert lost[0].line().startswith(f"GATE FAILED: rm_eval balanced accuracy lower 95% bound on {failed[0]} pairs")
+
+
+def test_metrics_without_kinds_fail_the_per_kind_check_unless_it_is_off():
+    checks = reward_gate(metrics(kinds={}), None, CRITERIA)
+    assert [c.detail for c in checks if not c.passed] == ["the metrics hold no figures per kind (rm/kind/<kind>/...)"]
+    off = GateCriteria(min_accuracy_low=0.5, champion_tolerance=0.02, max_ece=0.15, min_length_accuracy=0.35,
+                       min_kind_accuracy_low=None)  # fmt: skip
+    assert passed(reward_gate(metrics(kinds={}), None, off))
 
 
 def test_bounds_outside_zero_one_are_refused():

@@ -81,6 +81,23 @@ def test_debiased_pair_loss_by_hand():
     assert float(share) == pytest.approx(float(both) / 4, abs=1e-6)
 
 
+def test_the_length_term_per_kind_by_hand_kinds_that_prefer_opposite_lengths_do_not_cancel():
+    # pair 0 (kind 0): the longer wins by 1; pair 1 (kind 1): the shorter wins by 1. Over both pairs the mean
+    # preference is (tanh(1) - tanh(1)) / 2 = 0: one mean lets a model rank each kind by its own length unpunished
+    chosen, rejected = torch.tensor([1.0, 1.0]), torch.tensor([0.0, 0.0])
+    lengths = (torch.tensor([3, 1]), torch.tensor([1, 3]))
+    bt = 2 * math.log(1 + math.exp(-1))  # the Bradley-Terry part of both pairs (no expert)
+    pooled, preference = debiased_pair_loss(chosen, rejected, *lengths, 0.0, 1.0, 0.0, count=2)
+    assert float(preference) == pytest.approx(0.0, abs=1e-7) and float(pooled) == pytest.approx(bt / 2, abs=1e-6)
+    # within each kind: |tanh(1)| x m 1 x (1 pair / 2) each, tanh(1) in all
+    by_kind, _ = debiased_pair_loss(chosen, rejected, *lengths, 0.0, 1.0, 0.0, count=2, groups=torch.tensor([0, 1]))
+    assert float(by_kind) == pytest.approx(bt / 2 + math.tanh(1.0), abs=1e-6)
+    # each pair its own expert weight: w = 1 for kind 0 (log-odds 1 + log 2), w = -1 for kind 1 (1 + log 2 too)
+    weights = torch.tensor([1.0, -1.0])
+    experts, _ = debiased_pair_loss(chosen, rejected, *lengths, weights, 0.0, 0.0, count=2)
+    assert float(experts) == pytest.approx(math.log(1 + math.exp(-1) / 2), abs=1e-6)
+
+
 def test_balanced_accuracy_and_its_stratified_interval_by_hand():
     # chosen-shorter 3 of 4 right (0.75), chosen-longer 1 of 2 (0.5): (0.75 + 0.5) / 2 = 0.625
     rate, low, high = balanced_accuracy(np.array([1, 1, 0, 1]), np.array([0, 1]), resamples=4000, seed=0)

@@ -102,7 +102,9 @@ def test_score_pairs_prints_and_writes_what_evaluate_reward_model_returns_in_two
         assert f"chosen shorter     {short[0]:.3f} (n={short[1]:.0f})" in lines
         for name in ("rm/ece", "rm/margin", "rm/empty_beats_chosen"):  # every other figure, one line each
             assert any(line.split() == [name, f"{expected[name]:.4g}"] for line in lines), name
-        assert all(any(key in line for line in lines) for key in expected if key not in score_pairs.HEADLINE)
+        overall = [k for k in expected if k not in score_pairs.HEADLINE and not k.startswith("rm/kind/")]
+        assert all(any(key in line for line in lines) for key in overall)
+        assert not any(line.startswith("kind ") for line in lines)  # no row names a kind: no block repeats it
     assert outputs[0].splitlines()[1:-1] == outputs[1].splitlines()[1:-1]  # the same pairs, the same figures
     result = runner.invoke(model_cli.app, ["score-pairs", reward_dir, str(pairs), "--max-length", "48",
                                            "--max-rows", "4"])  # fmt: skip
@@ -195,3 +197,35 @@ def test_metric_lines_print_whatever_figures_there_are():
     # the warning reads the balanced accuracy, as the reward gate does (here its interval is missing)
     assert lines[-1].startswith("WARNING: balanced accuracy is undefined (no decisive pairs")
     assert score_pairs.metric_lines(undefined)[-1].startswith("WARNING: accuracy is undefined")  # none: accuracy
+
+
+def test_two_files_of_two_kinds_print_a_block_each_with_the_figures_of_their_pairs(reward_dir, tmp_path):
+    helpful, harmless = tmp_path / "helpful.jsonl", tmp_path / "harmless.jsonl"
+    helpful.write_text("".join(json.dumps(pairs_row(*a)) + "\n" for a in ANSWERS[:3]))
+    harmless.write_text("".join(json.dumps({**pairs_row(*a), "kind": "harmless"}) + "\n" for a in ANSWERS[3:]))
+    out = tmp_path / "out.json"
+    result = runner.invoke(model_cli.app, ["score-pairs", reward_dir, str(helpful), str(harmless), "--kind", "helpful",
+                                           "--kind", "red-team", "--json", str(out), "--batch-size", "4"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    written = json.loads(out.read_text())
+    # the harmless file's rows name their kind: the row's field wins over --kind
+    kinds = ["helpful"] * 3 + ["harmless"] * 3
+    examples = [
+        {**to_examples(pairs_row(*a))[0], "kind": k, "source": s}
+        for a, k, s in zip(ANSWERS, kinds, ["helpful"] * 3 + ["harmless"] * 3, strict=True)
+    ]
+    model, tokenizer = load_scalar_model(reward_dir).eval(), load_tokenizer(reward_dir)
+    expected, _ = evaluate_reward_model(model, tokenizer, examples, 256, 4, Runtime(torch.device("cpu")))
+    assert same(written, {k: float(v) for k, v in expected.items()})
+    for kind in ("harmless", "helpful"):  # each kind's figures are those of its three pairs alone
+        alone, _ = evaluate_reward_model(
+            model, tokenizer, [e for e in examples if e["kind"] == kind], 256, 4, Runtime(torch.device("cpu"))
+        )
+        assert written[f"rm/kind/{kind}/accuracy"] == pytest.approx(alone["rm/accuracy"], nan_ok=True)
+        assert written[f"rm/kind/{kind}/margin"] == pytest.approx(alone["rm/margin"])
+    lines = result.stdout.splitlines()
+    at = lines.index("kind harmless:")
+    assert lines[at + 1].startswith("  accuracy ") and lines.index("kind helpful:") > at
+    result = runner.invoke(model_cli.app, ["score-pairs", reward_dir, str(helpful), str(harmless), "--kind", "x"])
+    assert result.exit_code != 0
+    assert result.output.strip().splitlines()[-1] == "--kind: 1 given for 2 files; give one per file, in order"

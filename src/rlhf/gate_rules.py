@@ -28,17 +28,21 @@ class GateCriteria:
     calibration error of ``sigmoid(margin)`` at most this. ``min_length_accuracy``: the smaller of the
     accuracies on pairs whose chosen response is the shorter and on those whose chosen response is the
     longer must be at least this (a model that learned length scores high on one kind, low on the other).
+    ``min_kind_accuracy_low``: on each kind of data (``rm/kind/<kind>/...``, :mod:`rlhf.kinds`), the lower end of
+    that interval must be strictly above it, however good the overall figure (a model that ranks harmless pairs
+    well and helpful ones below chance rewards helping less); None: no per-kind check.
     """
 
     min_accuracy_low: float = 0.5
     champion_tolerance: float = 0.02
     max_ece: float = 0.15
     min_length_accuracy: float = 0.35
+    min_kind_accuracy_low: float | None = 0.5
 
     def __post_init__(self) -> None:
-        """Raises ValueError on a bound outside [0, 1] (names the key)."""
+        """Raises ValueError on a bound outside [0, 1] (names the key); ``min_kind_accuracy_low`` may be None."""
         for name, value in asdict(self).items():
-            if not 0 <= value <= 1:
+            if not (value is None and name == "min_kind_accuracy_low") and not 0 <= value <= 1:
                 raise ValueError(f"registry.reward_gate.{name} must be in [0, 1], got {value}")
 
 
@@ -116,6 +120,8 @@ def reward_gate(candidate: dict[str, float], champion: dict[str, float] | None, 
                 f"champion {_fmt(champion.get('rm/balanced_accuracy'))} - tolerance {criteria.champion_tolerance}",
             )
         )
+    if criteria.min_kind_accuracy_low is not None:
+        checks.extend(_kind_checks(candidate, criteria.min_kind_accuracy_low))
     ece = candidate.get("rm/ece", float("nan"))
     checks.append(Check("rm_eval calibration error (ECE)", ece, criteria.max_ece, ece <= criteria.max_ece))
     shorter, longer = candidate.get("rm/accuracy_chosen_shorter"), candidate.get("rm/accuracy_chosen_longer")
@@ -129,6 +135,30 @@ def reward_gate(candidate: dict[str, float], champion: dict[str, float] | None, 
             f"chosen longer {_fmt(longer)} (n={candidate.get('rm/pairs_chosen_longer', 0):.0f})",
         )
     )
+    return checks
+
+
+def _kind_checks(candidate: dict[str, float], floor: float) -> list[Check]:
+    """One check per kind of data: the lower end of its balanced accuracy's interval strictly above ``floor``
+    (undefined fails); a candidate whose metrics name no kind fails one check saying so."""
+    kinds = kinds_in(candidate, "rm")
+    if not kinds:
+        return [Check("rm_eval balanced accuracy lower 95% bound on each kind of data", math.nan, floor, False,
+                      "the metrics hold no figures per kind (rm/kind/<kind>/...)")]  # fmt: skip
+    checks = []
+    for kind in kinds:
+        low = _number_or_nan(candidate, f"rm/kind/{kind}/balanced_accuracy_low")
+        figure = _fmt(candidate.get(f"rm/kind/{kind}/balanced_accuracy"))
+        pairs = candidate.get(f"rm/kind/{kind}/pairs") or 0
+        checks.append(
+            Check(
+                f"rm_eval balanced accuracy lower 95% bound on {kind} pairs (above the bound)",
+                low,
+                floor,
+                not math.isnan(low) and low > floor,
+                f"balanced accuracy {figure} over {pairs:.0f} pairs",
+            )
+        )
     return checks
 
 

@@ -177,10 +177,11 @@ def debiased_pair_loss(
     rejected: torch.Tensor,
     chosen_lengths: torch.Tensor,
     rejected_lengths: torch.Tensor,
-    expert_weight: float,
+    expert_weight: float | torch.Tensor,
     decorrelation: float,
     margin: float,
     count: int,
+    groups: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """This part's share of the length-debiased Bradley-Terry loss, and its length preference.
 
@@ -192,13 +193,18 @@ def debiased_pair_loss(
     ``P / count``: the one term of the reward model's loss that is a function of the pass, not a sum over pairs,
     so with several passes per batch (``micro_batch_size``, several processes) it is the pairs-weighted mean of
     each pass's term.
-    ``expert_weight = 0`` and ``decorrelation = 0`` give Eq. 6 exactly.
+    ``expert_weight = 0`` and ``decorrelation = 0`` give Eq. 6 exactly. With ``groups`` (the kind of data of each
+    pair, :mod:`rlhf.kinds`) the preference term is taken within each group, each weighted by its share ``P_g /
+    count``: kinds whose raters prefer opposite lengths (helpful the longer, harmless the shorter) cannot cancel
+    each other out in one mean, and a model that ranks each kind by its own length is penalised on both.
 
     Args:
         chosen, rejected: ``(P,)`` float scores with gradients; chosen_lengths, rejected_lengths: ``(P,)`` tokens.
-        expert_weight: the fitted ``w`` of :func:`fit_length_expert`.
+        expert_weight: the fitted ``w`` of :func:`fit_length_expert`, one for all pairs or ``(P,)`` float, each
+            pair's (a weight fitted on its kind's pairs).
         decorrelation: the term's coefficient, >= 0.
         margin: the Bradley-Terry margin; count: pairs in the whole batch.
+        groups: ``(P,)`` long, or None: one group.
 
     Returns:
         ``(loss share, the part's mean length preference, detached; 0 when all its pairs have equal lengths)``.
@@ -209,11 +215,14 @@ def debiased_pair_loss(
         margin,
         count=count,
     )
-    total, unequal, rms = length_preference(chosen, rejected, chosen_lengths, rejected_lengths)
-    preference = total / unequal.clamp(min=1)
+    total, unequal, _ = length_preference(chosen, rejected, chosen_lengths, rejected_lengths)
     if decorrelation > 0:  # times m: a gradient of k (1 - tanh^2) per pair, however small or large the margins
-        loss = loss + decorrelation * preference.abs() * rms * len(chosen) / max(count, 1)
-    return loss, preference.detach()
+        members = [slice(None)] if groups is None else [groups == g for g in torch.unique(groups)]
+        for member in members:
+            part = length_preference(chosen[member], rejected[member], chosen_lengths[member], rejected_lengths[member])
+            size = len(chosen[member])
+            loss = loss + decorrelation * (part[0] / part[1].clamp(min=1)).abs() * part[2] * size / max(count, 1)
+    return loss, (total / unequal.clamp(min=1)).detach()
 
 
 SHORT_REPLIES = ("No.", "Sorry.", "OK.")
@@ -238,8 +247,12 @@ def empty_response_metrics(
     Returns:
         ``rm/empty_score_mean``, ``rm/chosen_score_mean``, ``rm/empty_beats_chosen`` (share of prompts whose
         empty response beats the chosen one), ``rm/short_reply_beats_chosen`` (that share averaged over the
-        replies) and ``rm/short_reply_beats_chosen_max`` (the share of the reply that beats it most often).
+        replies), ``rm/short_reply_beats_chosen_max`` (the share of the reply that beats it most often) and
+        ``rm/reply_beats_chosen/<reply>`` (each reply's share, :func:`reply_name`; the replies are
+        :data:`SHORT_REPLIES` in order when ``R`` is their number); ``{}`` for no prompts.
     """
+    if len(chosen_scores) == 0:
+        return {}
     beats = (reply_scores > chosen_scores).float().mean(dim=1)
     return {
         "rm/empty_score_mean": float(empty_scores.mean()),
@@ -247,4 +260,14 @@ def empty_response_metrics(
         "rm/empty_beats_chosen": float((empty_scores > chosen_scores).float().mean()),
         "rm/short_reply_beats_chosen": float(beats.mean()),
         "rm/short_reply_beats_chosen_max": float(beats.max()),
+        **(
+            {f"rm/reply_beats_chosen/{reply_name(r)}": float(b) for r, b in zip(SHORT_REPLIES, beats, strict=True)}
+            if len(beats) == len(SHORT_REPLIES)
+            else {}
+        ),
     }
+
+
+def reply_name(reply: str) -> str:
+    """A reply as part of a metric name: its letters, lower case (``"No."`` is ``no``)."""
+    return "".join(c for c in reply.lower() if c.isalnum()) or "empty"

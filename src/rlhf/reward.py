@@ -14,6 +14,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from rlhf.chat import Encoded, encode_chat, pad, pad_masks
 from rlhf.checkpoint import Checkpointer
 from rlhf.device import Runtime
+from rlhf.kinds import DEFAULT_KIND, first_of_each_kind, kind_of, named, parts
 from rlhf.length_bias import (
     REPLY_PROMPTS,
     SHORT_REPLIES,
@@ -21,6 +22,7 @@ from rlhf.length_bias import (
     empty_response_metrics,
     fit_length_expert,
     length_figures,
+    reply_name,
 )
 from rlhf.losses import language_model_loss, last_token_index, target_tokens
 from rlhf.models import position_ids_from_mask
@@ -46,6 +48,7 @@ class RewardConfig(LoopConfig):
     center_max_examples: int | None = 128  # chosen responses of rm_train whose mean score becomes 0 (None: all)
     length_expert: bool = True  # product of experts with a length expert fitted first, dropped after training
     length_decorrelation: float = 1.0  # coefficient of |the pairs' mean preference for the longer| (after ODIN)
+    length_by_kind: bool = True  # the expert fitted and the preference taken on each kind of data apart
     checkpoint_every: int = 53  # a checkpoint writes the whole model (~6 s on 2 cores): at half the demo's steps
 
     def __post_init__(self) -> None:
@@ -105,7 +108,8 @@ def reward_step(
     pairs: list[tuple[Encoded, Encoded]],
     config: RewardConfig,
     runtime: Runtime,
-    expert_weight: float = 0.0,
+    expert_weight: float | list[float] = 0.0,
+    groups: list[int] | None = None,
 ) -> Callable[[list[int], list[int]], tuple[torch.Tensor, dict[str, torch.Tensor]]]:
     """The reward model's ``step_fn(part, batch)`` of :func:`rlhf.training.supervised_loop` over encoded pairs.
 
@@ -115,6 +119,8 @@ def reward_step(
     summed and divided by the *whole* batch's pairs, plus ``lm_coef`` times its share of the chosen
     responses' token-mean NLL (paper Eq. 2); and its shares of the training accuracy, margin and length
     preference. The accuracy and margin are of the reward model's own scores (the expert left out).
+    ``expert_weight``: one weight, or one per pair (its kind's); ``groups``: each pair's kind index, within which
+    the length preference is taken (None: all pairs one group).
 
     A pair's chosen and rejected encodings share their prompt: each pair is one row, its common prefix run
     once (:mod:`rlhf.shared_prompt`; the plain batch of ``2 x part`` rows where the model cannot take it).
@@ -122,6 +128,8 @@ def reward_step(
     chosen_targets = [target_tokens(chosen.response_mask) for chosen, _ in pairs]
     chosen_lengths, rejected_lengths = (torch.tensor(n, device=runtime.device) for n in response_lengths(pairs))
     read = _packed_pair_scores if can_pack(model) else _plain_pair_scores
+    weights = torch.as_tensor(expert_weight, dtype=torch.float32, device=runtime.device)
+    kinds = None if groups is None else torch.tensor(groups, device=runtime.device)
 
     def step(part: list[int], batch: list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         part_pairs = [pairs[i] for i in part]
@@ -133,10 +141,11 @@ def reward_step(
             rejected,
             chosen_lengths[rows_of],
             rejected_lengths[rows_of],
-            expert_weight,
+            weights[rows_of] if weights.dim() else weights,
             config.length_decorrelation,
             config.margin,
             count=len(batch),
+            groups=None if kinds is None else kinds[rows_of],
         )
         metrics = {
             "rm/train_accuracy": (chosen > rejected).float().sum() / len(batch),
@@ -193,7 +202,9 @@ def train_reward_model(
     with ``config.length_expert`` the pair's log-odds add the frozen length expert's
     ``w (log(1 + |y_w|) - log(1 + |y_l|))``, ``w`` fitted on these pairs first
     (:func:`rlhf.length_bias.fit_length_expert`) and dropped afterwards; ``config.length_decorrelation``
-    weighs the pairs' preference for the longer (:func:`rlhf.length_bias.length_preference`). Plus
+    weighs the pairs' preference for the longer (:func:`rlhf.length_bias.length_preference`). With
+    ``config.length_by_kind`` both are per kind of data (:func:`rlhf.kinds.kind_of`): a weight fitted on each
+    kind's pairs, the preference taken within each kind. Plus
     ``lm_coef`` times the language-model loss on the chosen response (paper Eq. 2, its ``beta_rm``;
     section 4.2 used 1.0). The chosen and rejected sequences of a
     batch go through the model in one right-padded batch.
@@ -209,12 +220,20 @@ def train_reward_model(
 
     Returns:
         Summary metrics (``rm/loss_first``, ``rm/loss_last``, ``rm/steps``, ``rm/train_pairs``,
-        ``rm/epochs``: pairs seen / training pairs, and ``rm/length_expert_weight``: 0 without the expert).
+        ``rm/epochs``: pairs seen / training pairs, ``rm/length_expert_weight``: 0 without the expert, fitted on
+        all pairs; and ``rm/kind/<kind>/length_expert_weight``, each kind's, with several kinds by kind).
     """
     pairs = encode_pairs(tokenizer, examples, config.max_length)
     freeze_lower_layers(model, config.trainable_layers)
-    expert_weight = fit_length_expert(*response_lengths(pairs)) if config.length_expert else 0.0
-    step = reward_step(model, tokenizer, pairs, config, runtime, expert_weight)
+    kinds = [kind_of(ex) if config.length_by_kind else DEFAULT_KIND for ex in examples]
+    names = sorted(set(kinds))
+    groups = [names.index(kind) for kind in kinds]
+    chosen_lengths, rejected_lengths = response_lengths(pairs)
+    weights = [0.0] * len(names)
+    for g in range(len(names) if config.length_expert else 0):
+        members = [i for i, group in enumerate(groups) if group == g]
+        weights[g] = fit_length_expert([chosen_lengths[i] for i in members], [rejected_lengths[i] for i in members])
+    step = reward_step(model, tokenizer, pairs, config, runtime, [weights[g] for g in groups], groups)
 
     summary = supervised_loop(
         model,
@@ -233,11 +252,13 @@ def train_reward_model(
         progress=progress,
     )
     # how much of rm_train the model saw: 1.0 means every pair once
+    overall = fit_length_expert(chosen_lengths, rejected_lengths) if config.length_expert else 0.0
     return {
         **summary,
         "rm/train_pairs": float(len(pairs)),
         "rm/epochs": config.steps * config.batch_size / len(pairs),
-        "rm/length_expert_weight": expert_weight,
+        "rm/length_expert_weight": weights[0] if len(names) == 1 else overall,
+        **({f"rm/kind/{k}/length_expert_weight": weights[g] for g, k in enumerate(names)} if len(names) > 1 else {}),
     }
 
 
@@ -357,6 +378,30 @@ def preference_metrics(
     return {**metrics, **length_figures(chosen, rejected, chosen_lengths, rejected_lengths)}
 
 
+KIND_FIGURES = (
+    "accuracy",
+    "accuracy_low",
+    "accuracy_high",
+    "pairs",
+    "ties",
+    "balanced_accuracy",
+    "balanced_accuracy_low",
+    "balanced_accuracy_high",
+    "accuracy_chosen_shorter",
+    "pairs_chosen_shorter",
+    "accuracy_chosen_longer",
+    "pairs_chosen_longer",
+    "length_baseline_accuracy",
+    "margin",
+    "ece",
+    "empty_beats_chosen",
+    "short_reply_beats_chosen",
+    "short_reply_beats_chosen_max",
+    *(f"reply_beats_chosen/{reply_name(r)}" for r in SHORT_REPLIES),
+)
+"""The figures taken on each kind and source (:mod:`rlhf.kinds`) besides the whole split."""
+
+
 def evaluate_reward_model(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -368,25 +413,42 @@ def evaluate_reward_model(
     """Score held-out pairs; returns the metrics and the ``(N,)`` margins (for the histogram).
 
     Metrics: :func:`preference_metrics`, plus :func:`rlhf.length_bias.empty_response_metrics` of the
-    first :data:`REPLY_PROMPTS` prompts (what the model says of an empty answer and of each of
+    first :data:`REPLY_PROMPTS` prompts of each kind (what the model says of an empty answer and of each of
     :data:`rlhf.length_bias.SHORT_REPLIES`, known hacks),
-    all on the reward model's raw score (no rule for unfinished responses applied).
+    all on the reward model's raw score (no rule for unfinished responses applied); and the
+    :data:`KIND_FIGURES` of each kind and source (:func:`rlhf.kinds.parts`) as ``rm/kind/<kind>/<figure>`` and
+    ``rm/source/<name>/<figure>``.
     """
     pairs = encode_pairs(tokenizer, examples, max_length)
     scores = score_groups(model, tokenizer, [[c.input_ids, r.input_ids] for c, r in pairs], batch_size, runtime)
     chosen, rejected = scores.view(-1, 2).unbind(1)
     chosen_lengths, rejected_lengths = (torch.tensor(n, device=runtime.device) for n in response_lengths(pairs))
     replies = ("", *SHORT_REPLIES)  # one prompt's replies share it: a group
+    asked_rows = first_of_each_kind(examples, REPLY_PROMPTS)
     asked = [
         [
-            encode_chat(tokenizer, ex["prompt"], [{"role": "assistant", "content": r}], max_length).input_ids
+            encode_chat(tokenizer, examples[i]["prompt"], [{"role": "assistant", "content": r}], max_length).input_ids
             for r in replies
         ]
-        for ex in examples[:REPLY_PROMPTS]
+        for i in asked_rows
     ]
     replied = score_groups(model, tokenizer, asked, batch_size, runtime).view(-1, len(replies)).T  # (replies, R)
-    metrics = {
-        **preference_metrics(chosen, rejected, chosen_lengths, rejected_lengths),
-        **empty_response_metrics(replied[0], replied[1:], chosen[: len(asked)]),
-    }
+    asked_index = torch.tensor(asked_rows, device=chosen.device, dtype=torch.long)
+
+    def figures(index: torch.Tensor, reply_index: torch.Tensor) -> dict[str, float]:
+        return {
+            **preference_metrics(chosen[index], rejected[index], chosen_lengths[index], rejected_lengths[index]),
+            **empty_response_metrics(
+                replied[0, reply_index], replied[1:, reply_index], chosen[asked_index[reply_index]]
+            ),
+        }
+
+    metrics = figures(torch.arange(len(examples), device=chosen.device), torch.arange(len(asked_rows)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TiesWarning)  # reported once for the whole split above
+        position = {row: k for k, row in enumerate(asked_rows)}
+        for part, rows in parts(examples).items():
+            index = torch.tensor(rows, device=chosen.device, dtype=torch.long)
+            reply_index = torch.tensor([position[r] for r in rows if r in position], dtype=torch.long)
+            metrics.update(named(figures(index, reply_index), "rm", part, KIND_FIGURES))
     return metrics, chosen - rejected

@@ -388,7 +388,9 @@ def generate(
 @app.command("score-pairs")
 def score_pairs(
     model: str = typer.Argument(..., help="a reward-model folder, models:/<name>@<alias> or models:/<name>/<version>"),
-    pairs: str = typer.Argument(..., help="jsonl[.gz] of preference rows: any path or URL the prepare stage reads"),
+    pairs: list[str] = typer.Argument(
+        ..., help="jsonl[.gz] files of preference rows: any path or URL the prepare stage reads; several: a block each"
+    ),
     fmt: str = typer.Option("auto", "--format", help="the rows' format: auto, hh, pairs, conversational, ranking"),
     mapping: str = typer.Option(None, help='JSON renaming the rows\' keys first, e.g. \'{"question": "prompt"}\''),
     max_length: int = typer.Option(
@@ -401,30 +403,41 @@ def score_pairs(
     max_rows: int = typer.Option(None, min=1, help="read at most this many rows (default: all)"),
     skip_bad_rows: bool = typer.Option(False, help="leave out rows that do not parse (counted) instead of stopping"),
     json_out: str = typer.Option(None, "--json", help="also write the metrics to this JSON file (atomically)"),
+    kind: list[str] = typer.Option(
+        None,
+        help="the kind of each file's rows, in order (e.g. --kind helpful --kind harmless); default: each "
+        "file's name when there are several, none for one file; a row's own --kind-field wins",
+    ),
+    kind_field: str = typer.Option("kind", help="the row key holding its kind (prepared splits have it)"),
     project: str = typer.Option(None, help="the project folder, for models:/ URIs (default: found from here)"),
 ) -> None:
-    """Score a reward model on a pairs file with the reward stage's own measure and print every figure: accuracy
-    with its Wilson interval, the chosen-shorter/longer accuracies, calibration, margin, the empty-answer check.
-    Rows are checked before the model loads; a row that does not parse stops it with one line (file:line: rule),
-    or with --skip-bad-rows is left out and counted."""
+    """Score a reward model on pairs files with the reward stage's own measure and print every figure: accuracy
+    with its Wilson interval, the chosen-shorter/longer accuracies, calibration, margin, the empty-answer check;
+    then the same per kind of data (a row's kind field, --kind, or one kind a file when several are given) and
+    per source. Rows are checked before the model loads; a row that does not parse stops it with one line
+    (file:line: rule), or with --skip-bad-rows is left out and counted."""
     from rlhf.checkpoint import write_json
     from tasks.cli import score_pairs as scoring
 
     if json_out is not None:
         json_out = os.path.abspath(json_out)  # a models:/ URI makes the project folder current
     with _one_line():
-        examples, rows, left_out = scoring.read_pairs(
-            pairs, fmt, scoring.parse_mapping(mapping), max_rows, skip_bad_rows
-        )
+        kinds = scoring.file_kinds(pairs, kind)
+        examples, rows, left_out = [], 0, []
+        for path, file_kind in zip(pairs, kinds, strict=True):
+            read = scoring.read_pairs(
+                path, fmt, scoring.parse_mapping(mapping), max_rows, skip_bad_rows, file_kind, kind_field
+            )
+            examples, rows, left_out = examples + read[0], rows + read[1], left_out + read[2]
         with model_folder(model, project) as folder:
             reward_model, tokenizer, length = scoring.load_reward_model(folder, max_length)
         metrics = scoring.score(reward_model, tokenizer, examples, length, batch_size)
         if json_out is not None:
             write_json(json_out, scoring.json_metrics(metrics))
-    typer.echo(f"{model} on {pairs}: {len(examples)} pairs from {rows} rows, max length {length} tokens")
+    typer.echo(f"{model} on {', '.join(pairs)}: {len(examples)} pairs from {rows} rows, max length {length} tokens")
     if left_out:
         typer.echo(f"left out {len(left_out)} rows that do not parse, the first {left_out[0]}")
-    for line in scoring.metric_lines(metrics):
+    for line in scoring.metric_lines(metrics) + scoring.part_blocks(metrics):
         typer.echo(line)
     if json_out is not None:
         typer.echo(f"wrote the metrics to {json_out}")

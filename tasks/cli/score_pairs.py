@@ -16,8 +16,9 @@ import math
 from itertools import islice
 from typing import Any
 
-from rlhf.data import read_jsonl
+from rlhf.data import read_jsonl, source_name
 from rlhf.formats import FORMATS, RowError, to_examples
+from rlhf.kinds import DEFAULT_KIND
 
 DEFAULT_MAX_LENGTH = 1024
 """Tokens per prompt + response when the model's config holds no ``reward_max_length``."""
@@ -68,8 +69,13 @@ def read_pairs(
     mapping: dict[str, str] | None = None,
     max_rows: int | None = None,
     skip_bad_rows: bool = False,
+    kind: str | None = None,
+    kind_field: str = "kind",
 ) -> tuple[list[dict[str, Any]], int, list[str]]:
-    """Preference examples ``{"prompt", "chosen", "rejected"}`` (message lists) of a pairs file.
+    """Preference examples ``{"prompt", "chosen", "rejected"}`` (message lists) of a pairs file, each with the
+    ``source`` it came from (:func:`rlhf.data.source_name` of the path) and, where known, its ``kind``: the row's
+    ``kind_field`` (after ``mapping``), else ``kind``; the figures are then also given per kind
+    (:mod:`rlhf.kinds`).
 
     Args:
         path: any path :func:`rlhf.data.read_jsonl` reads (local, ``s3://``, ``hf://``; gzip, bz2, xz, zstd).
@@ -77,6 +83,8 @@ def read_pairs(
         mapping: renames each row's keys before parsing.
         max_rows: read at most this many rows (a ranking row gives several pairs); None reads all.
         skip_bad_rows: leave out a row that does not parse (as prepare quarantines it) instead of stopping.
+        kind: the kind of the file's rows that name none (None: no kind).
+        kind_field: the row key that holds a row's kind.
 
     Returns:
         ``(examples, rows_read, left_out)``: ``left_out`` holds one ``FILE:LINE: rule`` line per row left out.
@@ -91,10 +99,17 @@ def read_pairs(
         raise PairsError(f"--format {fmt}: not one of {', '.join(FORMATS)}")
     rows = read_jsonl(path)
     examples, read, left_out = [], 0, []
+    source = source_name(path)
     for line, row in islice(rows, max_rows) if max_rows else rows:
         read += 1
         try:
-            examples.extend(to_examples(row, fmt, mapping))
+            parsed = to_examples(row, fmt, mapping)
+            renamed = {new: row[old] for old, new in (mapping or {}).items() if old in row}
+            row_kind = {**row, **renamed}.get(kind_field) if isinstance(row, dict) else None
+            if row_kind is not None and (not isinstance(row_kind, str) or not row_kind or "/" in row_kind):
+                raise RowError(f"field {kind_field!r} is {row_kind!r}, not a kind name (a string without '/')")
+            labels = {"source": source, **({"kind": row_kind or kind} if (row_kind or kind) else {})}
+            examples.extend({**example, **labels} for example in parsed)
         except RowError as err:
             if not skip_bad_rows:
                 raise PairsError(f"{path}:{line}: {err} (--skip-bad-rows leaves such rows out)") from None
@@ -102,6 +117,23 @@ def read_pairs(
     if not examples:
         raise PairsError(f"{path}: no rows" + (f" left after {len(left_out)} that do not parse" if left_out else ""))
     return examples, read, left_out
+
+
+def file_kinds(paths: list[str], kinds: list[str] | None) -> list[str | None]:
+    """The kind of each pairs file's rows that name none: ``kinds`` in order, else each file's name
+    (:func:`rlhf.data.source_name`) when there are several files, else None.
+
+    Raises:
+        PairsError: ``kinds`` given, but not one per file, or one is not a kind name.
+    """
+    if kinds:
+        if len(kinds) != len(paths):
+            raise PairsError(f"--kind: {len(kinds)} given for {len(paths)} files; give one per file, in order")
+        bad = [k for k in kinds if not k or "/" in k]
+        if bad:
+            raise PairsError(f"--kind {bad[0]!r}: not a kind name (a non-empty string without '/')")
+        return list(kinds)
+    return [source_name(path) for path in paths] if len(paths) > 1 else [None] * len(paths)
 
 
 def load_reward_model(folder: str, max_length: int | None = None):
@@ -214,8 +246,9 @@ def metric_lines(metrics: dict[str, float]) -> list[str]:
         if f"rm/accuracy_chosen_{name}" in metrics:
             count = metrics.get(f"rm/pairs_chosen_{name}", math.nan)
             lines.append(f"chosen {name:<11} {metrics[f'rm/accuracy_chosen_{name}']:.3f} (n={count:.0f})")
-    width = max((len(k) for k in metrics if k not in HEADLINE), default=0)
-    lines += [f"{k:<{width}}  {v:.4g}" for k, v in metrics.items() if k not in HEADLINE]
+    rest = {k: v for k, v in metrics.items() if k not in HEADLINE and not k.startswith(("rm/kind/", "rm/source/"))}
+    width = max(map(len, rest), default=0)
+    lines += [f"{k:<{width}}  {v:.4g}" for k, v in rest.items()]
     kind = "balanced_accuracy" if "rm/balanced_accuracy" in metrics else "accuracy"  # as the reward gate reads
     if f"rm/{kind}" in metrics:
         warning = chance_warning(
@@ -223,6 +256,24 @@ def metric_lines(metrics: dict[str, float]) -> list[str]:
         )
         if warning:
             lines.append(f"WARNING: {warning}: the model does not rank these pairs better than chance")
+    return lines
+
+
+def part_blocks(metrics: dict[str, float]) -> list[str]:
+    """One block per kind and per source of the metrics (``rm/kind/<kind>/...``, ``rm/source/<name>/...``,
+    :mod:`rlhf.kinds`): a ``kind <kind>:`` head line, then :func:`metric_lines` of its figures, indented; none
+    when the only kind is :data:`rlhf.kinds.DEFAULT_KIND` (no row named one)."""
+    lines = []
+    for part in ("kind", "source"):
+        head = f"rm/{part}/"
+        names = sorted({k[len(head) :].split("/", 1)[0] for k in metrics if k.startswith(head)})
+        if names == [DEFAULT_KIND]:
+            continue  # rows that name no kind: the block would repeat the whole file's
+        for name in names:
+            prefix = f"{head}{name}/"
+            figures = {"rm/" + k[len(prefix) :]: v for k, v in metrics.items() if k.startswith(prefix)}
+            lines.append(f"{part} {name}:")
+            lines += [f"  {line}" for line in metric_lines(figures)]
     return lines
 
 

@@ -13,6 +13,7 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
+from tasks.kit import paths
 from tasks.kit.runs import StageRun, held_stop_signals, process_state
 
 
@@ -229,3 +230,19 @@ def load_json(path: str) -> dict[str, Any]:
     """Read a JSON file."""
     with open(path, encoding="utf-8") as handle:
         return json.load(handle)
+
+
+def is_part_figure(key: str) -> bool:
+    """Whether a metric is a kind's or a source's (``<prefix>/kind/...``, ``<prefix>/source/...``)."""
+    return "/kind/" in key or "/source/" in key
+
+
+def stage_metrics(stage: str) -> dict[str, Any]:
+    """A stage's metrics: ``metrics/<stage>.json`` and, when written, its per-kind file
+    (:func:`tasks.kit.paths.kind_metrics`), in one dict.
+
+    Raises:
+        FileNotFoundError: no ``metrics/<stage>.json``.
+    """
+    parts = paths.kind_metrics(stage)
+    return {**load_json(paths.metrics(stage)), **(load_json(parts) if os.path.isfile(parts) else {})}

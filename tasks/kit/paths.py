@@ -18,6 +18,13 @@ def metrics(stage: str) -> str:
     return f"metrics/{stage}.json"
 
 
+def kind_metrics(stage: str) -> str:
+    """The file of a stage's figures per kind of data and per source (``.../kind/<kind>/...``,
+    ``.../source/<name>/...``, :mod:`rlhf.kinds`): ``metrics/<stage>_kinds.json``, apart from the headline file
+    so that ``dvc metrics show`` stays readable."""
+    return f"metrics/{stage}_kinds.json"
+
+
 BASE = "models/base"  # base_model: model.source as safetensors
 SFT = "models/sft"
 REWARD = "models/reward"  # the reward stage's candidate

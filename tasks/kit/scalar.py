@@ -17,6 +17,7 @@ import matplotlib.pyplot as plt
 import torch
 
 from rlhf.data import load_jsonl
+from rlhf.kinds import kinds_in
 from rlhf.models import load_scalar_model, load_tokenizer, save_tokenizer
 from rlhf.reward import (
     JudgeConfig,
@@ -28,9 +29,10 @@ from rlhf.reward import (
 )
 from rlhf.sharding import whole_model
 from rlhf.stats import chance_warning
+from tasks.kit import paths
 from tasks.kit.common import setup_torch, stage_runtime
 from tasks.kit.configs import config_from_params
-from tasks.kit.outputs import StagedOutputs, write_metrics
+from tasks.kit.outputs import StagedOutputs, is_part_figure, write_metrics
 from tasks.kit.resume import run_checkpointer
 
 CONFIGS = {"reward": RewardConfig, "judge": JudgeConfig}  # stage -> its typed config: same fields, own defaults
@@ -108,7 +110,8 @@ def summary_lines(metrics: dict[str, float]) -> list[str]:
     and ties, then the length-bias accuracies; the second the balanced accuracy with its stratified interval and
     the length-only baseline; then the other ``rm/`` figures; last, when the balanced accuracy's interval
     includes chance (0.5), lies below it, or is undefined,
-    a loud ``[reward] WARNING: ...`` line (:func:`rlhf.stats.chance_warning`).
+    a loud ``[reward] WARNING: ...`` line (:func:`rlhf.stats.chance_warning`); the same line for each kind of data
+    whose figures are below or at chance, after one line of each kind's figures (:mod:`rlhf.kinds`).
     """
     accuracy = (metrics["rm/accuracy"], metrics["rm/accuracy_low"], metrics["rm/accuracy_high"])
     lines = [
@@ -124,13 +127,28 @@ def summary_lines(metrics: dict[str, float]) -> list[str]:
             f"{k}={v:.3f}"
             for k, v in metrics.items()
             if k.startswith("rm/")
+            and not is_part_figure(k)
             and not k.startswith(("rm/loss", "rm/accuracy", "rm/pairs", "rm/ties", "rm/balanced", "rm/length_base"))
         ),
     ]
-    balanced = tuple(metrics.get(f"rm/balanced_accuracy{s}") for s in ("", "_low", "_high"))
-    warning = chance_warning("rm_eval balanced accuracy", *balanced)
-    if warning:
-        lines.append(f"[reward] WARNING: {warning}: the reward model has not learned to rank")
+    for kind in kinds_in(metrics, "rm"):
+        figure = {k.removeprefix(f"rm/kind/{kind}/"): v for k, v in metrics.items() if k.startswith(f"rm/kind/{kind}/")}
+        replies = ", ".join(
+            f"{k.removeprefix('reply_beats_chosen/')} {_number(v)}"
+            for k, v in figure.items()
+            if k.startswith("reply_beats_chosen/")
+        )
+        lines.append(
+            f"[reward] rm_eval {kind}: balanced accuracy {_interval(figure, 'balanced_accuracy')} over "
+            f"{figure.get('pairs', 0):.0f} decisive pairs; accuracy {_number(figure.get('accuracy'))}, "
+            f"prefer-the-shorter {_number(figure.get('length_baseline_accuracy'))}; beats the chosen response: "
+            f"an empty answer {_number(figure.get('empty_beats_chosen'))}, {replies}"
+        )
+    for part in ["", *(f"/kind/{kind}" for kind in kinds_in(metrics, "rm"))]:
+        balanced = tuple(metrics.get(f"rm{part}/balanced_accuracy{s}") for s in ("", "_low", "_high"))
+        warning = chance_warning(f"rm_eval{part.replace('/kind/', ' ')} balanced accuracy", *balanced)
+        if warning:
+            lines.append(f"[reward] WARNING: {warning}: the reward model has not learned to rank")
     return lines
 
 
@@ -144,13 +162,19 @@ def _interval(metrics: dict[str, float], key: str) -> str:
 
 
 def write_outputs(
-    stage, outputs: StagedOutputs, metrics: dict[str, float], steps: str, figure, figure_path: str, metrics_path: str
+    stage, outputs: StagedOutputs, metrics: dict[str, float], steps: str, figure, figure_path: str, name: str
 ) -> None:
     """Log ``metrics`` at the step count ``metrics[steps]``, stage the margin histogram ``figure`` (also an MLflow
-    figure) and the metrics file: what the reward and the judge stage both write."""
+    figure) and the metrics files of stage ``name``: the headline figures in ``metrics/<name>.json``, those of each
+    kind and source in ``metrics/<name>_kinds.json`` (:func:`tasks.kit.outputs.is_part_figure`); what the reward
+    and the judge stage both write."""
     import mlflow  # noqa: PLC0415 rank 0 alone logs: the other processes of a launch never import MLflow (about 2 s)
 
     stage.log(metrics, int(metrics[steps]))
     figure.savefig(outputs.file(figure_path), dpi=100)
     mlflow.log_figure(figure, os.path.basename(figure_path))
-    write_metrics(outputs.file(metrics_path), metrics, stage)
+    headline = {k: v for k, v in metrics.items() if not is_part_figure(k)}
+    write_metrics(outputs.file(paths.metrics(name)), headline, stage)
+    write_metrics(
+        outputs.file(paths.kind_metrics(name)), {k: v for k, v in metrics.items() if is_part_figure(k)}, stage
+    )
