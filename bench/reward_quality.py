@@ -1,15 +1,18 @@
-"""Reward-model quality benchmark (not a test): choose the reward model's settings on a split of rm_train.
+"""Reward-model and judge quality benchmark (not a test): choose their settings on the development split.
 
-Needs ``data/validated/`` and ``models/sft`` from a pipeline run. Overrides the ``reward`` params with
-``--set key=value`` (e.g. ``--set length_decorrelation=0 --set length_expert=false``). By default it holds out
-``--dev-fraction`` of rm_train by conversation root (a salted hash, so no conversation is in both parts), trains
-from the SFT model on the rest, centres, and measures on the held-out part: settings are chosen there, never on
-rm_eval. ``--rm-eval`` trains on all of rm_train and measures on rm_eval instead (to report a chosen setting
-once, e.g. over seeds). Writes ``reports/reward_benchmark.json`` plus an MLflow run "reward-benchmark".
+Needs ``data/validated/`` and ``models/sft`` (``models/base`` for the judge) from a pipeline run. Overrides the
+model's params with ``--set key=value`` (e.g. ``--set length_decorrelation=0 --set length_expert=false``). By
+default it holds out ``--dev-fraction`` of the training split (rm_train; judge_train with ``--model judge``) as the
+development split (:func:`rlhf.data.dev_split`: a salted hash of the conversation root, so no conversation is in
+both parts), trains on the rest, centres, and measures on the development split, overall and per kind of data:
+settings are chosen there, never on the test split (rm_eval, judge_eval), which the gates read and every reported
+figure comes from. ``--test`` trains on all of the training split and measures on the test split instead, to
+report a chosen setting once. Writes ``reports/<model>_benchmark.json`` plus an MLflow run.
 
 Usage:
     python -m bench.reward_quality --set length_decorrelation=0
-    python -m bench.reward_quality --rm-eval --set seed=1
+    python -m bench.reward_quality --model judge --set steps=120
+    python -m bench.reward_quality --test --set seed=1
 """
 
 from __future__ import annotations
@@ -21,45 +24,50 @@ import typer
 
 from bench.ablation import overrides
 from rlhf.checkpoint import write_json
-from rlhf.data import conversation_root, load_jsonl, unit_point
+from rlhf.data import dev_split, load_jsonl
+from rlhf.kinds import kind_of, kinds_in
 from rlhf.models import load_scalar_model, load_tokenizer
-from rlhf.reward import RewardConfig, center_rewards, encode_pairs, evaluate_reward_model, train_reward_model
+from rlhf.reward import (
+    JudgeConfig,
+    RewardConfig,
+    center_rewards,
+    encode_pairs,
+    evaluate_reward_model,
+    train_reward_model,
+)
 from tasks.kit.common import setup_torch, stage_runtime
 from tasks.kit.configs import config_from_params
 from tasks.kit.params import stage_params
 from tasks.kit.runs import StageRun
 
-TRAIN, EVAL, SFT, OUT = (
-    "data/validated/rm_train.jsonl",
-    "data/validated/rm_eval.jsonl",
-    "models/sft",
-    "reports/reward_benchmark.json",
-)
-
-
-def dev_split(rows: list[dict], fraction: float) -> tuple[list[dict], list[dict]]:
-    """``(train, dev)``: ``fraction`` of ``rows`` by a salted hash of the conversation root, whole conversations."""
-    dev = [unit_point(conversation_root(row["prompt"]), salt="reward-dev") < fraction for row in rows]
-    return [r for r, d in zip(rows, dev, strict=True) if not d], [r for r, d in zip(rows, dev, strict=True) if d]
+MODELS = {  # what each model trains from and on, and its test split (the pipeline's, read only with --test)
+    "reward": (RewardConfig, "models/sft", "data/validated/rm_train.jsonl", "data/validated/rm_eval.jsonl"),
+    "judge": (JudgeConfig, "models/base", "data/validated/judge_train.jsonl", "data/validated/judge_eval.jsonl"),
+}
+OUT = "reports/{model}_benchmark.json"
 
 
 def main(
-    set_: list[str] = typer.Option([], "--set", help="override of the reward params, key=value"),
-    dev_fraction: float = typer.Option(0.2, help="share of rm_train held out to measure on"),
-    rm_eval: bool = typer.Option(False, "--rm-eval", help="train on all of rm_train, measure on rm_eval"),
+    set_: list[str] = typer.Option([], "--set", help="override of the model's params, key=value"),
+    model_name: str = typer.Option("reward", "--model", help="reward (from SFT, rm_train) or judge (from base)"),
+    dev_fraction: float = typer.Option(0.2, help="share of the training split held out to measure on"),
+    test: bool = typer.Option(False, "--test", "--rm-eval", help="train on all of it, measure on the test split"),
+    train_kinds: list[str] = typer.Option([], "--train-kind", help="train only on these kinds (default: all)"),
 ) -> None:
     """Train, centre, evaluate; print and save the metrics."""
-    params = {**stage_params("reward"), **overrides(set_)}
-    config = config_from_params(RewardConfig, params, "reward")
+    config_class, init, train_path, test_path = MODELS[model_name]
+    params = {**stage_params(model_name), **overrides(set_)}
+    config = config_from_params(config_class, params, model_name)
     setup_torch(config.seed)
-    if rm_eval:
-        train, held_out = load_jsonl(TRAIN), load_jsonl(EVAL)
+    if test:
+        train, held_out = load_jsonl(train_path), load_jsonl(test_path)
     else:
-        train, held_out = dev_split(load_jsonl(TRAIN), dev_fraction)
+        train, held_out = dev_split(load_jsonl(train_path), dev_fraction)
         config = dataclasses.replace(config, steps=-(-config.steps * len(train) // (len(train) + len(held_out))))
-    with StageRun("reward-benchmark", params) as stage:
+    train = [row for row in train if not train_kinds or kind_of(row) in train_kinds]
+    with StageRun(f"{model_name}-benchmark", params) as stage:
         runtime = stage_runtime("reward-benchmark")
-        tokenizer, model = load_tokenizer(SFT), runtime.place(load_scalar_model(SFT))
+        tokenizer, model = load_tokenizer(init), runtime.place(load_scalar_model(init))
         start = time.perf_counter()
         summary = train_reward_model(model, tokenizer, train, config, stage.log, runtime)
         seconds = time.perf_counter() - start
@@ -75,12 +83,12 @@ def main(
         **summary,
         **metrics,
         "train_pairs": len(train),
-        "held_out": "rm_eval" if rm_eval else f"{len(held_out)} pairs of rm_train (dev, {dev_fraction})",
+        "held_out": test_path if test else f"{len(held_out)} pairs of {train_path} (dev, {dev_fraction})",
         "pairs_seen": config.steps * config.batch_size,
         "train_seconds": seconds,
         "params": params,
     }
-    write_json(OUT, result)
+    write_json(OUT.format(model=model_name), result)
     for key in (
         "rm/accuracy",
         "rm/balanced_accuracy",
@@ -100,6 +108,15 @@ def main(
         "train_seconds",
     ):
         print(f"{key:28s} {result[key]:.4f}" if isinstance(result[key], float) else f"{key:28s} {result[key]}")
+    for kind in kinds_in(result, "rm"):
+        figures = {k.removeprefix(f"rm/kind/{kind}/"): v for k, v in result.items() if k.startswith(f"rm/kind/{kind}/")}
+        print(
+            f"{kind}: balanced {figures['balanced_accuracy']:.3f} [{figures['balanced_accuracy_low']:.3f}, "
+            f"{figures['balanced_accuracy_high']:.3f}] over {figures['pairs']:.0f} pairs; accuracy "
+            f"{figures['accuracy']:.3f}; shorter {figures['accuracy_chosen_shorter']:.3f} longer "
+            f"{figures['accuracy_chosen_longer']:.3f}; empty beats chosen {figures.get('empty_beats_chosen', 'n/a')}, "
+            f"one-word max {figures.get('short_reply_beats_chosen_max', 'n/a')}"
+        )
 
 
 if __name__ == "__main__":

@@ -19,6 +19,10 @@ pytestmark = pytest.mark.integration
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED = os.path.join(os.path.dirname(REPO), "shared")
 STAGES = ["prepare", "base_model", "validate", "sft", "reward", "gate", "judge", "ppo", "evaluate", "report"]
+TINY_MORE_SOURCES = (  # the tiny profile's second kind of data, as params.yaml writes it (tests replace it)
+    "      more_sources: [{name: helpful-base, kind: helpful, "
+    "source: ../shared/data/hh-rlhf/helpful-base/pairs.jsonl.gz,\n                      max_rows: 60}]"
+)
 
 
 def make_project(root) -> str:
@@ -153,7 +157,7 @@ def test_dvc_repro_runs_everything_then_only_what_a_ppo_param_touches(tiny_run, 
     # new preference rows (a second source): prepare and everything after it rerun; the new reward model passes
     # the (open) tiny gate, so the champion moves and ppo and evaluate run on it
     add_rows(project, "more-1.jsonl", 1000)
-    set_param(project, "  more_sources: []", "  more_sources: [{source: more-1.jsonl}]")
+    set_param(project, TINY_MORE_SOURCES, TINY_MORE_SOURCES.removesuffix("}]") + "}, {source: more-1.jsonl}]")
     # all but base_model and sft: none of the 30 new conversations falls in sft's 8% of the hash range
     assert ran_stages(run(project, "dvc", "repro")) == [s for s in STAGES if s not in ("base_model", "sft")]
     assert champion(project) == "2"

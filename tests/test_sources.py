@@ -205,7 +205,7 @@ def test_prepare_depends_on_the_fingerprints_never_on_a_source_url():
 
 @pytest.mark.integration
 def test_dvc_repro_reruns_prepare_exactly_when_a_remote_source_changes(tmp_path):
-    from test_pipeline import make_project, ran_stages, run, set_param
+    from test_pipeline import TINY_MORE_SOURCES, make_project, ran_stages, run, set_param
 
     project = make_project(tmp_path)
     served = tmp_path / "served"
@@ -218,7 +218,7 @@ def test_dvc_repro_reruns_prepare_exactly_when_a_remote_source_changes(tmp_path)
     write(served / "ptx.jsonl", ptx, mtime=1_700_000_000)
     with http_server(served) as base:
         set_param(project, "source: ../shared/data/hh-rlhf/harmless-base/pairs.jsonl.gz", f"source: {base}/pairs.jsonl")
-        set_param(project, "more_sources: []", f"more_sources: [{{source: {base}/more.jsonl}}]")
+        set_param(project, TINY_MORE_SOURCES, f"      more_sources: [{{source: {base}/more.jsonl}}]")
         set_param(project, "ptx_source: null", f"ptx_source: {base}/ptx.jsonl")
 
         def prepared() -> dict:

@@ -184,6 +184,21 @@ def _check_fractions(fractions: dict[str, float]) -> None:
         raise ValueError(f"data.fractions must sum to 1, got {total:.6g} (lower another split when you raise one)")
 
 
+def dev_split(rows: list[dict[str, Any]], fraction: float) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``(train, dev)``: the development split, ``fraction`` of a training split's ``rows`` by a salted hash of the
+    conversation root (whole conversations; independent of :func:`assign_split`'s hash). Every choice of
+    settings, step counts, data amounts and the judge's recipe is made on it (``bench.reward_quality``), never on
+    the test splits (``rm_eval``, ``judge_eval``) that the gates read and the reported figures come from.
+
+    Raises:
+        ValueError: ``fraction`` outside (0, 1).
+    """
+    if not 0 < fraction < 1:
+        raise ValueError(f"the development fraction must be in (0, 1), got {fraction}")
+    dev = [unit_point(conversation_root(row["prompt"]), salt="reward-dev") < fraction for row in rows]
+    return [r for r, d in zip(rows, dev, strict=True) if not d], [r for r, d in zip(rows, dev, strict=True) if d]
+
+
 def assign_split(prompt: list[Message], fractions: dict[str, float]) -> str:
     """Pick the split of a prompt from a hash of its conversation root (see :func:`conversation_root`).
 

@@ -204,7 +204,7 @@ def debiased_pair_loss(
             pair's (a weight fitted on its kind's pairs).
         decorrelation: the term's coefficient, >= 0.
         margin: the Bradley-Terry margin; count: pairs in the whole batch.
-        groups: ``(P,)`` long, or None: one group.
+        groups: ``(P,)`` long, or None: one group; a pair of group -1 is in no group's term.
 
     Returns:
         ``(loss share, the part's mean length preference, detached; 0 when all its pairs have equal lengths)``.
@@ -217,7 +217,7 @@ def debiased_pair_loss(
     )
     total, unequal, _ = length_preference(chosen, rejected, chosen_lengths, rejected_lengths)
     if decorrelation > 0:  # times m: a gradient of k (1 - tanh^2) per pair, however small or large the margins
-        members = [slice(None)] if groups is None else [groups == g for g in torch.unique(groups)]
+        members = [slice(None)] if groups is None else [groups == g for g in torch.unique(groups) if g >= 0]
         for member in members:
             part = length_preference(chosen[member], rejected[member], chosen_lengths[member], rejected_lengths[member])
             size = len(chosen[member])

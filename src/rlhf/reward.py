@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from rlhf.augment import AUGMENTED, short_rejections
 from rlhf.chat import Encoded, encode_chat, pad, pad_masks
 from rlhf.checkpoint import Checkpointer
 from rlhf.device import Runtime
@@ -49,6 +50,8 @@ class RewardConfig(LoopConfig):
     length_expert: bool = True  # product of experts with a length expert fitted first, dropped after training
     length_decorrelation: float = 1.0  # coefficient of |the pairs' mean preference for the longer| (after ODIN)
     length_by_kind: bool = True  # the expert fitted and the preference taken on each kind of data apart
+    short_rejections: float = 0.0  # share of these kinds' pairs that also get a short reply as rejected (augment)
+    short_rejection_kinds: tuple[str, ...] = ("helpful",)
     checkpoint_every: int = 53  # a checkpoint writes the whole model (~6 s on 2 cores): at half the demo's steps
 
     def __post_init__(self) -> None:
@@ -120,7 +123,7 @@ def reward_step(
     responses' token-mean NLL (paper Eq. 2); and its shares of the training accuracy, margin and length
     preference. The accuracy and margin are of the reward model's own scores (the expert left out).
     ``expert_weight``: one weight, or one per pair (its kind's); ``groups``: each pair's kind index, within which
-    the length preference is taken (None: all pairs one group).
+    the length preference is taken (None: all pairs one group; -1: a pair outside every group's term).
 
     A pair's chosen and rejected encodings share their prompt: each pair is one row, its common prefix run
     once (:mod:`rlhf.shared_prompt`; the plain batch of ``2 x part`` rows where the model cannot take it).
@@ -204,7 +207,9 @@ def train_reward_model(
     (:func:`rlhf.length_bias.fit_length_expert`) and dropped afterwards; ``config.length_decorrelation``
     weighs the pairs' preference for the longer (:func:`rlhf.length_bias.length_preference`). With
     ``config.length_by_kind`` both are per kind of data (:func:`rlhf.kinds.kind_of`): a weight fitted on each
-    kind's pairs, the preference taken within each kind. Plus
+    kind's pairs, the preference taken within each kind. With ``config.short_rejections`` the examples gain the
+    extra pairs of :func:`rlhf.augment.short_rejections` (a short reply of the data as the rejected response, on
+    ``config.short_rejection_kinds``), which neither the expert nor the length term reads. Plus
     ``lm_coef`` times the language-model loss on the chosen response (paper Eq. 2, its ``beta_rm``;
     section 4.2 used 1.0). The chosen and rejected sequences of a
     batch go through the model in one right-padded batch.
@@ -220,20 +225,24 @@ def train_reward_model(
 
     Returns:
         Summary metrics (``rm/loss_first``, ``rm/loss_last``, ``rm/steps``, ``rm/train_pairs``,
-        ``rm/epochs``: pairs seen / training pairs, ``rm/length_expert_weight``: 0 without the expert, fitted on
-        all pairs; and ``rm/kind/<kind>/length_expert_weight``, each kind's, with several kinds by kind).
+        ``rm/epochs``: pairs seen / training pairs, ``rm/short_rejections``: the extra pairs among them,
+        ``rm/length_expert_weight``: 0 without the expert, fitted on all the data's pairs; and
+        ``rm/kind/<kind>/length_expert_weight``, each kind's, with several kinds by kind).
     """
+    extra = short_rejections(examples, config.short_rejections, config.short_rejection_kinds)
+    examples = [*examples, *extra]
     pairs = encode_pairs(tokenizer, examples, config.max_length)
     freeze_lower_layers(model, config.trainable_layers)
     kinds = [kind_of(ex) if config.length_by_kind else DEFAULT_KIND for ex in examples]
     names = sorted(set(kinds))
-    groups = [names.index(kind) for kind in kinds]
+    groups = [-1 if ex.get(AUGMENTED) else names.index(kind) for ex, kind in zip(examples, kinds, strict=True)]
     chosen_lengths, rejected_lengths = response_lengths(pairs)
     weights = [0.0] * len(names)
     for g in range(len(names) if config.length_expert else 0):
         members = [i for i, group in enumerate(groups) if group == g]
         weights[g] = fit_length_expert([chosen_lengths[i] for i in members], [rejected_lengths[i] for i in members])
-    step = reward_step(model, tokenizer, pairs, config, runtime, [weights[g] for g in groups], groups)
+    expert = [weights[g] if g >= 0 else 0.0 for g in groups]  # the extra pairs: no expert, no length term
+    step = reward_step(model, tokenizer, pairs, config, runtime, expert, groups)
 
     summary = supervised_loop(
         model,
@@ -252,10 +261,12 @@ def train_reward_model(
         progress=progress,
     )
     # how much of rm_train the model saw: 1.0 means every pair once
-    overall = fit_length_expert(chosen_lengths, rejected_lengths) if config.length_expert else 0.0
+    real = len(pairs) - len(extra)
+    overall = fit_length_expert(chosen_lengths[:real], rejected_lengths[:real]) if config.length_expert else 0.0
     return {
         **summary,
         "rm/train_pairs": float(len(pairs)),
+        "rm/short_rejections": float(len(extra)),
         "rm/epochs": config.steps * config.batch_size / len(pairs),
         "rm/length_expert_weight": weights[0] if len(names) == 1 else overall,
         **({f"rm/kind/{k}/length_expert_weight": weights[g] for g, k in enumerate(names)} if len(names) > 1 else {}),
