@@ -44,6 +44,7 @@ class DataConfig(SourceConfig):
 
     fractions: dict[str, float] = field(kw_only=True)  # split -> share of the conversations (params.yaml)
     kind: str = field(kw_only=True)  # params.yaml gives them: no defaults of their own
+    max_rows: int | None = field(kw_only=True)
     more_sources: list[dict[str, Any]] = field(kw_only=True)
     ptx_source: str | None = None
     ptx_heldout_fraction: float = 0.2

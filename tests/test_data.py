@@ -774,7 +774,7 @@ def test_read_jsonl_drops_a_byte_order_mark_and_reads_an_empty_file(tmp_path):
 def run_prepare(tmp_path, monkeypatch, **data):
     monkeypatch.chdir(tmp_path)
     with StagedOutputs() as outputs:  # a failure raises before anything is put in place
-        defaults = {"fractions": {"sft": 0.5, "rm_train": 0.5}, "kind": "general", "more_sources": []}
+        defaults = {"fractions": {"sft": 0.5, "rm_train": 0.5}, "kind": "general", "more_sources": [], "max_rows": None}
         return tasks.prepare.run({**defaults, **data}, outputs)
 
 

@@ -120,11 +120,11 @@ def test_a_derived_value_is_set_once_refused_where_it_is_derived_and_reruns_its_
         assert f"{source.split('.')[0]}.profiles" in listed, (stage, source)
     values = stage_params("evaluate", params)
     derived = derived_values("evaluate", lambda name: stage_params(name, params))
-    assert derived["judge_max_length"] == ("judge.max_length", 384)
+    assert derived["judge_max_length"] == ("judge.max_length", 256)
     with pytest.raises(ValueError) as refused:
         config_from_params(EvalConfig, {**values, "judge_max_length": 192}, "evaluate", derived)
     assert str(refused.value) == (
-        "params.yaml: evaluate.judge_max_length (192) is derived from judge.max_length (384): remove it and set "
+        "params.yaml: evaluate.judge_max_length (192) is derived from judge.max_length (256): remove it and set "
         "judge.max_length"
     )
 

@@ -38,7 +38,7 @@ class EvalConfig:
     """Evaluation settings (params.yaml section ``evaluate``)."""
 
     max_prompts: int | None = 32  # N eval prompts, a fair share of each kind (rlhf.evaluation_kinds.stratified)
-    max_new_tokens: int | None = 256  # responses' token limit here; None: generation.max_new_tokens (PPO's)
+    max_new_tokens: int | None = None  # responses' token limit here; None: generation.max_new_tokens (PPO's)
     samples_per_prompt: int = 1  # responses per prompt and model; the interval resamples whole prompts
     batch_size: int = 16
     max_prompt_length: int = 128
@@ -47,7 +47,7 @@ class EvalConfig:
     curve_prompts: int = 8  # the first N evaluated prompts (kinds dealt alike): the over-optimisation curve's set
     best_of_n: int = 4  # the largest N of best-of-N on the curve prompts (N = 1, 4, 16, ... up to it); 0: none
     bootstrap_resamples: int = 2000
-    judge_max_length: int = 384  # tokens of prompt + response the judge reads (the stage passes its max_length)
+    judge_max_length: int = 256  # tokens of prompt + response the judge reads (the stage passes its max_length)
     judge_min_length_accuracy: float = 0.35  # below it on either length kind of pair: ranks by length
     ptx_max_length: int = 128  # tokens of a held-out ptx row (the alignment tax's perplexity), as PPO-ptx reads it
     seed: int = 1234

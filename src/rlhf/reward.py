@@ -37,12 +37,12 @@ class RewardConfig(LoopConfig):
     """Reward-model hyperparameters (params.yaml section ``reward``)."""
 
     section: ClassVar[str] = "reward"
-    steps: int = 107
+    steps: int = 56
     batch_size: int = 8
     lr: float = 1e-4
     warmup_steps: int = 5
     trainable_layers: int | None = 8
-    max_length: int = 384  # tokens of prompt + response it trains and reads at (a long prompt is cut from the left)
+    max_length: int = 256  # tokens of prompt + response it trains and reads at (a long prompt is cut from the left)
     margin: float = 0.0  # Bradley-Terry margin (0: tutorial Eq. 6 exactly)
     lm_coef: float = 0.0  # the paper's beta_rm: weight of an LM imitation term on the chosen response
     eval_batch_size: int = 16  # pairs per scoring pass (centring and the held-out split)
@@ -73,7 +73,7 @@ class JudgeConfig(RewardConfig):
     pairs, for evaluation only (PPO never reads it); only the section and the defaults differ."""
 
     section: ClassVar[str] = "judge"
-    steps: int = 62
+    steps: int = 40
     warmup_steps: int = 3
     seed: int = 1
     center_max_examples: int | None = 64

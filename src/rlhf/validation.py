@@ -43,7 +43,7 @@ KINDS = ("pairs", "prompts", "ptx")
 class ValidationConfig:
     """Suite settings (params.yaml section ``validate``)."""
 
-    max_length: int = 384  # tokens of prompt + response as the reward model reads them (the stage passes its own)
+    max_length: int = 256  # tokens of prompt + response as the reward model reads them (the stage passes its own)
     max_prompt_tokens: int = 2048
     max_response_tokens: int = 1024
     role_markers: str = "quarantine"  # quarantine | keep: "Human:"/"Assistant:" inside a response or ptx content
