@@ -30,7 +30,9 @@ from tasks.kit.outputs import StagedOutputs
 NAME = "rlhf-reward-model"
 GOOD = {"rm/accuracy": 150 / 196, "rm/pairs": 196.0, "rm/ece": 0.05, "rm/accuracy_chosen_shorter": 0.7,
         "rm/accuracy_chosen_longer": 0.6, "rm/pairs_chosen_shorter": 100.0, "rm/pairs_chosen_longer": 96.0,
-        "rm/balanced_accuracy": 0.65, "rm/balanced_accuracy_low": 0.58}  # fmt: skip
+        "rm/balanced_accuracy": 0.65, "rm/balanced_accuracy_low": 0.58,
+        "rm/kind/harmless/balanced_accuracy": 0.66, "rm/kind/harmless/balanced_accuracy_low": 0.56,
+        "rm/kind/helpful/balanced_accuracy": 0.64, "rm/kind/helpful/balanced_accuracy_low": 0.55}  # fmt: skip
 BAD = {**GOOD, "rm/accuracy": 100 / 196, "rm/balanced_accuracy_low": 0.441}  # not better than chance
 
 

@@ -90,8 +90,12 @@ def test_the_length_term_per_kind_by_hand_kinds_that_prefer_opposite_lengths_do_
     pooled, preference = debiased_pair_loss(chosen, rejected, *lengths, 0.0, 1.0, 0.0, count=2)
     assert float(preference) == pytest.approx(0.0, abs=1e-7) and float(pooled) == pytest.approx(bt / 2, abs=1e-6)
     # within each kind: |tanh(1)| x m 1 x (1 pair / 2) each, tanh(1) in all
-    by_kind, _ = debiased_pair_loss(chosen, rejected, *lengths, 0.0, 1.0, 0.0, count=2, groups=torch.tensor([0, 1]))
+    groups = torch.tensor([[1, 0], [0, 1]])  # pair 0 in kind 0, pair 1 in kind 1
+    by_kind, _ = debiased_pair_loss(chosen, rejected, *lengths, 0.0, 1.0, 0.0, count=2, groups=groups)
     assert float(by_kind) == pytest.approx(bt / 2 + math.tanh(1.0), abs=1e-6)
+    # a pair in no group (an extra pair of rlhf.augment) adds to no term: pair 1 alone is left, tanh(1) / 2
+    lone, _ = debiased_pair_loss(chosen, rejected, *lengths, 0.0, 1.0, 0.0, count=2, groups=torch.tensor([[0, 1]]))
+    assert float(lone) == pytest.approx(bt / 2 + math.tanh(1.0) / 2, abs=1e-6)
     # each pair its own expert weight: w = 1 for kind 0 (log-odds 1 + log 2), w = -1 for kind 1 (1 + log 2 too)
     weights = torch.tensor([1.0, -1.0])
     experts, _ = debiased_pair_loss(chosen, rejected, *lengths, weights, 0.0, 0.0, count=2)

@@ -82,7 +82,11 @@ SHARPNESS = 1.0  # tanh(x / rms margin): a pair at the typical margin counts tan
 
 
 def length_preference(
-    chosen: torch.Tensor, rejected: torch.Tensor, chosen_lengths: torch.Tensor, rejected_lengths: torch.Tensor
+    chosen: torch.Tensor,
+    rejected: torch.Tensor,
+    chosen_lengths: torch.Tensor,
+    rejected_lengths: torch.Tensor,
+    member: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """How much the scores prefer the longer response, over pairs of unequal length; differentiable.
 
@@ -98,16 +102,18 @@ def length_preference(
 
     Args:
         chosen, rejected: ``(P,)`` float scores; chosen_lengths, rejected_lengths: ``(P,)`` tokens.
+        member: ``(P,)`` float 0/1, the pairs taken (a kind's: masks, never indexing, so no host sync); None: all.
 
     Returns:
         ``(sum over pairs of unequal length; their count; m, detached)``: 0-dim float32 tensors on the scores'
         device (no host sync: the trainers read figures once per step).
     """
     sign = torch.sign(chosen_lengths.float() - rejected_lengths.float())
+    unequal = sign.abs() if member is None else sign.abs() * member
     margins = sign * (chosen.float() - rejected.float())
-    count = sign.abs().sum()
-    rms = (margins.detach().pow(2).sum() / count.clamp(min=1)).sqrt()  # over the pairs of unequal length
-    return (torch.tanh(SHARPNESS / (rms + 1e-8) * margins) * sign.abs()).sum(), count, rms
+    count = unequal.sum()
+    rms = (margins.detach().pow(2).mul(unequal).sum() / count.clamp(min=1)).sqrt()  # over the pairs of unequal length
+    return (torch.tanh(SHARPNESS / (rms + 1e-8) * margins) * unequal).sum(), count, rms
 
 
 def balanced_accuracy(
@@ -193,8 +199,8 @@ def debiased_pair_loss(
     ``P / count``: the one term of the reward model's loss that is a function of the pass, not a sum over pairs,
     so with several passes per batch (``micro_batch_size``, several processes) it is the pairs-weighted mean of
     each pass's term.
-    ``expert_weight = 0`` and ``decorrelation = 0`` give Eq. 6 exactly. With ``groups`` (the kind of data of each
-    pair, :mod:`rlhf.kinds`) the preference term is taken within each group, each weighted by its share ``P_g /
+    ``expert_weight = 0`` and ``decorrelation = 0`` give Eq. 6 exactly. With ``groups`` (the kinds of data,
+    :mod:`rlhf.kinds`) the preference term is taken within each group, each weighted by its share ``P_g /
     count``: kinds whose raters prefer opposite lengths (helpful the longer, harmless the shorter) cannot cancel
     each other out in one mean, and a model that ranks each kind by its own length is penalised on both.
 
@@ -204,7 +210,8 @@ def debiased_pair_loss(
             pair's (a weight fitted on its kind's pairs).
         decorrelation: the term's coefficient, >= 0.
         margin: the Bradley-Terry margin; count: pairs in the whole batch.
-        groups: ``(P,)`` long, or None: one group; a pair of group -1 is in no group's term.
+        groups: ``(G, P)`` 0/1 membership of each pair in each of G groups (a pair in none is in no group's term),
+            or None: all pairs one group.
 
     Returns:
         ``(loss share, the part's mean length preference, detached; 0 when all its pairs have equal lengths)``.
@@ -217,10 +224,9 @@ def debiased_pair_loss(
     )
     total, unequal, _ = length_preference(chosen, rejected, chosen_lengths, rejected_lengths)
     if decorrelation > 0:  # times m: a gradient of k (1 - tanh^2) per pair, however small or large the margins
-        members = [slice(None)] if groups is None else [groups == g for g in torch.unique(groups) if g >= 0]
-        for member in members:
-            part = length_preference(chosen[member], rejected[member], chosen_lengths[member], rejected_lengths[member])
-            size = len(chosen[member])
+        for member in [None] if groups is None else groups.to(chosen.dtype):
+            part = length_preference(chosen, rejected, chosen_lengths, rejected_lengths, member)
+            size = len(chosen) if member is None else member.sum()
             loss = loss + decorrelation * (part[0] / part[1].clamp(min=1)).abs() * part[2] * size / max(count, 1)
     return loss, (total / unequal.clamp(min=1)).detach()
 

@@ -50,7 +50,7 @@ class RewardConfig(LoopConfig):
     length_expert: bool = True  # product of experts with a length expert fitted first, dropped after training
     length_decorrelation: float = 1.0  # coefficient of |the pairs' mean preference for the longer| (after ODIN)
     length_by_kind: bool = True  # the expert fitted and the preference taken on each kind of data apart
-    short_rejections: float = 0.0  # share of these kinds' pairs that also get a short reply as rejected (augment)
+    short_rejections: float = 0.25  # share of these kinds' pairs that also get a short reply as rejected (augment)
     short_rejection_kinds: tuple[str, ...] = ("helpful",)
     checkpoint_every: int = 53  # a checkpoint writes the whole model (~6 s on 2 cores): at half the demo's steps
 
@@ -132,7 +132,8 @@ def reward_step(
     chosen_lengths, rejected_lengths = (torch.tensor(n, device=runtime.device) for n in response_lengths(pairs))
     read = _packed_pair_scores if can_pack(model) else _plain_pair_scores
     weights = torch.as_tensor(expert_weight, dtype=torch.float32, device=runtime.device)
-    kinds = None if groups is None else torch.tensor(groups, device=runtime.device)
+    index = None if groups is None else torch.tensor(groups, device=runtime.device)
+    members = None if index is None else torch.stack([index == g for g in range(max(groups, default=-1) + 1)])
 
     def step(part: list[int], batch: list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         part_pairs = [pairs[i] for i in part]
@@ -148,7 +149,7 @@ def reward_step(
             config.length_decorrelation,
             config.margin,
             count=len(batch),
-            groups=None if kinds is None else kinds[rows_of],
+            groups=None if members is None else members[:, rows_of],
         )
         metrics = {
             "rm/train_accuracy": (chosen > rejected).float().sum() / len(batch),
@@ -454,12 +455,15 @@ def evaluate_reward_model(
             ),
         }
 
-    metrics = figures(torch.arange(len(examples), device=chosen.device), torch.arange(len(asked_rows)))
+    metrics = figures(
+        torch.arange(len(examples), device=chosen.device), torch.arange(len(asked_rows), device=chosen.device)
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", TiesWarning)  # reported once for the whole split above
         position = {row: k for k, row in enumerate(asked_rows)}
         for part, rows in parts(examples).items():
             index = torch.tensor(rows, device=chosen.device, dtype=torch.long)
-            reply_index = torch.tensor([position[r] for r in rows if r in position], dtype=torch.long)
+            asked_here = [position[r] for r in rows if r in position]
+            reply_index = torch.tensor(asked_here, device=chosen.device, dtype=torch.long)
             metrics.update(named(figures(index, reply_index), "rm", part, KIND_FIGURES))
     return metrics, chosen - rejected
