@@ -27,14 +27,8 @@ from rlhf.checkpoint import write_json
 from rlhf.data import dev_split, load_jsonl
 from rlhf.kinds import kind_of, kinds_in
 from rlhf.models import load_scalar_model, load_tokenizer
-from rlhf.reward import (
-    JudgeConfig,
-    RewardConfig,
-    center_rewards,
-    encode_pairs,
-    evaluate_reward_model,
-    train_reward_model,
-)
+from rlhf.reward import JudgeConfig, RewardConfig, center_rewards, encode_pairs, train_reward_model
+from rlhf.reward_metrics import evaluate_reward_model
 from tasks.kit.common import setup_torch, stage_runtime
 from tasks.kit.configs import config_from_params
 from tasks.kit.params import stage_params

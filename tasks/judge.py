@@ -8,7 +8,7 @@ whose prompts alone evaluation reads: ``rlhf.data.HELD_OUT_PAIRS``), the judge h
 start from another backbone (``judge.source``), and nothing in training reads it: ppo does not depend on this stage.
 
 Writes ``models/judge/``, ``metrics/judge.json`` (the ``judge/`` figures of
-:func:`rlhf.reward.preference_metrics` on judge_eval) and ``reports/judge_margins.png`` together, after
+:func:`rlhf.reward_metrics.preference_metrics` on judge_eval) and ``reports/judge_margins.png`` together, after
 everything that can fail: a failed or stopped run leaves the previous ones as they were.
 """
 

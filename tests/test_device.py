@@ -26,7 +26,8 @@ from rlhf.evaluation import EvalConfig, Scorers, evaluate_policy
 from rlhf.finite import to_host
 from rlhf.models import load_causal_lm, load_scalar_model
 from rlhf.ppo import train_ppo
-from rlhf.reward import RewardConfig, evaluate_reward_model, train_reward_model
+from rlhf.reward import RewardConfig, train_reward_model
+from rlhf.reward_metrics import evaluate_reward_model
 from rlhf.rollout import GenerationSettings, RunningMoments, make_experience
 from rlhf.sft import SFTConfig, train_sft
 from rlhf.shared_prompt import score_sequences

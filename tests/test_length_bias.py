@@ -18,7 +18,8 @@ from rlhf.length_bias import (
     length_preference,
 )
 from rlhf.models import load_scalar_model
-from rlhf.reward import RewardConfig, evaluate_reward_model, train_reward_model
+from rlhf.reward import RewardConfig, train_reward_model
+from rlhf.reward_metrics import evaluate_reward_model
 
 
 def test_length_expert_is_zero_on_symmetric_pairs_and_solves_its_optimality_condition():

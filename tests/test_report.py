@@ -115,7 +115,16 @@ INPUTS = {
                             "rm/balanced_accuracy_low": 0.511, "rm/balanced_accuracy_high": 0.64},
     "reports/reward_gate.json": {"candidate": {"name": "rlhf-reward-model", "version": "1"}, "checks": [GATE_CHECK],
                                  "decided": "now", "decided_at": "2026-11-30T15:17:41+00:00", "decision": "pass"},
+    "metrics/reward_kinds.json": {  # helpful below chance: its row, and a warning of its own
+        "rm/kind/harmless/balanced_accuracy": 0.612, "rm/kind/harmless/balanced_accuracy_low": 0.55,
+        "rm/kind/harmless/balanced_accuracy_high": 0.67, "rm/kind/harmless/pairs": 230.0,
+        "rm/kind/harmless/empty_beats_chosen": 0.25, "rm/kind/helpful/balanced_accuracy": 0.44,
+        "rm/kind/helpful/balanced_accuracy_low": 0.38, "rm/kind/helpful/balanced_accuracy_high": 0.49,
+        "rm/kind/helpful/pairs": 250.0, "rm/kind/helpful/empty_beats_chosen": 0.03},
     "metrics/judge.json": _judge(0.74, 0.86),
+    "metrics/judge_kinds.json": {"judge/kind/helpful/balanced_accuracy": 0.57,
+                                 "judge/kind/helpful/balanced_accuracy_low": 0.51,
+                                 "judge/kind/helpful/balanced_accuracy_high": 0.63},
     "metrics/ppo.json": {"ppo/iterations": 4.0, "ppo/shipped_iteration": 4.0, "ppo/validation/reward": 0.2,
                          "ppo/validation/kl": 0.7, "stopped_by": None},
     "metrics/ppo_curves.json": [_curve_row(i) for i in range(1, 5)],
@@ -320,3 +329,14 @@ def test_the_evaluation_has_rows_per_kind_sft_against_the_base_model_and_refusal
     os.remove("metrics/eval_kinds.json")
     html = report.build({"samples": 2}, report.load_inputs())
     assert "not produced by this run (metrics/eval_kinds.json missing)" in html and "Per kind of prompt" not in html
+
+
+def test_the_reward_model_and_the_judge_have_a_row_per_kind_and_a_warning_for_a_kind_at_chance(project):
+    html = report.build({"samples": 2}, report.load_inputs())
+    reward = html[html.index('<h2 id="reward-model">') : html.index('<h2 id="judge">')]
+    assert "Reward model on rm_eval, per kind" in reward
+    assert re.search(r"<td>harmless</td>\s*<td>0.612 \[0.550, 0.670\]</td>", reward)
+    assert re.search(r"<td>helpful</td>\s*<td>0.440 \[0.380, 0.490\]</td>\s*<td>n/a</td>\s*<td>250</td>", reward)
+    assert "helpful balanced accuracy" in reward and "harmless balanced accuracy" not in reward  # the warning
+    judge = html[html.index('<h2 id="judge">') : html.index('<h2 id="ppo">')]
+    assert re.search(r"<td>helpful</td>\s*<td>0.570 \[0.510, 0.630\]</td>", judge)

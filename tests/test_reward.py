@@ -8,7 +8,8 @@ import torch
 from rlhf.chat import encode_chat
 from rlhf.device import Runtime
 from rlhf.models import load_scalar_model
-from rlhf.reward import center_rewards, expected_calibration_error, pearson, preference_metrics
+from rlhf.reward import center_rewards
+from rlhf.reward_metrics import expected_calibration_error, pearson, preference_metrics
 from rlhf.shared_prompt import score_sequences
 
 

@@ -19,7 +19,7 @@ import jinja2
 
 from rlhf.report_cells import NA, fmt, fmt_count, fmt_interval, number
 from rlhf.report_cells import table as _table
-from rlhf.report_kinds import kind_tables
+from rlhf.report_kinds import kind_tables, scorer_kind_table
 from rlhf.stats import chance_warning
 
 INPUTS = (  # the stages' files the page is built from, by name (the caller maps each name to its file)
@@ -28,9 +28,11 @@ INPUTS = (  # the stages' files the page is built from, by name (the caller maps
     "validation",
     "sft",
     "reward",
+    "reward_kinds",
     "margins",
     "reward_gate",
     "judge",
+    "judge_kinds",
     "judge_margins",
     "ppo",
     "curves",
@@ -279,6 +281,9 @@ def reward_section(loaded: dict[str, Any], paths: dict[str, str]) -> dict[str, A
         )
         section["warnings"] += [warning] if warning else []
         section["tables"].append(_values("Reward model on rm_eval", rm, ACCURACY_ROWS, "rm"))
+    per_kind, warnings = scorer_kind_table(loaded.get("reward_kinds"), "rm", "Reward model on rm_eval, per kind")
+    section["tables"] += [per_kind] if per_kind else []
+    section["warnings"] += warnings
     _gate(section, loaded.get("reward_gate"), "reward gate")
     if loaded.get("margins") is not None:
         section["figures"].append(_figure("margins (chosen - rejected) on rm_eval", loaded["margins"]))
@@ -304,6 +309,9 @@ def judge_section(loaded: dict[str, Any], paths: dict[str, str]) -> dict[str, An
     if judge is not None:
         section["warnings"] += [judge_warning(judge)] if judge_warning(judge) else []
         section["tables"].append(_values("Judge on its held-out pairs", judge, ACCURACY_ROWS, "judge"))
+    per_kind, warnings = scorer_kind_table(loaded.get("judge_kinds"), "judge", "Judge on judge_eval, per kind")
+    section["tables"] += [per_kind] if per_kind else []
+    section["warnings"] += warnings
     if loaded.get("judge_margins") is not None:
         section["figures"].append(_figure("margins (chosen - rejected) on judge_eval", loaded["judge_margins"]))
     return section

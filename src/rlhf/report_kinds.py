@@ -12,6 +12,7 @@ from typing import Any
 
 from rlhf.kinds import kinds_in
 from rlhf.report_cells import fmt, fmt_count, fmt_interval, table
+from rlhf.stats import chance_warning
 
 SCORERS = ("proxy", "judge")
 MODELS = ("base", "sft", "policy")
@@ -85,3 +86,38 @@ def kind_tables(kinds: dict[str, Any] | None, meaningless: bool) -> list[dict]:
     caption = "Per kind of prompt: refusals (a heuristic: refusal phrases at the start) and lengths"
     tables.append(table(caption, [*headers, "length, base / SFT / policy (tokens)"], rows))
     return tables
+
+
+def scorer_kind_table(metrics: dict[str, Any] | None, prefix: str, caption: str) -> tuple[dict | None, list[str]]:
+    """The reward model's or the judge's held-out figures per kind of data (``<prefix>/kind/<kind>/...``,
+    ``metrics/<stage>_kinds.json``): one row per kind with its balanced accuracy and accuracy (95% intervals),
+    decisive pairs, the chosen-shorter and chosen-longer accuracies, and how often an empty answer and the
+    most successful one-word reply beat the chosen response; and a warning for each kind whose balanced-accuracy
+    interval includes chance or lies below it (:func:`rlhf.stats.chance_warning`).
+
+    Returns:
+        ``(table or None when the metrics name no kind, warnings)``.
+    """
+    metrics = metrics or {}
+    rows, warnings = [], []
+    for kind in kinds_in(metrics, prefix):
+        p = f"{prefix}/kind/{kind}/"
+        rows.append(
+            [
+                kind,
+                fmt_interval(metrics, p + "balanced_accuracy"),
+                fmt_interval(metrics, p + "accuracy"),
+                fmt_count(metrics.get(p + "pairs")),
+                fmt(metrics.get(p + "accuracy_chosen_shorter")),
+                fmt(metrics.get(p + "accuracy_chosen_longer")),
+                fmt(metrics.get(p + "empty_beats_chosen")),
+                fmt(metrics.get(p + "short_reply_beats_chosen_max")),
+            ]
+        )
+        warning = chance_warning(
+            f"{kind} balanced accuracy", *(metrics.get(f"{p}balanced_accuracy{s}") for s in ("", "_low", "_high"))
+        )
+        warnings += [warning] if warning else []
+    headers = ["kind", "balanced accuracy [95%]", "accuracy [95%]", "decisive pairs", "chosen shorter",
+               "chosen longer", "empty beats chosen", "a one-word reply beats chosen (most)"]  # fmt: skip
+    return (table(caption, headers, rows) if rows else None), warnings

@@ -2,7 +2,7 @@
 
 The pairs are read as the prepare stage reads ``data.source`` (:func:`rlhf.data.read_jsonl`, any fsspec path,
 compressed or not; each row parsed by :func:`rlhf.formats.to_examples`, so HH text rows, prompt/chosen/rejected,
-conversational and ranking rows all work), then scored by :func:`rlhf.reward.evaluate_reward_model`, the
+conversational and ranking rows all work), then scored by :func:`rlhf.reward_metrics.evaluate_reward_model`, the
 function the reward and gate stages measure with, so the figures are the ones those stages report. Unlike
 prepare, a row that does not parse is not quarantined: it stops the command with one line naming the file, the
 line and the rule (:class:`PairsError`), unless ``--skip-bad-rows`` leaves it out (counted and named). The
@@ -191,7 +191,7 @@ def max_length_for(config, tokenizer, given: int | None) -> int:
 
 
 def score(model, tokenizer, examples: list[dict[str, Any]], max_length: int, batch_size: int) -> dict[str, float]:
-    """The metrics of :func:`rlhf.reward.evaluate_reward_model` on ``examples`` (CPU, float32).
+    """The metrics of :func:`rlhf.reward_metrics.evaluate_reward_model` on ``examples`` (CPU, float32).
 
     Returns:
         ``rm/...`` name -> float (NaN where undefined, e.g. every pair tied), in the order returned.
@@ -199,7 +199,7 @@ def score(model, tokenizer, examples: list[dict[str, Any]], max_length: int, bat
     import torch
 
     from rlhf.device import Runtime
-    from rlhf.reward import evaluate_reward_model
+    from rlhf.reward_metrics import evaluate_reward_model
 
     metrics, _ = evaluate_reward_model(model, tokenizer, examples, max_length, batch_size, Runtime(torch.device("cpu")))
     return {name: float(value) for name, value in metrics.items()}

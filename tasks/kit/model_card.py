@@ -23,7 +23,7 @@ import yaml
 
 from rlhf.kinds import kinds_in
 from tasks.kit import paths
-from tasks.kit.outputs import load_json
+from tasks.kit.outputs import is_part_figure, load_json, stage_metrics
 from tasks.kit.params import find_secrets, load_yaml, read_params, stage_params
 from tasks.kit.registry import (
     COMMIT_TAG,
@@ -118,7 +118,7 @@ def _reward_metrics(client, registry: dict[str, Any], metrics: dict[str, Any], f
             return _registry_metrics(version(client, name, int(number))), f"registry {name} v{int(number)}"
         except RegistryError:
             pass  # not in this store: the project's own file below
-    return _load(REWARD), REWARD if os.path.isfile(REWARD) else UNKNOWN
+    return (stage_metrics("reward"), REWARD) if os.path.isfile(REWARD) else ({}, UNKNOWN)
 
 
 def _run_lineage(client, run_id: str) -> list[tuple[str, str]]:
@@ -157,7 +157,8 @@ def _metric_facts(found, client, registry: dict[str, Any], folder_sha: str) -> d
         metrics, where = {}, {}
         metrics_from = f"{UNKNOWN}: this folder is neither a registered version nor the evaluated {POLICY}"
     reward, reward_from = _reward_metrics(client, registry, metrics, found)
-    judge = {f"eval/{k}": v for k, v in _load(JUDGE).items()} if "eval/judge/accuracy" not in metrics else {}
+    judged = stage_metrics("judge") if os.path.isfile(JUDGE) else {}
+    judge = {f"eval/{k}": v for k, v in judged.items()} if "eval/judge/accuracy" not in metrics else {}
     metrics |= reward | judge
     where |= dict.fromkeys(reward, reward_from) | dict.fromkeys(judge, JUDGE)
     proxy = "eval/proxy/win_rate" if "eval/proxy/win_rate" in metrics else "eval/win_rate"  # the name before issue 11
@@ -177,7 +178,7 @@ def _metric_facts(found, client, registry: dict[str, Any], folder_sha: str) -> d
         "Policy EOS rate": "eval/policy/eos_rate",
         "Eval prompts": "eval/prompts",
     }
-    rows |= kind_rows(metrics)
+    rows |= kind_rows(metrics) | scorer_kind_rows(metrics)
     shown = [
         (name, show(metrics, key, 0 if key.endswith("/prompts") else 3), where.get(key, UNKNOWN))
         for name, key in rows.items()
@@ -186,7 +187,7 @@ def _metric_facts(found, client, registry: dict[str, Any], folder_sha: str) -> d
     shown += [
         (f"`{k}`", show(metrics, k, 4), where.get(k, UNKNOWN))
         for k in sorted(metrics)
-        if k.startswith("eval/") and k not in keys and not k.startswith("eval/kind/")  # per kind: the rows above
+        if k.startswith("eval/") and k not in keys and not is_part_figure(k)  # per kind: the rows above
     ]
     judge_warning = None
     if _number(metrics.get("eval/judge/meaningful", "")) == 0.0:
@@ -202,6 +203,21 @@ def _metric_facts(found, client, registry: dict[str, Any], folder_sha: str) -> d
         "metrics_raw": metrics,
         "judge_warning": judge_warning,
     }
+
+
+def scorer_kind_rows(metrics: dict[str, Any]) -> dict[str, str]:
+    """The card's rows of the reward model's and the judge's held-out figures per kind of data
+    (``rm/kind/<kind>/...``, ``eval/judge/kind/<kind>/...``): balanced accuracy, and how often an empty answer
+    beats the chosen response (the reward model's)."""
+    rows = {}
+    for kind in kinds_in(metrics, "rm"):
+        rows[f"Reward model on {kind} pairs: balanced accuracy"] = f"rm/kind/{kind}/balanced_accuracy"
+        rows[f"Reward model on {kind} prompts: an empty answer beats the chosen one"] = (
+            f"rm/kind/{kind}/empty_beats_chosen"
+        )
+    for kind in kinds_in(metrics, "eval/judge"):
+        rows[f"Judge on {kind} pairs: balanced accuracy"] = f"eval/judge/kind/{kind}/balanced_accuracy"
+    return rows
 
 
 def kind_rows(metrics: dict[str, Any]) -> dict[str, str]:

@@ -38,7 +38,7 @@ REWARD_MARGINS, JUDGE_MARGINS = "reports/reward_margins.png", "reports/judge_mar
 REWARD_GATE, POLICY_GATE = "reports/reward_gate.json", "reports/policy_gate.json"
 PPO_REPORTS, PPO_CURVES = "reports/ppo", "metrics/ppo_curves.json"
 EVAL_REPORTS, OVEROPTIMISATION = "reports/eval", "metrics/overoptimisation.json"
-EVAL_KINDS = metrics("eval_kinds")  # evaluate's figures per kind of prompt (eval/kind/<kind>/...)
+EVAL_KINDS = kind_metrics("eval")  # evaluate's figures per kind of prompt (eval/kind/<kind>/...)
 SAMPLES = f"{EVAL_REPORTS}/samples.json"
 REPORT = "reports/index.html"
 
@@ -48,9 +48,11 @@ REPORT_INPUTS = {  # the report's input names (rlhf.report.render_report) -> the
     "validation": VALIDATION_REPORT,
     "sft": metrics("sft"),
     "reward": metrics("reward"),
+    "reward_kinds": kind_metrics("reward"),
     "margins": REWARD_MARGINS,
     "reward_gate": REWARD_GATE,
     "judge": metrics("judge"),
+    "judge_kinds": kind_metrics("judge"),
     "judge_margins": JUDGE_MARGINS,
     "ppo": metrics("ppo"),
     "curves": PPO_CURVES,

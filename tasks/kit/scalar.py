@@ -19,14 +19,8 @@ import torch
 from rlhf.data import load_jsonl
 from rlhf.kinds import kinds_in
 from rlhf.models import load_scalar_model, load_tokenizer, save_tokenizer
-from rlhf.reward import (
-    JudgeConfig,
-    RewardConfig,
-    center_rewards,
-    encode_pairs,
-    evaluate_reward_model,
-    train_reward_model,
-)
+from rlhf.reward import JudgeConfig, RewardConfig, center_rewards, encode_pairs, train_reward_model
+from rlhf.reward_metrics import evaluate_reward_model
 from rlhf.sharding import whole_model
 from rlhf.stats import chance_warning
 from tasks.kit import paths
@@ -104,7 +98,7 @@ def run(
 
 
 def summary_lines(metrics: dict[str, float]) -> list[str]:
-    """The stage's printed summary of :func:`rlhf.reward.preference_metrics` on rm_eval.
+    """The stage's printed summary of :func:`rlhf.reward_metrics.preference_metrics` on rm_eval.
 
     The first line is the accuracy with its Wilson 95% interval, decisive pairs
     and ties, then the length-bias accuracies; the second the balanced accuracy with its stratified interval and
