@@ -39,7 +39,7 @@ from rlhf.kinds import kind_of, kinds_in
 from rlhf.models import load_causal_lm, load_scalar_model, load_tokenizer
 from rlhf.rollout import GenerationSettings
 from tasks.kit import paths
-from tasks.kit.champion import require_champion
+from tasks.kit.champion import is_champion, require_champion
 from tasks.kit.common import cli, setup_torch, stage_runtime
 from tasks.kit.configs import config_from_params, derived_values
 from tasks.kit.outputs import StagedOutputs, load_json, stage_metrics, write_metrics
@@ -229,7 +229,10 @@ def run(
     rows_of_curve = curve(sft, scorers, tokenizer, prompts, config, settings, runtime)
     metrics |= best_of_n_figures(sft, scorers, tokenizer, prompts, config, settings, runtime)
     judge, doubts = judge_figures(stage_metrics("judge"), config.judge_min_length_accuracy, sorted(set(kinds)))
-    metrics |= judge | {"eval/reward_model_version": float(champion["version"])}
+    metrics |= judge | {
+        "eval/reward_model_version": float(champion["version"]),
+        "eval/reward_model_champion": float(is_champion(champion)),
+    }
     return metrics, sample_rows(rows, runs), rows_of_curve, config, doubts
 
 

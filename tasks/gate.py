@@ -45,7 +45,7 @@ def rescore(client, found, reward: dict[str, Any], device: dict[str, Any] | None
     """The champion's preference metrics on the current rm_eval split (a figure from other data is not comparable)."""
     from rlhf.data import load_jsonl  # noqa: PLC0415 (imports torch and transformers)
     from rlhf.models import load_scalar_model, load_tokenizer  # noqa: PLC0415 (imports torch and transformers)
-    from rlhf.reward import evaluate_reward_model  # noqa: PLC0415 (imports torch and transformers)
+    from rlhf.reward_metrics import evaluate_reward_model  # noqa: PLC0415 (imports torch and transformers)
 
     runtime = stage_runtime("gate", device)
     with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(OUT_DIR))) as folder:
@@ -82,16 +82,26 @@ def decide(client, name: str, candidate, metrics: dict[str, float], params: dict
     return decide_once(client, name, candidate, judge, f"passed the reward gate ({accuracy})")
 
 
-def materialise(client, name: str, candidate, decision: str, outputs) -> dict[str, Any] | None:
+WITHOUT_CHAMPION = ("stop", "candidate")
+"""``registry.without_champion``: what ppo and evaluate read when no version holds the alias."""
+
+
+def materialise(
+    client, name: str, candidate, decision: str, outputs, without_champion: str = "stop"
+) -> dict[str, Any] | None:
     """Stage the champion into ``models/reward_champion/`` unless it is already there; returns what it holds.
 
-    With no champion the folder holds only :data:`MARKER`, whose message gives the promote command.
+    With no champion, ``without_champion`` says what: ``stop``, the folder holds only :data:`MARKER`, whose
+    message gives the promote command (ppo stops on it); ``candidate``, the folder holds the last candidate,
+    marked ``"champion": false`` in :data:`VERSION_FILE`, so ppo and evaluate run on a model that did not pass
+    (a demonstration on a machine too small to train one that does) and the policy gate fails the policy made
+    from it; the alias never moves.
 
     Raises:
         RegistryError: the downloaded folder's content hash is not the one registered.
     """
     champion = holder(client, name)
-    if champion is None:
+    if champion is None and without_champion == "stop":
         message = (
             f"{OUT_DIR}: no reward model holds the champion alias of {name} (the last candidate, version "
             f"{candidate.version}, {decision}): to train against it anyway run {promote_command(candidate.version)}"
@@ -100,11 +110,13 @@ def materialise(client, name: str, candidate, decision: str, outputs) -> dict[st
         with open(os.path.join(folder, MARKER), "w", encoding="utf-8") as handle:
             json.dump({"message": message}, handle, indent=2)
         return None
-    held = {"name": name, "version": str(champion.version), "sha256": champion.tags.get(SHA_TAG, "")}
+    chosen = candidate if champion is None else champion
+    held = {"name": name, "version": str(chosen.version), "sha256": chosen.tags.get(SHA_TAG, "")}
+    held |= {"champion": False, "why": decision} if champion is None else {}
     if held_version() == held:
         return held  # already written: leave it untouched, so nothing downstream reruns
     folder = outputs.folder(OUT_DIR)
-    download(client, champion, folder)  # checked against the registered hash
+    download(client, chosen, folder)  # checked against the registered hash
     with open(os.path.join(folder, VERSION_FILE), "w", encoding="utf-8") as handle:
         json.dump(held, handle, indent=2, sort_keys=True)
     return held
@@ -112,6 +124,11 @@ def materialise(client, name: str, candidate, decision: str, outputs) -> dict[st
 
 def run(params: dict[str, Any], reward: dict[str, Any], device: dict[str, Any] | None, outputs, run_id: str) -> dict:
     """Find (or register) the candidate, decide once, write the champion; returns the report."""
+    without_champion = params.get("without_champion", "stop")
+    if without_champion not in WITHOUT_CHAMPION:  # before anything is registered
+        raise ValueError(
+            f"registry.without_champion must be one of {', '.join(WITHOUT_CHAMPION)}, got {without_champion!r}"
+        )
     client, _ = tracking_client()
     name = params["reward_model"]
     metrics = stage_metrics("reward")
@@ -122,7 +139,7 @@ def run(params: dict[str, Any], reward: dict[str, Any], device: dict[str, Any] |
         tags = version_tags(REWARD, metrics, reward, [paths.split("rm_train"), EVAL])
         candidate = register(client, name, REWARD, run_id, tags, reward)
     decision = decide(client, name, candidate, metrics, params, lambda found: rescore(client, found, reward, device))
-    held = materialise(client, name, candidate, _outcome(decision), outputs)
+    held = materialise(client, name, candidate, _outcome(decision), outputs, without_champion)
     return {
         "candidate": {"name": name, "version": str(candidate.version)},
         **decision,
@@ -130,7 +147,7 @@ def run(params: dict[str, Any], reward: dict[str, Any], device: dict[str, Any] |
         "run_in_experiment": experiment_name(),  # this run's (``experiment`` is the deciding run's)
         "gate/passed": 1.0 if decision["decision"] == "pass" else 0.0,
         "gate/candidate_version": float(candidate.version),
-        "gate/champion_version": float(held["version"]) if held else None,
+        "gate/champion_version": float(held["version"]) if held and held.get("champion", True) else None,
     }
 
 
@@ -157,7 +174,13 @@ def report_lines(report: dict[str, Any]) -> list[str]:
     if report["decision"] == "pass" and report.get("experiment"):
         lines.append(f"[gate] inside DVC experiment {report['experiment']}: tagged a challenger, champion not moved")
     held = report["champion"]
-    lines.append(f"[gate] champion: version {held['version']}" if held else "[gate] champion: none (ppo will stop)")
+    if held and held.get("champion") is False:
+        lines.append(
+            f"[gate] champion: none; ppo and evaluate read candidate version {held['version']}, which {held['why']} "
+            "(registry.without_champion: candidate): the policy gate will fail what they make"
+        )
+    else:
+        lines.append(f"[gate] champion: version {held['version']}" if held else "[gate] champion: none (ppo will stop)")
     return lines
 
 

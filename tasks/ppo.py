@@ -27,7 +27,7 @@ from rlhf.ppo_config import PPOConfig, check_processes
 from rlhf.rollout import GenerationSettings
 from rlhf.sharding import whole_model
 from tasks.kit import paths
-from tasks.kit.champion import require_champion
+from tasks.kit.champion import is_champion, require_champion
 from tasks.kit.common import cli, setup_torch, stage_runtime
 from tasks.kit.configs import config_from_params
 from tasks.kit.launch import distributed_type
@@ -69,6 +69,13 @@ def run(
     config = config_from_params(PPOConfig, params, "ppo")
     settings = config_from_params(GenerationSettings, generation, "generation")
     champion = require_champion(REWARD)  # no champion: stop here, naming the promote command
+    if not is_champion(champion):
+        print(
+            f"[ppo] WARNING: training against reward-model candidate version {champion['version']}, which "
+            f"{champion.get('why', 'is not the champion')} (registry.without_champion: candidate); the policy gate "
+            "will fail this policy",
+            flush=True,
+        )
     setup_torch(config.seed)
     tokenizer = load_tokenizer(SFT)
     runtime = stage_runtime("ppo", device)

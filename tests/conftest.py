@@ -108,6 +108,7 @@ def registry_project(tmp_path, tiny_dir, empty_db, monkeypatch):
     with open(os.path.join(REPO, "params.yaml")) as handle:
         params = yaml.safe_load(handle)
     params["profile"], params["registry"]["profiles"] = "tiny", {}  # the demo's bounds, the tiny model
+    params["registry"]["without_champion"] = "stop"  # long's and gpu's: the tests of "candidate" set it
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     shutil.copy(os.path.join(REPO, "dvc.yaml"), tmp_path / "dvc.yaml")
     shutil.copy(empty_db, tmp_path / "mlflow.db")

@@ -24,7 +24,7 @@ from rlhf.models import load_scalar_model
 from tasks import gate
 from tasks.cli import registry as registry_cli
 from tasks.kit import registry
-from tasks.kit.champion import MARKER, OUT_DIR, VERSION_FILE, require_champion
+from tasks.kit.champion import MARKER, OUT_DIR, VERSION_FILE, is_champion, require_champion
 from tasks.kit.outputs import StagedOutputs
 
 NAME = "rlhf-reward-model"
@@ -287,6 +287,25 @@ def test_no_champion_writes_a_marker_and_ppo_stops_with_the_promote_command(regi
     assert os.listdir(OUT_DIR) == [MARKER]
     with pytest.raises(ValueError, match=r"rlhf-registry promote reward --version 1 --reason"):
         tasks.ppo.run(stage_params("ppo"), stage_params("generation"), print)
+
+
+def test_without_a_champion_the_demo_trains_against_the_failed_candidate_marked_and_its_policy_fails(
+    registry_project, capsys
+):
+    new_candidate(BAD, 2)
+    report = run_gate({"without_champion": "candidate"})
+    held = report["champion"]
+    assert report["decision"] == "fail" and report["gate/champion_version"] is None
+    assert held["version"] == "1" and held["champion"] is False and held["why"] == "failed its gate"
+    assert require_champion() == held and not is_champion(held)  # ppo and evaluate read the candidate's files
+    assert os.path.isfile(os.path.join(OUT_DIR, "model.safetensors")) and MARKER not in os.listdir(OUT_DIR)
+    assert gate.report_lines(report)[-1] == (
+        "[gate] champion: none; ppo and evaluate read candidate version 1, which failed its gate "
+        "(registry.without_champion: candidate): the policy gate will fail what they make"
+    )
+    assert client().get_registered_model(NAME).aliases == {}  # the alias never moves
+    with pytest.raises(ValueError, match=r"^registry.without_champion must be one of stop, candidate, got 'go'$"):
+        run_gate({"without_champion": "go"})
 
 
 def test_a_champion_alias_removed_by_hand_is_named_as_the_cause(registry_project):

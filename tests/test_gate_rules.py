@@ -311,3 +311,19 @@ def test_a_judge_below_chance_on_one_kind_makes_its_verdicts_meaningless():
     # and the gate fails on it, saying why
     checks = policy_gate({**EVAL, "eval/judge/meaningful": 0.0}, {}, POLICY, [missing])
     assert not checks[0].passed and checks[0].detail == missing
+
+
+def test_a_policy_trained_against_a_candidate_that_failed_its_gate_fails_the_policy_gate():
+    from rlhf.gate_rules import policy_gate
+
+    good = {**EVAL, "eval/reward_model_version": 3.0}
+    assert not any("champion alias" in c.criterion for c in policy_gate(good, {}, POLICY))
+    checks = policy_gate({**good, "eval/reward_model_champion": 0.0}, {}, POLICY)
+    last = checks[-1]
+    assert (last.criterion, last.value, last.bound, last.passed) == (
+        "the reward model PPO trained against holds the champion alias",
+        0.0,
+        1.0,
+        False,
+    )
+    assert "candidate version 3, which did not pass the reward gate" in last.detail and not passed(checks)

@@ -1,7 +1,7 @@
 """The reward-model gate's decision: pure rules over metrics, no registry (DESIGN.md, "Decisions are pure").
 
 A candidate reward model takes the ``champion`` alias only when every check passes. The checks read
-the figures of :func:`rlhf.reward.preference_metrics` on the current rm_eval split, for the candidate
+the figures of :func:`rlhf.reward_metrics.preference_metrics` on the current rm_eval split, for the candidate
 and, when there is one, for the champion re-scored on that same split (a champion measured on other
 data is not comparable).
 """
@@ -337,7 +337,8 @@ def policy_gate(
     Returns:
         ``[Check]``: with the judge, that its verdicts mean something; the win rate's lower 95% bound
         (at least its floor; all ties fail), KL (at most its bound), no collapse, EOS rate (at least its bound);
-        then :func:`kind_checks`.
+        then :func:`kind_checks`; last, a failed check when the reward model was not the champion
+        (``eval/reward_model_champion`` 0).
     """
     who = criteria.verdict
     checks = []
@@ -371,4 +372,23 @@ def policy_gate(
         Check("no collapse in PPO", 1.0 if collapsed else 0.0, 0.0, not collapsed, str(ppo.get("stopped_by") or "")),
         _at_least("EOS rate of the policy's responses", evaluation.get("eval/policy/eos_rate"), criteria.min_eos_rate),
         *kind_checks(evaluation, criteria),
+        *_trained_against_a_champion(evaluation),
+    ]
+
+
+def _trained_against_a_champion(evaluation: dict[str, Any]) -> list[Check]:
+    """A failed check when the reward model PPO trained against was a candidate that did not pass its gate
+    (``eval/reward_model_champion`` 0: ``registry.without_champion: candidate``); none otherwise."""
+    if evaluation.get("eval/reward_model_champion", 1.0) != 0.0:
+        return []
+    version = evaluation.get("eval/reward_model_version")
+    return [
+        Check(
+            "the reward model PPO trained against holds the champion alias",
+            0.0,
+            1.0,
+            False,
+            f"it trained against candidate version {'n/a' if version is None else f'{version:.0f}'}, which did not "
+            "pass the reward gate (registry.without_champion: candidate)",
+        )
     ]

@@ -40,7 +40,7 @@ class PPOConfig:
     """
 
     value_init: str = "reward"  # reward | sft: where the value model starts (paper section 5.3.3)
-    iterations: int = 4  # policy iterations (after critic pre-training)
+    iterations: int = 3  # policy iterations (after critic pre-training)
     rollout_batch_size: int = 8  # prompts per iteration, all processes together: the experience buffer (paper 5.4)
     minibatch_size: int = 4  # rollouts per optimiser step, all processes together
     micro_batch_size: int | None = None  # at most this many rollouts (or ptx rows) per forward/backward pass (None: a

@@ -1,7 +1,9 @@
 """The reward-model champion as the gate stage writes it into ``models/reward_champion/``, for the stages that read it.
 
 The folder holds the champion's ``save_pretrained`` files plus ``registry_version.json`` (``{name, version,
-sha256}``), or only ``NO_CHAMPION.json`` when no version holds the alias (its message names the command to run).
+sha256}``), or only ``NO_CHAMPION.json`` when no version holds the alias (its message names the command to run);
+with ``registry.without_champion: candidate`` and no champion, the last candidate's files and
+``{name, version, sha256, champion: false, why}`` (:func:`is_champion`).
 """
 
 from __future__ import annotations
@@ -45,3 +47,9 @@ def require_champion(folder: str = OUT_DIR) -> dict[str, Any]:
     if held is None:
         raise ValueError(f"{folder}: no reward-model champion written by the gate stage (run `dvc repro gate`)")
     return held
+
+
+def is_champion(held: dict[str, Any]) -> bool:
+    """Whether what the folder holds is the champion (False: a candidate that did not pass, written because
+    ``registry.without_champion`` is ``candidate``)."""
+    return held.get("champion", True) is not False
