@@ -38,6 +38,7 @@ from flows.stages import (
     stale_reasons,
     stale_stages,
 )
+from rlhf.kinds import kinds_in
 from rlhf.stats import chance_warning
 from tasks.kit import paths
 from tasks.kit.common import one_line
@@ -211,6 +212,23 @@ def _figure(values: dict, key: str) -> str | None:
     return f"{key}={value:.3f}"
 
 
+KIND_SUMMARY = {  # per kind of data (rlhf.kinds): prefix -> the figures the summary shows for each kind
+    "rm": ("balanced_accuracy", "empty_beats_chosen"),
+    "judge": ("balanced_accuracy",),
+    "eval": ("judge_win_rate", "judge_lc_win_rate", "refusal_increase"),
+}
+
+
+def kind_keys(values: dict) -> list[str]:
+    """The per-kind figures of :data:`KIND_SUMMARY` a stage's metrics hold (``<prefix>/kind/<kind>/<figure>``)."""
+    return [
+        f"{prefix}/kind/{kind}/{figure}"
+        for prefix, figures in KIND_SUMMARY.items()
+        for kind in kinds_in(values, prefix)
+        for figure in figures
+    ]
+
+
 def summary_warnings(metrics: dict[str, dict]) -> list[str]:
     """Loud lines for the summary: the reward model's accuracy interval includes chance (or is below it, or
     undefined), and each ``GATE FAILED: criterion, value, bound`` line of the reward and the policy gate.
@@ -221,24 +239,31 @@ def summary_warnings(metrics: dict[str, dict]) -> list[str]:
     gates' lines come from ``reports/reward_gate.json`` and ``reports/policy_gate.json``.
     """
     lines = []
-    reward = metrics.get("reward", {})
-    if "rm/accuracy_low" in reward:
-        warning = chance_warning(
-            "rm_eval balanced accuracy", *(reward.get(f"rm/balanced_accuracy{s}") for s in ("", "_low", "_high"))
-        )
-        lines += [f"WARNING: {warning}: the reward model has not learned to rank"] if warning else []
-    judge = metrics.get("judge", {})
-    if "judge/balanced_accuracy_low" in judge:
-        warning = chance_warning(
-            "judge_eval balanced accuracy", *(judge.get(f"judge/balanced_accuracy{s}") for s in ("", "_low", "_high"))
-        )
-        lines += [f"WARNING: {warning}: the judge's win rates mean nothing"] if warning else []
+    for stage, prefix, split, what in (
+        ("reward", "rm", "rm_eval", "the reward model has not learned to rank"),
+        ("judge", "judge", "judge_eval", "the judge's win rates mean nothing"),
+    ):
+        values = metrics.get(stage, {})
+        if f"{prefix}/balanced_accuracy_low" not in values:
+            continue
+        for part in ["", *(f"/kind/{kind}" for kind in kinds_in(values, prefix))]:
+            warning = chance_warning(
+                f"{split}{part.replace('/kind/', ' ')} balanced accuracy",
+                *(values.get(f"{prefix}{part}/balanced_accuracy{s}") for s in ("", "_low", "_high")),
+            )
+            lines += [f"WARNING: {warning}: {what}"] if warning else []
     gate = metrics.get("gate", {})
     lines += [f"reward model {line}" for line in gate.get("lines", []) if line.startswith("GATE FAILED")]
     policy = metrics.get("evaluate", {})  # reports/policy_gate.json is one of evaluate's metrics files
     lines += [f"policy {line}" for line in policy.get("lines", []) if line.startswith("GATE FAILED")]
-    if gate and not gate.get("champion"):
+    held = gate.get("champion") if gate else None
+    if gate and not held:
         lines.append("WARNING: no reward model holds the champion alias: ppo cannot run (rlhf-registry status)")
+    elif gate and held.get("champion") is False:
+        lines.append(
+            f"WARNING: no reward model holds the champion alias: ppo trained against candidate version "
+            f"{held['version']}, which {held.get('why', 'is not the champion')} (registry.without_champion)"
+        )
     return lines
 
 
@@ -271,7 +296,7 @@ def print_summary(
     table.add_column("figures")
     for stage, values in metrics.items():
         seconds = stage_seconds(stage) if timings is None else timings.get(stage)
-        figures = ", ".join(f for f in (_figure(values, k) for k in SUMMARY.get(stage, [])) if f)
+        figures = ", ".join(f for f in (_figure(values, k) for k in [*SUMMARY.get(stage, []), *kind_keys(values)]) if f)
         table.add_row(stage, f"{seconds:.0f}" if isinstance(seconds, (int, float)) else "-", figures)
     console = console or Console()
     console.print(table)

@@ -435,6 +435,34 @@ def test_the_flow_summary_repeats_every_gate_failed_line():
     assert summary_warnings(metrics) == [f"reward model {ece}", f"policy {win}"]
     metrics["gate"]["champion"] = None
     assert summary_warnings(metrics)[-1].startswith("WARNING: no reward model holds the champion alias")
+    metrics["gate"]["champion"] = {"version": "1", "champion": False, "why": "failed its gate"}
+    assert summary_warnings(metrics)[-1] == (
+        "WARNING: no reward model holds the champion alias: ppo trained against candidate version 1, which failed "
+        "its gate (registry.without_champion)"
+    )
+
+
+def test_the_flow_summary_shows_each_kinds_figures_and_warns_for_a_kind_at_chance():
+    from rich.console import Console
+
+    from flows.pipeline import print_summary, summary_warnings
+
+    reward = {"rm/balanced_accuracy": 0.55, "rm/balanced_accuracy_low": 0.51, "rm/balanced_accuracy_high": 0.6,
+              "rm/kind/harmless/balanced_accuracy": 0.41, "rm/kind/harmless/balanced_accuracy_low": 0.35,
+              "rm/kind/harmless/balanced_accuracy_high": 0.48, "rm/kind/helpful/balanced_accuracy": 0.57,
+              "rm/kind/helpful/balanced_accuracy_low": 0.51, "rm/kind/helpful/balanced_accuracy_high": 0.63,
+              "rm/kind/helpful/empty_beats_chosen": 0.16}  # fmt: skip
+    assert summary_warnings({"reward": reward}) == [
+        "WARNING: rm_eval harmless balanced accuracy 0.41 [0.35, 0.48] is below chance (0.5): the reward model has "
+        "not learned to rank"
+    ]
+    console = Console(width=400, color_system=None, record=True)
+    print_summary({"reward": reward}, {"reward": 1.0}, console)
+    text = console.export_text()
+    assert (
+        "rm/kind/helpful/balanced_accuracy=0.570 [0.510, 0.630]" in text
+        and "rm/kind/helpful/empty_beats_chosen=0.160" in text
+    )
 
 
 def test_rollbacks_step_back_one_holder_at_a_time_and_a_move_to_the_holder_is_refused(registry_project):

@@ -29,7 +29,7 @@ class RewardConfig(LoopConfig):
     """Reward-model hyperparameters (params.yaml section ``reward``)."""
 
     section: ClassVar[str] = "reward"
-    steps: int = 32
+    steps: int = 28
     batch_size: int = 8
     lr: float = 1e-4
     warmup_steps: int = 5
@@ -65,7 +65,7 @@ class JudgeConfig(RewardConfig):
     pairs, for evaluation only (PPO never reads it); only the section and the defaults differ."""
 
     section: ClassVar[str] = "judge"
-    steps: int = 24
+    steps: int = 20
     warmup_steps: int = 3
     seed: int = 1
     center_max_examples: int | None = 64

@@ -22,7 +22,7 @@ class SFTConfig(LoopConfig):
     """SFT hyperparameters (params.yaml section ``sft``)."""
 
     section: ClassVar[str] = "sft"
-    steps: int = 48
+    steps: int = 40
     lr: float = 1e-4
     warmup_steps: int = 4
     trainable_layers: int | None = 12
