@@ -566,6 +566,34 @@ def test_stage_and_pipeline_runs_end_as_the_stage_ends(store, monkeypatch):
 
 
 @pytest.mark.integration
+def test_a_stage_whose_adopted_parent_goes_starts_under_the_oldest(store, monkeypatch):
+    # stages starting together: the parent one adopted is deleted by its creator, who saw an older one (then
+    # start_run refuses it), or an older parent shows up just after the stage started (the run moves to it)
+    client = use_store(monkeypatch, store, "adopt")
+    with StageRun("first", {}) as first:
+        oldest = first.parent_id
+    eid = first.run.info.experiment_id
+    later = {"rlhf.kind": "pipeline", "rlhf.pipeline_run_id": "adopt"}
+    adopt = StageRun._adopt_parent
+
+    def gone_at_once(self, client_, pipeline):
+        monkeypatch.setattr(StageRun, "_adopt_parent", adopt)
+        doomed = client.create_run(eid, tags=later).info.run_id
+        client.delete_run(doomed)
+        return doomed
+
+    monkeypatch.setattr(StageRun, "_adopt_parent", gone_at_once)
+    with StageRun("second", {}) as second:
+        pass
+    younger = client.create_run(eid, tags=later).info.run_id
+    monkeypatch.setattr(StageRun, "_adopt_parent", lambda self, client_, pipeline: younger)
+    with StageRun("third", {}) as third:
+        pass
+    tags = [client.get_run(s.run.info.run_id).data.tags["mlflow.parentRunId"] for s in (second, third)]
+    assert tags == [oldest, oldest] and second.parent_id == third.parent_id == oldest
+
+
+@pytest.mark.integration
 def test_non_finite_metrics_stay_visible(store, monkeypatch):
     client = use_store(monkeypatch, store, "log")
     with StageRun("log", {}) as stage:

@@ -209,7 +209,10 @@ def start_together(folder, extra_env: dict[str, str]) -> None:
         time.sleep(0.05)
     open("go", "w").close()
     results = [worker.communicate(timeout=300) for worker in workers]
-    assert [worker.returncode for worker in workers] == [0, 0, 0, 0], [err[-500:] for _, err in results]
+    failed = [i for i, worker in enumerate(workers) if worker.returncode]
+    for i in failed:  # shown whole under "Captured stdout": an assertion message is cut in the middle
+        print(f"worker {i} exited {workers[i].returncode}\nstdout:\n{results[i][0]}\nstderr:\n{results[i][1]}")
+    assert not failed, [results[i][1].strip().splitlines()[-1:] for i in failed]
     assert sorted(int(out.split()[-1]) for out, _ in results) == [1, 2, 3, 4]  # one registered model, 4 versions
     from tasks.kit.runs import PIPELINE_RUN_TAG, tracking_client
 

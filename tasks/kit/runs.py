@@ -350,6 +350,46 @@ class StageRun:
             return
         raise Stopped(signum)
 
+    def _adopt_parent(self, client, pipeline_run: str) -> str:
+        """The id of ``pipeline_run``'s parent run, created when there is none (and reopened when it ended)."""
+        parent = self._find_parent(client, self.experiment_id, pipeline_run)
+        if parent is None:
+            tags = {PIPELINE_RUN_TAG: pipeline_run, "rlhf.kind": "pipeline"}
+            created = client.create_run(self.experiment_id, tags=tags, run_name=f"pipeline {pipeline_run}")
+            # two stages of one pipeline run may start together: the oldest parent is the one, ours goes
+            parent = self._find_parent(client, self.experiment_id, pipeline_run)
+            if parent.info.run_id != created.info.run_id:
+                client.delete_run(created.info.run_id)
+        elif parent.info.status != "RUNNING":  # a later stage of the same pipeline run continues it
+            client.update_run(parent.info.run_id, status="RUNNING")
+        return parent.info.run_id
+
+    def _start_under_parent(self, client, pipeline_run: str, attempts: int = 5):
+        """Start this stage's run nested under the pipeline's parent run.
+
+        A stage starting together with others may adopt a parent that its creator deletes a moment later, having
+        seen an older one (:meth:`_adopt_parent`): MLflow then refuses to start under it, and the stage adopts
+        again; a run already started under it moves to the oldest parent (its ``mlflow.parentRunId`` tag).
+        """
+        import mlflow  # noqa: PLC0415 (MLflow: seconds to import)
+        from mlflow.exceptions import MlflowException  # noqa: PLC0415
+
+        tags = {PIPELINE_RUN_TAG: pipeline_run, "rlhf.kind": "stage", "rlhf.stage": self.stage, **owner_tags()}
+        for attempt in range(attempts):
+            self.parent_id = self._adopt_parent(client, pipeline_run)
+            try:
+                run = mlflow.start_run(run_name=self.stage, nested=True, parent_run_id=self.parent_id, tags=tags)
+                break
+            except MlflowException:
+                deleted = client.get_run(self.parent_id).info.lifecycle_stage == "deleted"
+                if not deleted or attempt == attempts - 1:
+                    raise
+        oldest = self._find_parent(client, self.experiment_id, pipeline_run)
+        if oldest is not None and oldest.info.run_id != self.parent_id:
+            self.parent_id = oldest.info.run_id
+            client.set_tag(run.info.run_id, "mlflow.parentRunId", self.parent_id)
+        return run
+
     def __enter__(self) -> StageRun:
         import mlflow  # noqa: PLC0415 (MLflow: seconds to import)
 
@@ -359,26 +399,7 @@ class StageRun:
             client, self.experiment_id = self._client()
             close_stale_runs(client, self.experiment_id, say=lambda line: print(f"[{self.stage}] {line}", flush=True))
             run_id = pipeline_run_id()
-            parent = self._find_parent(client, self.experiment_id, run_id)
-            if parent is None:
-                tags = {PIPELINE_RUN_TAG: run_id, "rlhf.kind": "pipeline"}
-                name = f"pipeline {run_id}"
-                created = client.create_run(self.experiment_id, tags=tags, run_name=name).info.run_id
-                # two stages of one pipeline run may start together: the oldest parent is the one, ours goes
-                parent = self._find_parent(client, self.experiment_id, run_id)
-                if parent.info.run_id != created:
-                    client.delete_run(created)
-                self.parent_id = parent.info.run_id
-            else:
-                self.parent_id = parent.info.run_id
-                if parent.info.status != "RUNNING":  # a later stage of the same pipeline run continues it
-                    client.update_run(self.parent_id, status="RUNNING")
-            self.run = mlflow.start_run(
-                run_name=self.stage,
-                nested=True,
-                parent_run_id=self.parent_id,
-                tags={PIPELINE_RUN_TAG: run_id, "rlhf.kind": "stage", "rlhf.stage": self.stage, **owner_tags()},
-            )
+            self.run = self._start_under_parent(client, run_id)
             mlflow.log_params(mlflow_params(self.params, reserved=("profile",)))
             mlflow.log_param("profile", mlflow_text(read_params().get("profile", "demo")))
         except BaseException as err:
