@@ -13,6 +13,7 @@ from rlhf.comparison import (
     best_of_n_kl,
     length_controlled_rate,
     length_logit_fit,
+    length_logit_fits,
     paired_difference,
     rate_difference,
 )
@@ -153,6 +154,20 @@ def test_lc_rate_edges_and_errors():
         length_controlled_rate(np.ones((3, 1)), np.zeros((3, 1)), _column([1.0, math.nan, 2.0]), lengths)
     with pytest.raises(ValueError, match=r"\(P, K\)"):
         length_controlled_rate(np.ones((3, 1)), np.zeros((3, 1)), np.ones((3, 2)), lengths)
+
+
+def test_weighted_fits_are_the_fits_of_the_repeated_comparisons():
+    # a bootstrap resample counts a drawn prompt as often as it was drawn: weights 2, 0, 1, 1 are the data
+    # [c0, c0, c2, c3]; all-zero weights have no fit (NaN); one all-won weighting has a = +inf, b = 0
+    wins, diff = np.array([1.0, 0.0, 1.0, 0.0]), np.array([5.0, -3.0, 1.0, 4.0])
+    a, b = length_logit_fits(wins, diff, np.array([[2, 0, 1, 1], [1, 1, 1, 1], [0, 0, 0, 0], [1, 0, 1, 0]]))
+    repeated = length_logit_fit(np.array([1.0, 1.0, 1.0, 0.0]), np.array([5.0, 5.0, 1.0, 4.0]))
+    assert (a[0], b[0]) == (pytest.approx(repeated[0], abs=1e-8), pytest.approx(repeated[1], abs=1e-8))
+    assert (a[1], b[1]) == (
+        pytest.approx(length_logit_fit(wins, diff)[0]),
+        pytest.approx(length_logit_fit(wins, diff)[1]),
+    )
+    assert math.isnan(a[2]) and math.isnan(b[2]) and (a[3], b[3]) == (math.inf, 0.0)
 
 
 def test_best_of_n_kl_by_hand():

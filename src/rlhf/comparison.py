@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from scipy.optimize import minimize
 from scipy.special import expit, log_expit
 from scipy.stats import bootstrap
 
@@ -89,14 +88,17 @@ def _percentiles(result: Any) -> tuple[float, float]:
     return low, high
 
 
-def _over_prompts(statistic: Callable[[np.ndarray], float], prompts: int, resamples: int, seed: int) -> Any:
-    """``scipy.stats.bootstrap`` of ``statistic(rows)`` over ``prompts`` rows resampled with replacement."""
+def _over_prompts(
+    statistic: Callable[[np.ndarray], Any], prompts: int, resamples: int, seed: int, vectorized: bool = False
+) -> Any:
+    """``scipy.stats.bootstrap`` of ``statistic(rows)`` over ``prompts`` rows resampled with replacement;
+    ``vectorized``: ``statistic`` takes ``(R, prompts)`` draws at once and returns ``(R,)``."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # an undefined resample is NaN, dropped by _percentiles
         return bootstrap(
             (np.arange(prompts),),
-            lambda rows: statistic(rows.astype(int)),
-            vectorized=False,
+            lambda rows, axis=-1: statistic(rows.astype(int)),
+            vectorized=vectorized,
             n_resamples=resamples,
             method="percentile",
             rng=np.random.default_rng(seed),
@@ -172,10 +174,10 @@ def rate_difference(first: Any, second: Any, resamples: int = 2000, seed: int = 
 def length_logit_fit(wins: np.ndarray, length_diff: np.ndarray, l2: float = LC_L2) -> tuple[float, float]:
     """The logistic regression of AlpacaEval's length control: ``P(win) = sigmoid(a + b tanh(d / sd))``.
 
-    Minimises ``-sum log-likelihood + l2 b^2 / 2`` (the intercept ``a`` unpenalised) with
-    ``scipy.optimize.minimize`` (trust-exact, exact gradient and Hessian); ``sd`` is the population standard
-    deviation of ``d``, and when every ``d`` is equal (``sd = 0``) length cannot be told apart from the
-    intercept, so the length term is dropped (``x = 0``: ``a = logit(mean(wins))``, ``b = 0``).
+    Minimises ``-sum log-likelihood + l2 b^2 / 2`` (the intercept ``a`` unpenalised); ``sd`` is the population
+    standard deviation of ``d``, and when every ``d`` is equal (``sd = 0``) length cannot be told apart from the
+    intercept, so the length term is dropped (``x = 0``: ``a = logit(mean(wins))``, ``b = 0``). One fit of
+    :func:`length_logit_fits`.
 
     Args:
         wins: ``(N,)`` 0/1 floats, 1 where the first response won (decisive comparisons only).
@@ -191,26 +193,63 @@ def length_logit_fit(wins: np.ndarray, length_diff: np.ndarray, l2: float = LC_L
     """
     if len(wins) == 0 or l2 <= 0:
         raise ValueError(f"length_logit_fit needs comparisons and l2 > 0, got {len(wins)} and l2={l2}")
-    share = float(wins.mean())
-    if share in (0.0, 1.0):
-        return (math.inf if share else -math.inf), 0.0
-    sd = float(length_diff.std())
-    x = np.tanh(length_diff / sd) if sd > 0 else np.zeros_like(length_diff)
-    sign = 2.0 * wins - 1.0  # +1 won, -1 lost: the log-likelihood of a comparison is log sigmoid(sign * logit)
+    a, b = length_logit_fits(wins, length_diff, np.ones((1, len(wins))), l2)
+    return float(a[0]), float(b[0])
 
-    def objective(theta: np.ndarray) -> tuple[float, np.ndarray]:
-        logits = theta[0] + theta[1] * x
-        residual = wins - expit(logits)
-        loss = -float(log_expit(sign * logits).sum()) + 0.5 * l2 * theta[1] ** 2
-        return loss, -np.array([residual.sum(), residual @ x - l2 * theta[1]])
 
-    def hessian(theta: np.ndarray) -> np.ndarray:
-        weight = expit(theta[0] + theta[1] * x) * expit(-(theta[0] + theta[1] * x))
-        return np.array([[weight.sum(), weight @ x], [weight @ x, weight @ (x * x) + l2]])
+def length_logit_fits(
+    wins: np.ndarray, length_diff: np.ndarray, weights: np.ndarray, l2: float = LC_L2, tol: float = 1e-10
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`length_logit_fit` for R weightings of the same comparisons at once (a bootstrap's resamples).
 
-    start = np.array([math.log(share / (1 - share)), 0.0])
-    fit = minimize(objective, start, jac=True, hess=hessian, method="trust-exact", options={"gtol": 1e-10})
-    return float(fit.x[0]), float(fit.x[1])
+    Fit ``r`` counts comparison ``n`` ``weights[r, n]`` times (a resample that drew its prompt twice counts it
+    twice, ``sd`` included). Damped Newton steps with the exact gradient and Hessian (the objective is convex,
+    strictly so in ``b`` through the penalty), each halved until the objective does not rise, until every
+    gradient is below ``tol``.
+
+    Args:
+        wins: ``(N,)`` 0/1. length_diff: ``(N,)``. weights: ``(R, N)`` counts, ``>= 0``. l2: ``> 0``.
+
+    Returns:
+        ``(a, b)``, each ``(R,)`` float64: as :func:`length_logit_fit`; NaN for a fit whose weights are all 0.
+    """
+    y, d, w = np.asarray(wins, np.float64), np.asarray(length_diff, np.float64), np.asarray(weights, np.float64)
+    total = w.sum(axis=1)
+    safe = np.where(total > 0, total, 1.0)
+    share = (w @ y) / safe
+    mean = (w @ d) / safe
+    sd = np.sqrt(np.maximum((w * (d - mean[:, None]) ** 2).sum(axis=1) / safe, 0.0))
+    # an sd below rounding of equal differences counts as 0
+    spread = sd > 1e-12 * np.maximum(np.abs(mean), 1.0)
+    x = np.where(spread[:, None], np.tanh(d / np.where(spread, sd, 1.0)[:, None]), 0.0)
+    sign = 2.0 * y - 1.0  # the log-likelihood of a comparison is log sigmoid(sign * logit)
+    open_ = (share > 0) & (share < 1)
+    a = np.log(np.where(open_, share, 0.5) / (1 - np.where(open_, share, 0.5)))
+    b = np.zeros_like(a)
+
+    def objective(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        return -(w * log_expit(sign * (a[:, None] + b[:, None] * x))).sum(axis=1) + 0.5 * l2 * b**2
+
+    for _ in range(100):
+        p = expit(a[:, None] + b[:, None] * x)
+        residual, curve = w * (y - p), w * p * (1 - p)
+        grad_a, grad_b = -residual.sum(axis=1), -(residual * x).sum(axis=1) + l2 * b
+        if np.all(~open_ | ((np.abs(grad_a) < tol) & (np.abs(grad_b) < tol))):
+            break
+        haa, hab, hbb = curve.sum(axis=1), (curve * x).sum(axis=1), (curve * x * x).sum(axis=1) + l2
+        det = np.where(open_, haa * hbb - hab**2, 1.0)
+        step_a, step_b = (hbb * grad_a - hab * grad_b) / det, (haa * grad_b - hab * grad_a) / det
+        step = np.where(open_, 1.0, 0.0)
+        before = objective(a, b)
+        for _ in range(60):  # halve each fit's step until its objective does not rise
+            rises = objective(a - step * step_a, b - step * step_b) > before + 1e-12 * np.abs(before)
+            if not rises.any():
+                break
+            step = np.where(rises, step / 2, step)
+        a, b = a - step * step_a, b - step * step_b
+    a = np.where(open_, a, np.where(share >= 1, math.inf, -math.inf))
+    b = np.where(open_, b, 0.0)
+    return np.where(total > 0, a, math.nan), np.where(total > 0, b, math.nan)
 
 
 def length_controlled_rate(
@@ -268,17 +307,21 @@ def length_controlled_rate(
     if flat.n == 0:
         return LengthControlledRate(math.nan, math.nan, math.nan, math.nan, 0, flat.ties)
 
-    def fit(rows: np.ndarray) -> tuple[float, float]:
-        decisive = a[rows] != b[rows]
-        if not decisive.any():
-            return math.nan, math.nan
-        wins = (a[rows] > b[rows])[decisive].astype(np.float64)
-        return length_logit_fit(wins, (la[rows] - lb[rows])[decisive], l2)
+    decisive = (a != b).reshape(-1)
+    wins = (a > b).reshape(-1)[decisive].astype(np.float64)
+    diff = (la - lb).reshape(-1)[decisive]
+    prompt_of = np.repeat(np.arange(a.shape[0]), a.shape[1])[decisive]
+    intercept, coef = length_logit_fit(wins, diff, l2)
 
-    intercept, coef = fit(np.arange(a.shape[0]))
+    def rate(rows: np.ndarray, axis: int = -1) -> np.ndarray:  # (R, P) drawn prompts -> (R,) refitted rates
+        drawn = rows.reshape(-1, a.shape[0])
+        counts = np.zeros(drawn.shape)
+        np.add.at(counts, (np.arange(len(drawn))[:, None], drawn), 1.0)
+        return expit(length_logit_fits(wins, diff, counts[:, prompt_of], l2)[0])
+
     low = high = math.nan
     if a.shape[0] >= 2:
-        low, high = _percentiles(_over_prompts(lambda rows: float(expit(fit(rows)[0])), a.shape[0], resamples, seed))
+        low, high = _percentiles(_over_prompts(rate, a.shape[0], resamples, seed, vectorized=True))
     return LengthControlledRate(float(expit(intercept)), low, high, coef, flat.n, flat.ties)
 
 
