@@ -24,6 +24,7 @@ import os
 from typing import Any
 
 import matplotlib
+import torch
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -109,13 +110,16 @@ def judge_figures(
     return {**metrics, "eval/judge/meaningful": float(not doubts), **kind_rows}, doubts
 
 
-def curve(sft: Any, scorers: Scorers, tokenizer, prompts: list, config, settings, runtime) -> list[dict[str, float]]:
+def curve(
+    sft: Any, scorers: Scorers, tokenizer, prompts: list, config, settings, runtime, sampled: dict[int, dict]
+) -> list[dict[str, float]]:
     """The over-optimisation curve: one row per policy PPO kept (``models/policy_kept/iteration-NNNN``, the rollout
     step) and the SFT model (iteration 0), each sampled the same way (one sample of each of the first
     ``curve_prompts`` prompts, each from its own generator as the evaluation draws it): mean proxy and judge score
     and the KL to the SFT model, nats per response: ``kl`` (k1, as ``eval/policy/kl``; its mean over a few
     samples can come out below 0), ``kl_k3`` (never negative) and ``sqrt_kl`` = sqrt(``kl_k3``), the axis of
-    Gao et al. 2023."""
+    Gao et al. 2023. ``sampled``: the evaluation's own runs by iteration (SFT at 0, the shipped policy at its
+    iteration), whose first sample of those prompts is that point's: they are not drawn again."""
 
     def row(iteration: int, run: dict[str, Any]) -> dict[str, float]:
         kl, kl_k3 = float(run["kl"][:, 0].mean()), float(run["kl_k3"][:, 0].mean())
@@ -130,23 +134,31 @@ def curve(sft: Any, scorers: Scorers, tokenizer, prompts: list, config, settings
         }
 
     fixed = prompts[: config.curve_prompts]
-    rows = [row(0, generate_and_score(sft, sft, scorers, tokenizer, fixed, config, settings, runtime))]
+
+    def point(iteration: int, run: dict[str, Any]) -> dict[str, float]:
+        return row(iteration, {k: run[k][: len(fixed), :1] for k in ("kl", "kl_k3", "proxy", "judge")})
+
+    rows = [point(0, sampled[0])]
     for name in sorted(os.listdir(KEPT)) if os.path.isdir(KEPT) else []:  # each sampled exactly as the SFT point
+        iteration = int(name.split("-")[-1])
+        if iteration in sampled:
+            rows.append(point(iteration, sampled[iteration]))
+            continue
         policy = runtime.place(load_kept_policy(SFT, os.path.join(KEPT, name))).requires_grad_(False)
         rows.append(
-            row(
-                int(name.split("-")[-1]),
-                generate_and_score(policy, sft, scorers, tokenizer, fixed, config, settings, runtime),
-            )
+            point(iteration, generate_and_score(policy, sft, scorers, tokenizer, fixed, config, settings, runtime))
         )
         del policy
     return rows
 
 
-def best_of_n_figures(sft: Any, scorers: Scorers, tokenizer, prompts: list, config, settings, runtime) -> dict:
+def best_of_n_figures(
+    sft: Any, scorers: Scorers, tokenizer, prompts: list, config, settings, runtime, sampled: dict[str, Any]
+) -> dict:
     """Best-of-N of the SFT model on the curve prompts, the reference point of the over-optimisation curve.
 
-    ``config.best_of_n`` samples of each of the first ``curve_prompts`` prompts; for N = 1, 4, 16, ... up to it,
+    ``config.best_of_n`` samples of each of the first ``curve_prompts`` prompts (the first of each is the
+    evaluation's own, taken from ``sampled``, its SFT run, not drawn again); for N = 1, 4, 16, ... up to it,
     the proxy keeps each prompt's best of the first N (:func:`rlhf.comparison.best_of_n`), and the judge scores
     it. KL to SFT is the analytic ``log N - (N-1)/N`` (:func:`rlhf.comparison.best_of_n_kl`): what the reward
     model can deliver at each KL without training, to read PPO's kept policies against.
@@ -159,7 +171,10 @@ def best_of_n_figures(sft: Any, scorers: Scorers, tokenizer, prompts: list, conf
     if config.best_of_n < 1:
         return {}
     fixed = prompts[: config.curve_prompts]
-    run = generate_and_score(sft, sft, scorers, tokenizer, fixed, config, settings, runtime, config.best_of_n)
+    run = {k: sampled[k][: len(fixed), :1] for k in ("proxy", "judge")}
+    if config.best_of_n > 1:
+        more = generate_and_score(sft, sft, scorers, tokenizer, fixed, config, settings, runtime, config.best_of_n, 1)
+        run = {k: torch.cat([run[k], more[k]], dim=1) for k in run}
     figures, n, kept = {}, 1, {}
     while n <= config.best_of_n:
         kept[n] = best_of_n(run["proxy"], run["judge"], n)
@@ -226,8 +241,10 @@ def run(
     )
     del policy, base
     metrics |= kind_figures(runs, kinds, config.bootstrap_resamples, config.seed)
-    rows_of_curve = curve(sft, scorers, tokenizer, prompts, config, settings, runtime)
-    metrics |= best_of_n_figures(sft, scorers, tokenizer, prompts, config, settings, runtime)
+    shipped = int(stage_metrics("ppo").get("ppo/shipped_iteration", 0))
+    sampled = {shipped: runs["policy"], 0: runs["sft"]}
+    rows_of_curve = curve(sft, scorers, tokenizer, prompts, config, settings, runtime, sampled)
+    metrics |= best_of_n_figures(sft, scorers, tokenizer, prompts, config, settings, runtime, runs["sft"])
     judge, doubts = judge_figures(stage_metrics("judge"), config.judge_min_length_accuracy, sorted(set(kinds)))
     metrics |= judge | {
         "eval/reward_model_version": float(champion["version"]),

@@ -385,9 +385,13 @@ def test_best_of_n_of_sft_keeps_the_proxys_pick_scored_by_the_judge_at_its_analy
     scorers = Scorers(proxy, judge, tokenizer)
     settings = GenerationSettings(max_new_tokens=4, temperature=1.0, no_eos="score", no_eos_value=None)
     config = EvalConfig(batch_size=4, curve_prompts=2, best_of_n=4, bootstrap_resamples=50)
-    figures = best_of_n_figures(sft, scorers, tokenizer, PROMPTS, config, settings, CPU)
-    # the same samples as the stage draws them: 4 of each curve prompt
+    evaluated = generate_and_score(sft, sft, scorers, tokenizer, PROMPTS, config, settings, CPU)  # the SFT run
+    figures = best_of_n_figures(sft, scorers, tokenizer, PROMPTS, config, settings, CPU, evaluated)
+    # the same samples as drawn all at once: 4 of each curve prompt, the first the evaluation's (not drawn again)
     run = generate_and_score(sft, sft, scorers, tokenizer, PROMPTS[:2], config, settings, CPU, 4)
+    later = generate_and_score(sft, sft, scorers, tokenizer, PROMPTS[:2], config, settings, CPU, 4, first=1)
+    assert later["texts"] == [t for i, t in enumerate(run["texts"]) if i % 4] and later["proxy"].shape == (2, 3)
+    assert evaluated["texts"][:2] == run["texts"][::4]
     assert figures["eval/best_of_n/1/judge"] == pytest.approx(float(run["judge"][:, 0].mean()))
     assert figures["eval/best_of_n/4/judge"] == pytest.approx(float(best_of_n(run["proxy"], run["judge"], 4).mean()))
     assert figures["eval/best_of_n/4/proxy"] == pytest.approx(float(run["proxy"].max(dim=1).values.mean()))
@@ -397,7 +401,7 @@ def test_best_of_n_of_sft_keeps_the_proxys_pick_scored_by_the_judge_at_its_analy
     assert figures["eval/best_of_n/1/kl"] == 0.0 and "eval/best_of_n/16/judge" not in figures
     gain = figures["eval/best_of_n/4/judge"] - figures["eval/best_of_n/1/judge"]
     assert figures["eval/best_of_n/judge_gain"] == pytest.approx(gain, abs=1e-6)
-    assert best_of_n_figures(sft, scorers, tokenizer, PROMPTS, EvalConfig(best_of_n=0), settings, CPU) == {}
+    assert best_of_n_figures(sft, scorers, tokenizer, PROMPTS, EvalConfig(best_of_n=0), settings, CPU, run) == {}
 
 
 def test_evaluation_samples_at_its_own_token_limit_only_where_one_is_set():

@@ -145,13 +145,16 @@ def generate_and_score(
     settings: GenerationSettings,
     runtime: Runtime,
     samples: int = 1,
+    first: int = 0,
 ) -> dict[str, Any]:
     """Sample ``samples`` responses per prompt (or decode greedily) and score them as PPO does, and by the judge.
 
     Sample ``s`` of prompt ``i`` comes from its own generator (:func:`rlhf.sampling.prompt_seed` of
     ``config.seed``, ``s``, ``i``), so it does not depend on the batch size or the prompts beside it, and every
     model sampled on the same prompt draws the same random numbers (SFT and the policy are compared on common
-    random numbers; the curve's and best-of-N's first sample of a prompt is the one evaluated).
+    random numbers; the curve's and best-of-N's first sample of a prompt is the one evaluated). ``first``: samples
+    ``first`` to ``samples - 1`` only (those before are drawn elsewhere); the returned shapes have
+    ``samples - first`` columns.
 
     Returns:
         ``proxy``, ``judge``, ``kl`` and ``kl_k3`` (nats per response to ``reference``, the k1 and k3 estimates
@@ -159,8 +162,8 @@ def generate_and_score(
         ``reference`` is None), ``length`` (tokens): ``(P, samples)`` float32 on the CPU; ``ended``
         ``(P, samples)`` bool; ``texts``: ``P * samples`` strings, prompt-major.
     """
-    repeated = [p for p in prompts for _ in range(samples)]
-    seeds = [prompt_seed(config.seed, s, i) for i in range(len(prompts)) for s in range(samples)]
+    repeated = [p for p in prompts for _ in range(first, samples)]
+    seeds = [prompt_seed(config.seed, s, i) for i in range(len(prompts)) for s in range(first, samples)]
     encoded = [encode_prompt(tokenizer, p, config.max_prompt_length) for p in repeated]
     temperature = 1.0 if config.greedy else settings.temperature
     out: dict[str, list] = {key: [] for key in ("proxy", "unfinished", "ended", "kl", "kl_k3", "length", "texts")}
@@ -200,7 +203,7 @@ def generate_and_score(
         out["texts"] += [tokenizer.decode(ids[i, begin:][mask[i]], skip_special_tokens=True) for i in range(len(ids))]
     result = {key: torch.cat(value) for key, value in out.items() if key != "texts"}
     result["judge"] = judge_scores(scorers, repeated, out["texts"], result.pop("unfinished"), settings, config, runtime)
-    shape = (len(prompts), samples)
+    shape = (len(prompts), samples - first)
     return {**{key: value.reshape(shape) for key, value in result.items()}, "texts": out["texts"]}
 
 
