@@ -25,6 +25,7 @@ import typer
 from bench.ablation import overrides
 from rlhf.checkpoint import write_json
 from rlhf.data import dev_split, load_jsonl
+from rlhf.kind_heads import training_kinds
 from rlhf.kinds import kind_of, kinds_in
 from rlhf.models import load_scalar_model, load_tokenizer
 from rlhf.reward import JudgeConfig, RewardConfig, center_rewards, encode_pairs, train_reward_model
@@ -61,7 +62,8 @@ def main(
     train = [row for row in train if not train_kinds or kind_of(row) in train_kinds]
     with StageRun(f"{model_name}-benchmark", params) as stage:
         runtime = stage_runtime("reward-benchmark")
-        tokenizer, model = load_tokenizer(init), runtime.place(load_scalar_model(init))
+        kinds = training_kinds(train, config.kind_heads)
+        tokenizer, model = load_tokenizer(init), runtime.place(load_scalar_model(init, kinds))
         start = time.perf_counter()
         summary = train_reward_model(model, tokenizer, train, config, stage.log, runtime)
         seconds = time.perf_counter() - start

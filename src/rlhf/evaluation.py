@@ -150,9 +150,11 @@ def generate_and_score(
     """Sample ``samples`` responses per prompt (or decode greedily) and score them as PPO does, and by the judge.
 
     Sample ``s`` of prompt ``i`` comes from its own generator (:func:`rlhf.sampling.prompt_seed` of
-    ``config.seed``, ``s``, ``i``), so it does not depend on the batch size or the prompts beside it, and every
-    model sampled on the same prompt draws the same random numbers (SFT and the policy are compared on common
-    random numbers; the curve's and best-of-N's first sample of a prompt is the one evaluated). ``first``: samples
+    ``config.seed``, ``s``, ``i``), so its random numbers do not depend on the batch size or the prompts beside it
+    (in float32 neither does the sample; under bf16 autocast a batch's padding can round a logit differently and
+    change a token), and every model sampled on the same prompt draws the same random numbers (SFT and the policy
+    are compared on common random numbers; the curve's and best-of-N's first sample of a prompt is the one
+    evaluated, taken from the evaluation's run, not drawn again). ``first``: samples
     ``first`` to ``samples - 1`` only (those before are drawn elsewhere); the returned shapes have
     ``samples - first`` columns.
 

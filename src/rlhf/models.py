@@ -33,6 +33,7 @@ from transformers import (
 
 from rlhf.chat import pad
 from rlhf.finite import non_finite_weights
+from rlhf.kind_heads import KINDS_KEY, head_kinds, head_scores, output_count
 from rlhf.losses import last_token_index, logprobs_from_logits
 from rlhf.sampling import PerPromptSampling
 from rlhf.sharding import is_sharded
@@ -180,18 +181,31 @@ def load_causal_lm(path: str) -> PreTrainedModel:
     return disable_dropout(_refuse_non_finite(_from_pretrained(AutoModelForCausalLM, path), path))
 
 
-def load_scalar_model(path: str) -> PreTrainedModel:
-    """Load a reward or value model (a sequence-classification head with one output), dropout off.
+def load_scalar_model(path: str, kinds: list[str] | None = None) -> PreTrainedModel:
+    """Load a reward or value model (a sequence-classification head), dropout off.
 
-    From a causal-LM folder the head is new (initialised by transformers); from
-    a reward-model folder it is the trained head.
+    From a causal-LM folder the head is new (initialised by transformers): one output, or with ``kinds`` a score
+    and a gate logit per kind (:mod:`rlhf.kind_heads`); from a reward-model folder it is the trained head, with
+    the kinds its config keeps.
 
     Raises:
         ValueError: the folder cannot be read (:func:`_from_pretrained`), or a weight is NaN or infinite (the
             message names ``path``).
     """
-    model = _from_pretrained(AutoModelForSequenceClassification, path, num_labels=1)
+    kinds = list(kinds or []) or _stored_kinds(path)
+    model = _from_pretrained(AutoModelForSequenceClassification, path, num_labels=output_count(kinds))
+    if kinds:
+        setattr(model.config, KINDS_KEY, kinds)
     return disable_dropout(_refuse_non_finite(model, path))
+
+
+def _stored_kinds(path: str) -> list[str]:
+    """The head kinds a saved model's ``config.json`` keeps (``[]``: none, or no readable config to say)."""
+    try:
+        with open(os.path.join(path, "config.json")) as handle:
+            return head_kinds(json.load(handle))
+    except (OSError, ValueError, AttributeError):  # _from_pretrained reports an unreadable folder
+        return []
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
@@ -262,7 +276,7 @@ def token_scores(
     """Scalar head output at every position: the value model's ``V(s_t)``.
 
     Args:
-        model: a sequence-classification model with one label.
+        model: a sequence-classification model: one output, or kind heads mixed (:func:`rlhf.kind_heads.mix`).
         input_ids: ``(B, T)`` int64.
         attention_mask: ``(B, T)`` 0/1.
         entry: the states entering ``model``'s first unshared block (:class:`rlhf.trunk.SharedTrunk`), or None.
@@ -271,7 +285,7 @@ def token_scores(
         ``(B, T)`` float32.
     """
     hidden = last_hidden_state(model, input_ids, attention_mask, position_ids_from_mask(attention_mask), entry)
-    return model.score(hidden).squeeze(-1).float()
+    return head_scores(model, hidden)
 
 
 def sequence_scores(

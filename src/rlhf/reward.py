@@ -13,6 +13,7 @@ from rlhf.augment import AUGMENTED, short_rejections
 from rlhf.chat import Encoded, encode_chat, pad, pad_masks
 from rlhf.checkpoint import Checkpointer
 from rlhf.device import Runtime
+from rlhf.kind_heads import head_kinds, own_kind_scores
 from rlhf.kinds import DEFAULT_KIND, kind_of
 from rlhf.length_bias import (
     debiased_pair_loss,
@@ -44,6 +45,7 @@ class RewardConfig(LoopConfig):
     length_by_kind: bool = True  # the expert fitted and the preference taken on each kind of data apart
     short_rejections: float = 0.25  # share of these kinds' pairs that also get a short reply as rejected (augment)
     short_rejection_kinds: tuple[str, ...] = ("helpful",)
+    kind_heads: bool = False  # a score per kind of data, mixed by a learned kind gate (rlhf.kind_heads)
     checkpoint_every: int = 53  # a checkpoint writes the whole model (~6 s on 2 cores): at half the demo's steps
 
     def __post_init__(self) -> None:
@@ -105,6 +107,7 @@ def reward_step(
     runtime: Runtime,
     expert_weight: float | list[float] = 0.0,
     groups: list[int] | None = None,
+    kind_index: list[int] | None = None,
 ) -> Callable[[list[int], list[int]], tuple[torch.Tensor, dict[str, torch.Tensor]]]:
     """The reward model's ``step_fn(part, batch)`` of :func:`rlhf.training.supervised_loop` over encoded pairs.
 
@@ -116,6 +119,9 @@ def reward_step(
     preference. The accuracy and margin are of the reward model's own scores (the expert left out).
     ``expert_weight``: one weight, or one per pair (its kind's); ``groups``: each pair's kind index, within which
     the length preference is taken (None: all pairs one group; -1: a pair outside every group's term).
+    ``kind_index``: with kind heads (:mod:`rlhf.kind_heads`), each pair's kind as its position in the model's
+    kinds: its Bradley-Terry term reads that kind's score, and the loss adds the gate's cross-entropy of the kind
+    averaged over the batch's responses (``rm/train_kind_loss``).
 
     A pair's chosen and rejected encodings share their prompt: each pair is one row, its common prefix run
     once (:mod:`rlhf.shared_prompt`; the plain batch of ``2 x part`` rows where the model cannot take it).
@@ -126,12 +132,18 @@ def reward_step(
     weights = torch.as_tensor(expert_weight, dtype=torch.float32, device=runtime.device)
     index = None if groups is None else torch.tensor(groups, device=runtime.device)
     members = None if index is None else torch.stack([index == g for g in range(max(groups, default=-1) + 1)])
+    heads = len(head_kinds(model))
+    own_kind = None if not heads else torch.tensor(kind_index, device=runtime.device)
 
     def step(part: list[int], batch: list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         part_pairs = [pairs[i] for i in part]
         chosen, rejected, hidden, input_ids, target = read(model, tokenizer, part_pairs, runtime, config.lm_coef > 0)
         # every mean is over the whole batch's pairs (or chosen tokens), whichever part of it this is
         rows_of = torch.tensor(part, device=runtime.device)
+        kinds_of = None if own_kind is None else own_kind[rows_of]
+        (chosen, chosen_nll), (rejected, rejected_nll) = (
+            own_kind_scores(o, kinds_of, heads) for o in (chosen, rejected)
+        )
         loss, preference = debiased_pair_loss(
             chosen,
             rejected,
@@ -148,6 +160,10 @@ def reward_step(
             "rm/train_margin": (chosen - rejected).detach().sum() / len(batch),
             "rm/train_length_preference": preference * len(part) / len(batch),
         }
+        if heads:  # the gate learns each response's kind: the mean over the batch's responses
+            kind_loss = (chosen_nll.sum() + rejected_nll.sum()) / (2 * len(batch))
+            loss = loss + kind_loss
+            metrics["rm/train_kind_loss"] = kind_loss.detach()
         if config.lm_coef > 0:
             count = sum(chosen_targets[i] for i in batch)
             lm_loss = language_model_loss(_lm_logits(model, hidden), input_ids, target, count)
@@ -159,13 +175,15 @@ def reward_step(
 
 
 def _packed_pair_scores(model, tokenizer, pairs: list[tuple[Encoded, Encoded]], runtime: Runtime, targets: bool):
-    """``(chosen (P,), rejected (P,), hidden, input_ids, chosen-response targets (rows, L) bool or None)``,
-    one row a pair; the targets only when ``targets``."""
+    """``(chosen (P, O), rejected (P, O), hidden, input_ids, chosen-response targets (rows, L) bool or None)``,
+    one row a pair: the head's ``O`` outputs at each response's last token (:mod:`rlhf.kind_heads`); the targets
+    only when ``targets``."""
     packed = pack([[c.input_ids, r.input_ids] for c, r in pairs], tokenizer.pad_token_id, runtime.device)
     hidden = packed_hidden(model, packed)
-    scores = model.score(hidden).squeeze(-1).float()[packed.row, packed.last].view(-1, 2)
+    outputs = model.score(hidden).float()[packed.row, packed.last]
+    outputs = outputs.view(len(pairs), 2, outputs.shape[-1])
     masks = [mask for c, r in pairs for mask in (c.response_mask, [False] * len(r.input_ids))]
-    return scores[:, 0], scores[:, 1], hidden, packed.input_ids, packed.spread(masks) if targets else None
+    return outputs[:, 0], outputs[:, 1], hidden, packed.input_ids, packed.spread(masks) if targets else None
 
 
 def _plain_pair_scores(model, tokenizer, pairs: list[tuple[Encoded, Encoded]], runtime: Runtime, targets: bool):
@@ -176,7 +194,7 @@ def _plain_pair_scores(model, tokenizer, pairs: list[tuple[Encoded, Encoded]], r
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)
     ).last_hidden_state
     last = last_token_index(attention_mask)
-    scores = model.score(hidden).squeeze(-1).float()[torch.arange(len(rows), device=runtime.device), last]
+    scores = model.score(hidden).float()[torch.arange(len(rows), device=runtime.device), last]
     masks = [c.response_mask for c, _ in pairs] + [[False] * len(r.input_ids) for _, r in pairs]
     target = pad_masks(masks, input_ids.shape[1], "right", runtime.device) if targets else None
     return scores[: len(pairs)], scores[len(pairs) :], hidden, input_ids, target
@@ -235,7 +253,9 @@ def train_reward_model(
         members = [i for i, group in enumerate(groups) if group == g]
         weights[g] = fit_length_expert([chosen_lengths[i] for i in members], [rejected_lengths[i] for i in members])
     expert = [weights[g] if g >= 0 else 0.0 for g in groups]  # the extra pairs: no expert, no length term
-    step = reward_step(model, tokenizer, pairs, config, runtime, expert, groups)
+    heads = head_kinds(model)
+    kind_index = [heads.index(kind_of(ex)) for ex in examples] if heads else None
+    step = reward_step(model, tokenizer, pairs, config, runtime, expert, groups, kind_index)
 
     summary = supervised_loop(
         model,

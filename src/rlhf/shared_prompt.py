@@ -24,6 +24,7 @@ from transformers import LlamaModel, PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.chat import pad
 from rlhf.device import Runtime
+from rlhf.kind_heads import head_scores
 from rlhf.models import sequence_scores
 
 
@@ -191,7 +192,7 @@ def score_groups(
         chunk = order[start:stop]
         packed = pack([groups[g] for g in chunk], tokenizer.pad_token_id, runtime.device)
         with runtime.autocast():
-            values = model.score(packed_hidden(model, packed)).squeeze(-1).float()[packed.row, packed.last]
+            values = head_scores(model, packed_hidden(model, packed))[packed.row, packed.last]
         scores[[i for g in chunk for i in range(first[g], first[g + 1])]] = values - offset
         start = stop
     return scores

@@ -142,13 +142,15 @@ def load_reward_model(folder: str, max_length: int | None = None):
     (:func:`max_length_for`). Everything is checked before the weights load.
 
     Raises:
-        PairsError: the folder holds no sequence-classification model with one output (a policy's folder would
+        PairsError: the folder holds no sequence-classification model with one output, or kind heads
+            (:mod:`rlhf.kind_heads`) (a policy's folder would
             get a new, random head and meaningless figures), its tokenizer has no chat template, or ``max_length``
             is more than the model's positions.
         ValueError: a weight is NaN or infinite, or the pad token equals EOS (the loaders' messages name the folder).
     """
     from transformers import AutoConfig
 
+    from rlhf.kind_heads import head_kinds, output_count
     from rlhf.models import load_scalar_model, load_tokenizer
 
     config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
@@ -158,8 +160,12 @@ def load_reward_model(folder: str, max_length: int | None = None):
             f"{folder}: not a reward model ({', '.join(architectures) or 'no architecture'}); give a scalar "
             "sequence-classification model (e.g. models/reward or models/judge)"
         )
-    if config.num_labels != 1:
-        raise PairsError(f"{folder}: the model has {config.num_labels} outputs; a reward model has one")
+    kinds = head_kinds(config)
+    if config.num_labels != output_count(kinds):
+        expected = (
+            f"{output_count(kinds)} (a score and a gate logit for each of {', '.join(kinds)})" if kinds else "one"
+        )
+        raise PairsError(f"{folder}: the model has {config.num_labels} outputs; a reward model has {expected}")
     tokenizer = load_tokenizer(folder)
     if not tokenizer.chat_template:
         raise PairsError(f"{folder}: the tokenizer has no chat template (pairs are encoded with it)")

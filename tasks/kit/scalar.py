@@ -17,6 +17,7 @@ import matplotlib.pyplot as plt
 import torch
 
 from rlhf.data import load_jsonl
+from rlhf.kind_heads import training_kinds
 from rlhf.kinds import kinds_in
 from rlhf.models import load_scalar_model, load_tokenizer, save_tokenizer
 from rlhf.reward import JudgeConfig, RewardConfig, center_rewards, encode_pairs, train_reward_model
@@ -57,10 +58,10 @@ def run(
     """
     config = config_from_params(CONFIGS[stage], params, stage)
     setup_torch(config.seed)  # before the model is built: the seed owns any new head's initialisation
-    tokenizer, model = load_tokenizer(init), load_scalar_model(init)
+    train = load_jsonl(splits[0])
+    tokenizer, model = load_tokenizer(init), load_scalar_model(init, training_kinds(train, config.kind_heads))
     runtime = stage_runtime(stage, device)
     model = runtime.place(model)
-    train = load_jsonl(splits[0])
     checkpointer = run_checkpointer(stage, params, [splits[0], init], runtime)
     metrics = train_reward_model(model, tokenizer, train, config, log, runtime, checkpointer)
     model = whole_model(model, runtime.ranks.main)  # FSDP: gathered on rank 0

@@ -1,0 +1,95 @@
+"""Kind heads (rlhf.kind_heads): a score per kind of data mixed by a learned kind gate; by hand, then through
+the loader, the scorers and the reward model's trainer."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from rlhf.device import Runtime
+from rlhf.kind_heads import head_kinds, mix, output_count, own_kind_scores, training_kinds
+from rlhf.models import load_scalar_model
+from rlhf.reward import RewardConfig, encode_pairs, train_reward_model
+from rlhf.shared_prompt import score_groups, score_sequences
+
+KINDS = ["harmless", "helpful"]
+
+
+def test_the_reward_mixes_the_kinds_scores_by_the_gate_by_hand():
+    # scores (1, 3), gate logits (0, ln 3): softmax (1/4, 3/4), reward 1/4 + 9/4 = 2.5
+    outputs = torch.tensor([[1.0, 3.0, 0.0, math.log(3.0)]])
+    assert mix(outputs, 2).tolist() == [pytest.approx(2.5)]
+    assert mix(torch.tensor([[0.7]]), 0).tolist() == [pytest.approx(0.7)]
+    # training reads each response's own kind's score (kind 1: 3, kind 0: 1) and the gate's loss on that kind:
+    # -log(3/4) = 0.287682 and -log(1/4) = 1.386294 nats
+    scores, nll = own_kind_scores(outputs.repeat(2, 1), torch.tensor([1, 0]), 2)
+    assert scores.tolist() == [3.0, 1.0]
+    assert nll.tolist() == [pytest.approx(0.287682, abs=1e-6), pytest.approx(1.386294, abs=1e-6)]
+    assert own_kind_scores(torch.tensor([[0.7]]), None, 0)[1] is None
+
+
+def test_a_head_gets_the_training_pairs_kinds_only_when_asked_and_there_are_two():
+    rows = [{"kind": "helpful"}, {"kind": "harmless"}, {"kind": "helpful"}]
+    assert training_kinds(rows, True) == KINDS and training_kinds(rows, False) == []
+    assert training_kinds(rows[:1], True) == [] and (output_count(KINDS), output_count([])) == (4, 1)
+
+
+def _head_outputs(model, sequences: list[list[int]]) -> torch.Tensor:
+    """The head's outputs at each sequence's last token, one sequence at a time: ``(N, outputs)``."""
+    rows = []
+    for ids in sequences:
+        hidden = model.model(input_ids=torch.tensor([ids])).last_hidden_state[0, -1]
+        rows.append(model.score(hidden).detach())
+    return torch.stack(rows)
+
+
+def test_kind_heads_travel_with_the_model_and_every_scorer_reads_their_mixture(tiny_dir, tokenizer, tmp_path):
+    torch.manual_seed(0)
+    model = load_scalar_model(tiny_dir, KINDS)
+    torch.nn.init.normal_(model.score.weight, std=1.0)
+    assert model.score.out_features == 4 and head_kinds(model) == KINDS
+    model.save_pretrained(tmp_path)
+    again = load_scalar_model(str(tmp_path))  # the kinds come from the saved config
+    assert head_kinds(again) == KINDS and torch.equal(again.score.weight, model.score.weight)
+    sequences = [tokenizer.encode("hello there, friend"), tokenizer.encode("hello there")]
+    outputs = _head_outputs(model, sequences)
+    expected = (outputs[:, :2] * torch.softmax(outputs[:, 2:], dim=-1)).sum(-1)
+    assert torch.allclose(score_sequences(model, tokenizer, sequences, 2, Runtime()), expected, atol=1e-5)
+    assert torch.allclose(score_groups(model, tokenizer, [sequences], 2, Runtime()), expected, atol=1e-5)
+
+
+def test_a_pair_trains_its_own_kinds_score_and_the_gate_learns_its_kind(tiny_dir, tokenizer):
+    examples = [
+        {
+            "prompt": [{"role": "user", "content": f"q{i}"}],
+            "chosen": [{"role": "assistant", "content": f"good {i}"}],
+            "rejected": [{"role": "assistant", "content": f"bad answer {i}"}],
+            "kind": "harmless",
+        }
+        for i in range(2)
+    ]
+    torch.manual_seed(0)
+    model = load_scalar_model(tiny_dir, KINDS)
+    torch.nn.init.normal_(model.score.weight, std=1.0)
+    config = RewardConfig(
+        steps=1, batch_size=2, lr=0.0, warmup_steps=0, scheduler="constant", max_length=64, length_expert=False,
+        length_decorrelation=0.0, short_rejections=0.0, kind_heads=True, trainable_layers=None,
+    )  # fmt: skip
+    logged = {}
+    train_reward_model(model, tokenizer, examples, config, lambda m, s: logged.update(m), Runtime(), progress=False)
+    pairs = encode_pairs(tokenizer, examples, 64)
+    chosen = _head_outputs(model, [c.input_ids for c, _ in pairs])
+    rejected = _head_outputs(model, [r.input_ids for _, r in pairs])
+    # the Bradley-Terry term reads the harmless score (column 0); the gate's loss is -log softmax(g)[harmless]
+    # averaged over the 4 responses
+    bradley_terry = -torch.nn.functional.logsigmoid(chosen[:, 0] - rejected[:, 0]).mean()
+    gate = -torch.log_softmax(torch.cat([chosen, rejected])[:, 2:], dim=-1)[:, 0].mean()
+    assert logged["rm/train_kind_loss"] == pytest.approx(float(gate), abs=1e-5)
+    assert logged["rm/loss"] == pytest.approx(float(bradley_terry + gate), abs=1e-5)
+    # with a learning rate, harmless pairs move the harmless score and the gate, never the helpful score
+    before = model.score.weight.detach().clone()
+    more = dataclasses.replace(config, lr=1e-2, steps=2)
+    train_reward_model(model, tokenizer, examples, more, lambda m, s: None, Runtime(), progress=False)
+    moved = (model.score.weight.detach() != before).any(dim=1).tolist()
+    assert moved == [True, False, True, True]
