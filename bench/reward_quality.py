@@ -25,8 +25,7 @@ import typer
 from bench.ablation import overrides
 from rlhf.checkpoint import write_json
 from rlhf.data import dev_split, load_jsonl
-from rlhf.kind_heads import training_kinds
-from rlhf.kinds import kind_of, kinds_in
+from rlhf.kinds import kind_of, kinds_in, training_kinds
 from rlhf.models import load_scalar_model, load_tokenizer
 from rlhf.reward import JudgeConfig, RewardConfig, center_rewards, encode_pairs, train_reward_model
 from rlhf.reward_metrics import evaluate_reward_model

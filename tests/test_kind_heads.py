@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from rlhf.device import Runtime
-from rlhf.kind_heads import head_kinds, mix, output_count, own_kind_scores, training_kinds
+from rlhf.kind_heads import head_kinds, mix, output_count, own_kind_scores
+from rlhf.kinds import training_kinds
 from rlhf.models import load_scalar_model
 from rlhf.reward import RewardConfig, encode_pairs, train_reward_model
 from rlhf.shared_prompt import score_groups, score_sequences

@@ -11,7 +11,7 @@ pairs that do not say their kind are scored as before. The kinds are kept in the
 
 Sources: a mixture of experts with a learned gate (Jacobs, Jordan, Nowlan & Hinton 1991, "Adaptive Mixtures of
 Local Experts"); separate helpfulness and harmlessness rewards (Dai et al. 2024, "Safe RLHF", section 3).
-Imports torch and :mod:`rlhf.kinds`.
+Imports torch only.
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-
-from rlhf.kinds import kind_of
 
 KINDS_KEY = "rlhf_kinds"  # the model config's list of kinds, one score and one gate logit each
 
@@ -32,13 +30,6 @@ def head_kinds(model_or_config: Any) -> list[str]:
     config = getattr(model_or_config, "config", model_or_config)
     found = config.get(KINDS_KEY) if isinstance(config, dict) else getattr(config, KINDS_KEY, None)
     return list(found or [])
-
-
-def training_kinds(examples: Sequence[dict[str, Any]], wanted: bool) -> list[str]:
-    """The kinds a new head gets: the training pairs' kinds (:func:`rlhf.kinds.kind_of`), sorted, when ``wanted``
-    and there are at least two; else ``[]`` (one output)."""
-    kinds = sorted({kind_of(example) for example in examples})
-    return kinds if wanted and len(kinds) > 1 else []
 
 
 def output_count(kinds: Sequence[str]) -> int:

@@ -82,3 +82,10 @@ def kinds_in(metrics: dict[str, Any], prefix: str) -> list[str]:
     """The kinds whose figures ``metrics`` holds under ``<prefix>/kind/<kind>/...``, sorted."""
     head = f"{prefix}/kind/"
     return sorted({key[len(head) :].split("/", 1)[0] for key in metrics if key.startswith(head)})
+
+
+def training_kinds(examples: Sequence[dict[str, Any]], wanted: bool) -> list[str]:
+    """The kinds a new reward-model head gets (:mod:`rlhf.kind_heads`): the training pairs' kinds (:func:`kind_of`),
+    sorted, when ``wanted`` and there are at least two; else ``[]`` (one output)."""
+    kinds = sorted({kind_of(example) for example in examples})
+    return kinds if wanted and len(kinds) > 1 else []

@@ -45,7 +45,7 @@ class RewardConfig(LoopConfig):
     length_by_kind: bool = True  # the expert fitted and the preference taken on each kind of data apart
     short_rejections: float = 0.25  # share of these kinds' pairs that also get a short reply as rejected (augment)
     short_rejection_kinds: tuple[str, ...] = ("helpful",)
-    kind_heads: bool = False  # a score per kind of data, mixed by a learned kind gate (rlhf.kind_heads)
+    kind_heads: bool = True  # a score per kind of data, mixed by a learned kind gate (rlhf.kind_heads)
     checkpoint_every: int = 53  # a checkpoint writes the whole model (~6 s on 2 cores): at half the demo's steps
 
     def __post_init__(self) -> None:

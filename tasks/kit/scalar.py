@@ -17,8 +17,7 @@ import matplotlib.pyplot as plt
 import torch
 
 from rlhf.data import load_jsonl
-from rlhf.kind_heads import training_kinds
-from rlhf.kinds import kinds_in
+from rlhf.kinds import kinds_in, training_kinds
 from rlhf.models import load_scalar_model, load_tokenizer, save_tokenizer
 from rlhf.reward import JudgeConfig, RewardConfig, center_rewards, encode_pairs, train_reward_model
 from rlhf.reward_metrics import evaluate_reward_model
