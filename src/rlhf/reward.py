@@ -220,7 +220,9 @@ def train_reward_model(
     ``config.length_by_kind`` both are per kind of data (:func:`rlhf.kinds.kind_of`): a weight fitted on each
     kind's pairs, the preference taken within each kind. With ``config.short_rejections`` the examples gain the
     extra pairs of :func:`rlhf.augment.short_rejections` (a short reply of the data as the rejected response, on
-    ``config.short_rejection_kinds``), which neither the expert nor the length term reads. Plus
+    ``config.short_rejection_kinds``), which neither the expert nor the length term reads. A model with kind heads
+    (:func:`rlhf.models.load_scalar_model` given the kinds: :mod:`rlhf.kind_heads`) trains each pair's own kind's
+    score and its kind gate (:func:`reward_step`). Plus
     ``lm_coef`` times the language-model loss on the chosen response (paper Eq. 2, its ``beta_rm``;
     section 4.2 used 1.0). The chosen and rejected sequences of a
     batch go through the model in one right-padded batch.
