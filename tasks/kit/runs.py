@@ -372,7 +372,7 @@ class StageRun:
         again; a run already started under it moves to the oldest parent (its ``mlflow.parentRunId`` tag).
         """
         import mlflow  # noqa: PLC0415 (MLflow: seconds to import)
-        from mlflow.exceptions import MlflowException  # noqa: PLC0415
+        from mlflow.exceptions import MlflowException  # noqa: PLC0415 (MLflow: seconds to import)
 
         tags = {PIPELINE_RUN_TAG: pipeline_run, "rlhf.kind": "stage", "rlhf.stage": self.stage, **owner_tags()}
         for attempt in range(attempts):
