@@ -10,18 +10,16 @@ Usage: ``python -m flows.pipeline [--stage NAME ...]``.
 
 from __future__ import annotations
 
-import io
-import json
+import logging
 import os
 from typing import Any
 
 import networkx as nx
 import typer
 from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 from prefect.states import Completed
-from rich.console import Console
-from rich.table import Table
 
 from flows.approval import await_approval, awaiting
 from flows.deployments import clean_revision, run_on_pool, stage_pool
@@ -38,67 +36,25 @@ from flows.stages import (
     stale_reasons,
     stale_stages,
 )
-from rlhf.kinds import kinds_in
-from rlhf.stats import chance_warning
+from flows.summary import print_summary, read_metrics, summary_markdown, verdict
 from tasks.kit import paths
 from tasks.kit.common import one_line
-from tasks.kit.outputs import load_json, timing_path
+from tasks.kit.outputs import load_json
 from tasks.kit.params import read_params, stage_params
 from tasks.kit.runs import StageRun
-
-SUMMARY = {
-    "prepare": [],
-    "base_model": [],
-    "validate": ["validate/valid", "validate/quarantined"],
-    "sft": ["sft/loss_first", "sft/loss_last"],
-    "reward": [
-        "rm/accuracy",
-        "rm/balanced_accuracy",
-        "rm/pairs",
-        "rm/ties",
-        "rm/accuracy_chosen_shorter",
-        "rm/accuracy_chosen_longer",
-        "rm/length_baseline_accuracy",
-        "rm/empty_beats_chosen",
-        "rm/margin",
-        "rm/ece",
-    ],
-    "gate": ["gate/passed", "gate/candidate_version", "gate/champion_version"],
-    "ppo": [
-        "ppo/reward_model_version",
-        "ppo/policy_iterations",
-        "ppo/value/pretrain_explained_variance",
-        "ppo/shipped_iteration",
-        "ppo/validation/reward",
-        "ppo/validation/eos_rate",
-        "ppo/validation/kl",
-        "ppo/last/eos_rate",
-        "ppo/last/value/explained_variance",
-    ],
-    "judge": ["judge/accuracy", "judge/balanced_accuracy", "judge/pairs"],
-    "evaluate": [
-        "eval/judge/win_rate",
-        "eval/judge/lc_win_rate",
-        "eval/judge/score_diff",
-        "eval/proxy/win_rate",
-        "eval/proxy/lc_win_rate",
-        "eval/proxy/score_diff",
-        "eval/policy/kl",
-        "eval/policy/eos_rate",
-        "eval/policy/length",
-        "eval/policy/refusal_rate",
-        "eval/policy/ptx_perplexity",
-    ],
-}
 
 
 @flow(name="rlhf-pipeline", log_prints=False)
 def rlhf_pipeline(stages: list[str] | None = None, pools: bool = False) -> Any:
-    """:func:`run_pipeline` as a Prefect flow: its log and its final state's message carry the summary table
-    (:func:`summary_text`); a failure logs ``FAILED: <reason>`` and the failed state's message is that reason.
+    """:func:`run_pipeline` as a Prefect flow: prints the summary table once (:func:`flows.summary.print_summary`),
+    publishes it as the flow run's Markdown artifact ``rlhf-summary``, and ends in a state named after the verdict
+    (:func:`flows.summary.verdict`: "Gate failed" when a gate refused, a designed outcome and not a crash, so the
+    run list shows it without opening a log). A failure logs ``FAILED: <reason>`` and the failed state's message
+    is that reason.
 
     Returns:
-        a Completed state with the metrics as data (a caller of the flow gets the metrics).
+        a Completed state (named "Completed" or "Gate failed", its message the verdict's sentence) with the
+        metrics as data (a caller of the flow gets the metrics).
     """
     logger = get_run_logger()
     try:
@@ -106,9 +62,12 @@ def rlhf_pipeline(stages: list[str] | None = None, pools: bool = False) -> Any:
     except Exception as err:
         logger.error("FAILED: %s", first_line(err))
         raise
-    text = summary_text(metrics)
-    logger.info("summary\n%s", text)
-    return Completed(message=text, data=metrics)
+    print_summary(metrics, warnings=False)  # each stage has printed its own warnings as it ended
+    create_markdown_artifact(
+        key="rlhf-summary", markdown=summary_markdown(metrics), description="The pipeline run's figures"
+    )
+    name, sentence = verdict(metrics)
+    return Completed(name=name, message=sentence, data=metrics)
 
 
 def first_line(err: BaseException) -> str:
@@ -175,13 +134,8 @@ def run_pipeline(stages: list[str] | None = None, pools: bool = False) -> dict[s
         raise
     finally:
         StageRun.end_pipeline(run_id, status)
-    metrics = {}
-    for stage, spec in dvc_stages("dvc.yaml").items():
-        for path in entry_paths(spec.get("metrics")):
-            if os.path.exists(path):
-                with open(path, encoding="utf-8") as handle:
-                    metrics.setdefault(stage, {}).update(json.load(handle))
-    return metrics
+    specs = dvc_stages("dvc.yaml").items()
+    return {stage: values for stage, spec in specs if (values := read_metrics(entry_paths(spec.get("metrics"))))}
 
 
 def approve_policy(report_path: str = paths.POLICY_GATE) -> str | None:
@@ -197,128 +151,18 @@ def approve_policy(report_path: str = paths.POLICY_GATE) -> str | None:
     return await_approval(report, int(approval["timeout_s"]))
 
 
-def _figure(values: dict, key: str) -> str | None:
-    """``key=value``, with ``[low, high]`` when the file holds ``<key>_low`` and ``<key>_high``; None if absent.
-
-    A rate that is undefined (NaN, written as null) shows as ``n/a``.
-    """
-    if key not in values:
-        return None
-    value, low, high = values[key], values.get(f"{key}_low"), values.get(f"{key}_high")
-    if not isinstance(value, (int, float)):
-        return f"{key}=n/a" if value is None else None
-    if isinstance(low, (int, float)) and isinstance(high, (int, float)):
-        return f"{key}={value:.3f} [{low:.3f}, {high:.3f}]"
-    return f"{key}={value:.3f}"
-
-
-KIND_SUMMARY = {  # per kind of data (rlhf.kinds): prefix -> the figures the summary shows for each kind
-    "rm": ("balanced_accuracy", "empty_beats_chosen"),
-    "judge": ("balanced_accuracy",),
-    "eval": ("judge_win_rate", "judge_lc_win_rate", "refusal_increase"),
-}
-
-
-def kind_keys(values: dict) -> list[str]:
-    """The per-kind figures of :data:`KIND_SUMMARY` a stage's metrics hold (``<prefix>/kind/<kind>/<figure>``)."""
-    return [
-        f"{prefix}/kind/{kind}/{figure}"
-        for prefix, figures in KIND_SUMMARY.items()
-        for kind in kinds_in(values, prefix)
-        for figure in figures
-    ]
-
-
-def summary_warnings(metrics: dict[str, dict]) -> list[str]:
-    """Loud lines for the summary: the reward model's accuracy interval includes chance (or is below it, or
-    undefined), and each ``GATE FAILED: criterion, value, bound`` line of the reward and the policy gate.
-
-    Reads ``rm/accuracy``, ``rm/accuracy_low`` and ``rm/accuracy_high`` of the
-    reward stage's metrics file (NaN is stored as null); the rule and wording
-    are :func:`rlhf.stats.chance_warning`'s, as printed by the reward stage. The
-    gates' lines come from ``reports/reward_gate.json`` and ``reports/policy_gate.json``.
-    """
-    lines = []
-    for stage, prefix, split, what in (
-        ("reward", "rm", "rm_eval", "the reward model has not learned to rank"),
-        ("judge", "judge", "judge_eval", "the judge's win rates mean nothing"),
-    ):
-        values = metrics.get(stage, {})
-        if f"{prefix}/balanced_accuracy_low" not in values:
-            continue
-        for part in ["", *(f"/kind/{kind}" for kind in kinds_in(values, prefix))]:
-            warning = chance_warning(
-                f"{split}{part.replace('/kind/', ' ')} balanced accuracy",
-                *(values.get(f"{prefix}{part}/balanced_accuracy{s}") for s in ("", "_low", "_high")),
-            )
-            lines += [f"WARNING: {warning}: {what}"] if warning else []
-    gate = metrics.get("gate", {})
-    lines += [f"reward model {line}" for line in gate.get("lines", []) if line.startswith("GATE FAILED")]
-    policy = metrics.get("evaluate", {})  # reports/policy_gate.json is one of evaluate's metrics files
-    lines += [f"policy {line}" for line in policy.get("lines", []) if line.startswith("GATE FAILED")]
-    held = gate.get("champion") if gate else None
-    if gate and not held:
-        lines.append("WARNING: no reward model holds the champion alias: ppo cannot run (rlhf-registry status)")
-    elif gate and held.get("champion") is False:
-        lines.append(
-            f"WARNING: no reward model holds the champion alias: ppo trained against candidate version "
-            f"{held['version']}, which {held.get('why', 'is not the champion')} (registry.without_champion)"
-        )
-    return lines
-
-
-def stage_seconds(stage: str) -> float | None:
-    """The wall time of the stage's last run, from ``timings/<stage>.json``; None when it has none.
-
-    ``tasks.kit.outputs.write_metrics`` writes it there, apart from the metrics file: a time differs between two
-    runs of the same inputs, so it is neither committed nor compared by ``dvc exp show``/``dvc metrics diff``.
-    """
-    path = timing_path(stage)
-    if not os.path.exists(path):
-        return None
-    with open(path, encoding="utf-8") as handle:
-        return json.load(handle).get("seconds")
-
-
-def print_summary(
-    metrics: dict[str, dict], timings: dict[str, float | None] | None = None, console: Console | None = None
-) -> None:
-    """Print the time of each stage and the headline figures (rates with their interval), then any warning.
-
-    Args:
-        metrics: stage -> its metrics file's content (as :func:`run_pipeline` returns them).
-        timings: stage -> seconds of its last run; by default :func:`stage_seconds` of each stage.
-        console: where to print (the terminal by default).
-    """
-    table = Table(title="RLHF pipeline")
-    table.add_column("stage")
-    table.add_column("seconds", justify="right")
-    table.add_column("figures")
-    for stage, values in metrics.items():
-        seconds = stage_seconds(stage) if timings is None else timings.get(stage)
-        figures = ", ".join(f for f in (_figure(values, k) for k in [*SUMMARY.get(stage, []), *kind_keys(values)]) if f)
-        table.add_row(stage, f"{seconds:.0f}" if isinstance(seconds, (int, float)) else "-", figures)
-    console = console or Console()
-    console.print(table)
-    for line in summary_warnings(metrics):
-        console.print(line, style="bold red", markup=False, highlight=False, soft_wrap=True)
-
-
-def summary_text(metrics: dict[str, dict]) -> str:
-    """:func:`print_summary`'s table and warnings as plain text (for the flow's log and its final state)."""
-    buffer = io.StringIO()
-    print_summary(metrics, console=Console(file=buffer, width=160, color_system=None, force_terminal=False))
-    return buffer.getvalue().rstrip()
-
-
 def main(stage: list[str] = typer.Option(None, help="run only these stages (repeatable)")) -> None:
-    """Run the pipeline flow (its log ends with the summary table) and print ``dvc status`` (stale stages with
-    why; ``up to date``).
+    """Run the pipeline flow and print ``dvc status`` (stale stages with why; ``up to date``), then the verdict.
 
-    A failed flow ends with its reason on one line (Prefect has logged the details) and exit 1.
+    The console shows each stage's start, loud lines and end (:mod:`flows.console`; the rest is in
+    ``logs/<stage>.log``) and Prefect's flow-level lines, not its server's or each task's state. A failed flow
+    ends with its reason on one line and exit 1; a gate that refuses ends with that line and exit 0.
     """
+    logging.getLogger("prefect").setLevel(logging.WARNING)  # the temporary server's start and stop notes
+    logging.getLogger("prefect.flow_runs").setLevel(logging.INFO)  # "Beginning flow run", its final state
+    logging.getLogger("prefect.task_runs").setLevel(logging.WARNING)  # a stage's own end line says it finished
     try:
-        rlhf_pipeline(stages=stage or None)
+        metrics = rlhf_pipeline(stages=stage or None)
     except (StageRefused, ValueError, RuntimeError) as err:
         print(f"[flow] FAILED: {first_line(err)}")
         raise SystemExit(1) from None
@@ -330,6 +174,7 @@ def main(stage: list[str] = typer.Option(None, help="run only these stages (repe
         "; ".join(f"{name}: {why}" for name, why in stale.items()) or "up to date",
         f"(always changed, by design: {', '.join(always)})" if always else "",
     )
+    print(f"[flow] {verdict(metrics)[1]}")
 
 
 if __name__ == "__main__":

@@ -16,8 +16,11 @@ from collections.abc import Callable, Iterator
 
 import networkx as nx
 from filelock import FileLock, Timeout
-from prefect import get_run_logger, task
+from prefect import task
 
+from flows.console import CLEAR, SKIPPED, relay, stage_log, terminal
+from flows.summary import headline, read_metrics, stage_seconds
+from tasks.kit.console import PROGRESS_ENV
 from tasks.kit.params import load_yaml
 
 DVC = (sys.executable, "-m", "dvc", "--wait-for-lock")  # another run's stage holds the repository lock: wait for it
@@ -194,33 +197,43 @@ def checkout_lock(say: Callable[[str], None] = print) -> Iterator[None]:
 def run_stage(stage: str, pipeline_run_id: str) -> None:
     """Run one DVC stage (skipped by DVC when it is up to date); a retry resumes from the stage's checkpoint.
 
-    A stage that ends with its own error line (:data:`STAGE_ERROR`) is not retried: bad input, bad
-    params and divergence fail the same way twice.
+    Prints a line as the stage starts (naming its log), its loud lines, and a line as it ends with its time and
+    headline figures (:func:`flows.summary.headline`); the stage's whole output and DVC's go to
+    ``logs/<stage>.log`` (:func:`flows.console.relay`), its training loop's bar to the terminal when stdout is one.
+    A stage that ends with its own error line (:data:`STAGE_ERROR`) is not retried: bad input, bad params and
+    divergence fail the same way twice.
 
     Raises:
         StageRefused: the stage printed its one-line error (that line is the message).
         RuntimeError: the stage failed otherwise (its output tail is in the message).
     """
-    logger = get_run_logger()
     # a stage's `python -m tasks.<stage>` is this interpreter, activated or not (else PATH's first python runs it)
     path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
-    env = {**os.environ, "RLHF_PIPELINE_RUN_ID": pipeline_run_id, "PATH": path}
-    tail: list[str] = []
-    with checkout_lock():
+    bar = terminal()
+    env = {**os.environ, "RLHF_PIPELINE_RUN_ID": pipeline_run_id, "PATH": path, PROGRESS_ENV: "1" if bar else "0"}
+    log_path = stage_log(stage)
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+
+    def show(line: str) -> None:
+        print(f"{CLEAR if bar else ''}{line}", flush=True)
+
+    show(f"[{stage}] running (log: {log_path})")
+    with checkout_lock(), open(log_path, "w", encoding="utf-8") as log:
         process = subprocess.Popen(
-            [*DVC, "repro", "--single-item", stage],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
+            [*DVC, "repro", "--single-item", stage], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
         )
-        for line in process.stdout:
-            print(line, end="", flush=True)
-            tail = (tail + [line.rstrip()])[-20:]
+        lines = relay(process.stdout, log, show, bar)
         process.wait()
     if process.returncode != 0:
-        refused = [line for line in tail if STAGE_ERROR.match(line)]
+        refused = [line for line in lines[-20:] if STAGE_ERROR.match(line)]
         if refused:
             raise StageRefused(refused[-1])
-        raise RuntimeError(f"stage {stage} failed (exit {process.returncode}):\n" + "\n".join(tail))
-    logger.info("stage %s done", stage)
+        tail = "\n".join(lines[-20:])
+        raise RuntimeError(f"stage {stage} failed (exit {process.returncode}; log: {log_path}):\n{tail}")
+    if any(SKIPPED.match(line) for line in lines):
+        show(f"[{stage}] up to date: DVC skipped it")
+        return
+    seconds = stage_seconds(stage)
+    figures = headline(stage, read_metrics(entry_paths(dvc_stages("dvc.yaml")[stage].get("metrics"))))
+    took = f" in {seconds:.0f} s" if seconds is not None else ""
+    show(f"[{stage}] done{took}" + (f": {figures}" if figures else ""))

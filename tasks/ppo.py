@@ -30,6 +30,7 @@ from tasks.kit import paths
 from tasks.kit.champion import is_champion, require_champion
 from tasks.kit.common import cli, setup_torch, stage_runtime
 from tasks.kit.configs import config_from_params
+from tasks.kit.console import progress_bars
 from tasks.kit.launch import distributed_type
 from tasks.kit.outputs import StagedOutputs, write_metrics
 from tasks.kit.params import stage_params
@@ -100,7 +101,9 @@ def run(
     checkpointer = run_checkpointer(
         checkpoint_name, {"ppo": params, "generation": generation}, [PROMPTS, PTX, SFT, REWARD], runtime
     )
-    result = train_ppo(models, tokenizer, train_prompts, validation, ptx, config, settings, log, checkpointer, runtime)
+    result = train_ppo(
+        models, tokenizer, train_prompts, validation, ptx, config, settings, log, checkpointer, runtime, progress_bars()
+    )
     result.summary["ppo/reward_model_version"] = float(champion["version"])
     models.policy = whole_model(models.policy, runtime.ranks.main)  # FSDP: gathered on rank 0
     if not runtime.ranks.main:

@@ -15,6 +15,7 @@ from rlhf.sharding import whole_model
 from tasks.kit import paths
 from tasks.kit.common import cli, setup_torch, stage_runtime
 from tasks.kit.configs import config_from_params
+from tasks.kit.console import progress_bars
 from tasks.kit.outputs import StagedOutputs, write_metrics
 from tasks.kit.params import stage_params
 from tasks.kit.resume import run_checkpointer
@@ -45,7 +46,7 @@ def run(
     runtime = stage_runtime("sft", device)
     model = runtime.place(model)
     checkpointer = run_checkpointer("sft", params, [DATA, BASE], runtime)
-    metrics = train_sft(model, tokenizer, load_jsonl(DATA), config, log, runtime, checkpointer)
+    metrics = train_sft(model, tokenizer, load_jsonl(DATA), config, log, runtime, checkpointer, progress_bars())
     model = whole_model(model, runtime.ranks.main)  # FSDP: gathered on rank 0
     if not runtime.ranks.main:
         return metrics  # rank 0 writes the model

@@ -27,7 +27,7 @@ def load(path: str):
 
 def test_write_metrics_keeps_wall_time_apart_and_the_summary_reads_it_there(tmp_path, monkeypatch, capsys):
     monkeypatch.syspath_prepend(REPO)  # tasks/, flows/
-    from flows.pipeline import print_summary
+    from flows.summary import print_summary
     from tasks.kit.outputs import write_metrics
 
     monkeypatch.chdir(tmp_path)

@@ -424,7 +424,7 @@ def test_evaluate_registers_the_policy_once_and_promotes_it_only_through_its_gat
 
 
 def test_the_flow_summary_repeats_every_gate_failed_line():
-    from flows.pipeline import summary_warnings
+    from flows.summary import summary_warnings
 
     ece = "GATE FAILED: rm_eval calibration error (ECE), 0.200, bound 0.150"
     win = "GATE FAILED: win rate over SFT by the judge, lower 95% bound (bootstrap over prompts), n/a, bound 0.500"
@@ -448,7 +448,7 @@ def test_the_flow_summary_repeats_every_gate_failed_line():
 def test_the_flow_summary_shows_each_kinds_figures_and_warns_for_a_kind_at_chance():
     from rich.console import Console
 
-    from flows.pipeline import print_summary, summary_warnings
+    from flows.summary import print_summary, summary_warnings
 
     reward = {"rm/balanced_accuracy": 0.55, "rm/balanced_accuracy_low": 0.51, "rm/balanced_accuracy_high": 0.6,
               "rm/kind/harmless/balanced_accuracy": 0.41, "rm/kind/harmless/balanced_accuracy_low": 0.35,

@@ -11,6 +11,7 @@ from rlhf.formats import RowError, to_examples
 from rlhf.models import (
     cast_once,
     load_causal_lm,
+    load_scalar_model,
     position_ids_from_mask,
     response_mask_from_tokens,
     sample,
@@ -245,3 +246,11 @@ def test_a_folder_that_is_not_a_model_folder_is_named_as_such(tmp_path):
         resolve_model_source(str(tmp_path))
     (tmp_path / "config.json").write_text("{}")
     assert resolve_model_source(str(tmp_path)) == (str(tmp_path), None)
+
+
+def test_a_new_reward_head_loads_without_the_load_report_and_a_reward_folder_is_no_causal_lm(tiny_dir, tmp_path, capfd):
+    model = load_scalar_model(tiny_dir)  # a causal LM's folder: the score head is new, as expected
+    assert "LOAD REPORT" not in capfd.readouterr().err
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"do not fit a LlamaForCausalLM: missing \[\], unused \['score.weight'\]"):
+        load_causal_lm(str(tmp_path))

@@ -209,16 +209,20 @@ def test_prefect_flow_runs_the_stale_stages_on_two_sharded_processes_and_groups_
     set_param(project, "num_processes: 1 ", "num_processes: 2 ")
     set_param(project, "accelerate_config: null", "accelerate_config: infra/accelerate/fsdp.yaml")
     output = run(project, "flows.pipeline", "--stage", "judge", "--stage", "ppo")  # every trainer, on two processes
-    ran = ran_stages(output)
+    ran = [stage for stage in STAGES if f"[{stage}] done in " in output]  # the console: a line as each ends
     assert ran == ["sft", "reward", "gate", "judge", "ppo"]  # what `device` reaches, up to the stages asked for
+    assert [stage for stage in STAGES if f"[{stage}] running (log: logs/{stage}.log)" in output] == ran
+    assert "Running stage" not in output and "it/s]" not in output  # DVC's chatter and bars: in the logs only
     precision = mixed_precision({"mixed_precision": "auto", "cpu": True})  # bf16 only where this CPU has it natively
     line = f"device cpu:0, mixed precision {precision} (auto), 2 processes (FSDP: trained models sharded)"
     for stage in ("sft", "reward", "judge", "ppo"):  # rank 0 alone prints, logs and writes
-        assert output.count(f"[{stage}] {line}") == 1
-        assert output.count(f"[{stage}] started (MLflow run") == 1
-    assert "RLHF pipeline" in output  # the summary table
-    (status,) = [line for line in output.splitlines() if line.startswith("dvc status:")]  # the flow's last line
+        log = Path(project, "logs", f"{stage}.log").read_text()
+        assert f"Running stage '{stage}'" in log and log.count(f"[{stage}] {line}") == 1
+        assert log.count(f"[{stage}] started (MLflow run") == 1 and "it/s]" not in log  # no bar off a terminal
+    assert output.count("RLHF pipeline") == 1  # the summary table, once
+    (status,) = [line for line in output.splitlines() if line.startswith("dvc status:")]
     assert "evaluate: changed deps" in status  # evaluate, not asked for, reads the new policy: stale
+    assert output.splitlines()[-1].startswith("[flow] policy gate failed ")  # the verdict last (evaluate's gate)
     with sqlite3.connect(os.path.join(project, "mlflow.db")) as db:
         parents = db.execute(  # the flow's pipeline run (the fixture's `dvc repro` made its own)
             "select run_uuid from tags where key = 'rlhf.pipeline_run_id' and value like 'prefect-%' and run_uuid in "

@@ -181,7 +181,7 @@ def test_reward_stage_and_flow_summary_warn_loudly_when_accuracy_includes_chance
     import os
 
     monkeypatch.syspath_prepend(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tasks/, flows/
-    from flows.pipeline import print_summary
+    from flows.summary import print_summary
     from tasks.reward import summary_lines
 
     metrics = {

@@ -30,6 +30,7 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+from transformers.utils import logging as transformers_logging
 
 from rlhf.chat import pad
 from rlhf.finite import non_finite_weights
@@ -157,18 +158,41 @@ def _refuse_non_finite(model: PreTrainedModel, path: str) -> PreTrainedModel:
     return model
 
 
+NEW_HEAD = "score."  # a sequence-classification head made for a causal LM's folder (a reward, judge or value model)
+UNUSED_HEAD = "lm_head."  # a causal LM's own output layer, which a sequence-classification model has no use for
+
+
 def _from_pretrained(auto: Any, path: str, **kwargs: Any) -> PreTrainedModel:
     """``auto.from_pretrained(path)`` in float32, safetensors only, no remote code; any failure to read the folder
     (a truncated or corrupt ``model.safetensors``, a broken ``config.json``, a missing file) is one ValueError
-    naming ``path``, never a loader's traceback."""
+    naming ``path``, never a loader's traceback.
+
+    transformers' load report is checked here instead of printed: a weight the folder lacks (other than a new
+    :data:`NEW_HEAD`, expected when a scalar model starts from a causal LM) or holds that the model does not
+    use (other than :data:`UNUSED_HEAD`) is a ValueError naming them.
+    """
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()  # the report of a new head alarms a reader; it is checked below
     try:
-        return auto.from_pretrained(path, dtype=torch.float32, use_safetensors=True, trust_remote_code=False, **kwargs)
+        model, info = auto.from_pretrained(
+            path, dtype=torch.float32, use_safetensors=True, trust_remote_code=False, output_loading_info=True, **kwargs
+        )
     except Exception as err:  # SafetensorError, OSError, JSONDecodeError, RuntimeError: the kind varies by loader
         first = (str(err).strip().splitlines() or [""])[0][:200]
         raise ValueError(
             f"{path}: cannot load the model ({type(err).__name__}: {first}): the folder is incomplete or corrupt; "
             "rerun the stage that wrote it (or download the version again)"
         ) from err
+    finally:
+        transformers_logging.set_verbosity(verbosity)
+    missing = sorted(key for key in info["missing_keys"] if not key.startswith(NEW_HEAD))
+    unused = sorted(key for key in info["unexpected_keys"] if not key.startswith(UNUSED_HEAD))
+    if missing or unused or info["mismatched_keys"]:
+        raise ValueError(
+            f"{path}: the weights do not fit a {type(model).__name__}: missing {missing[:5]}, unused {unused[:5]}, "
+            f"of another shape {sorted(info['mismatched_keys'])[:5]}; the folder holds another architecture"
+        )
+    return model
 
 
 def load_causal_lm(path: str) -> PreTrainedModel:

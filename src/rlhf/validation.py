@@ -25,6 +25,7 @@ from typing import Any
 
 import great_expectations as gx
 import pandas as pd
+from great_expectations.data_context.types.base import ProgressBarsConfig
 from transformers import PreTrainedTokenizerBase
 
 from rlhf.chat import control_token_ids, control_tokens, encode_chat, encode_prompt, encode_text
@@ -353,6 +354,7 @@ def validate_split(
         )
     frame = derive_columns(rows, kind, tokenizer, config)
     context = gx.get_context(mode="ephemeral")
+    context.variables.progress_bars = ProgressBarsConfig(globally=False)  # 4 bars a split, several times each
     batch = (
         context.data_sources.add_pandas("rlhf")
         .add_dataframe_asset(kind)

@@ -8,6 +8,7 @@ import signal
 import sys
 from typing import Any
 
+from tasks.kit.console import quiet_libraries
 from tasks.kit.params import stage_params
 
 
@@ -79,7 +80,8 @@ def one_line(message: str) -> str:
 
 
 def cli(main) -> None:
-    """Run a stage's ``main``; known failures end with one line on stderr and a non-zero exit, not a traceback.
+    """Run a stage's ``main`` with the libraries quiet (:func:`tasks.kit.console.quiet_libraries`); known failures
+    end with one line on stderr and a non-zero exit, not a traceback.
 
     - ``ValueError``, ``FileNotFoundError``, ``KeyError``: bad input or configuration (their
       messages name the file, row, param and rule); exit 1.
@@ -94,6 +96,7 @@ def cli(main) -> None:
     """
     spec = getattr(sys.modules.get(main.__module__), "__spec__", None)
     stage = (spec.name if spec else main.__module__).rsplit(".", 1)[-1]
+    quiet_libraries(stage)
     try:
         main()
     except (ValueError, FileNotFoundError, KeyError, FloatingPointError) as err:

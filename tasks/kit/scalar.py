@@ -26,6 +26,7 @@ from rlhf.stats import chance_warning
 from tasks.kit import paths
 from tasks.kit.common import setup_torch, stage_runtime
 from tasks.kit.configs import config_from_params
+from tasks.kit.console import progress_bars
 from tasks.kit.outputs import StagedOutputs, is_part_figure, write_metrics
 from tasks.kit.resume import run_checkpointer
 
@@ -62,7 +63,7 @@ def run(
     runtime = stage_runtime(stage, device)
     model = runtime.place(model)
     checkpointer = run_checkpointer(stage, params, [splits[0], init], runtime)
-    metrics = train_reward_model(model, tokenizer, train, config, log, runtime, checkpointer)
+    metrics = train_reward_model(model, tokenizer, train, config, log, runtime, checkpointer, progress_bars())
     model = whole_model(model, runtime.ranks.main)  # FSDP: gathered on rank 0
     if not runtime.ranks.main:
         return metrics, None  # rank 0 centres, measures and writes the model
