@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -313,3 +314,30 @@ def test_export_refuses_a_reward_model_and_gives_another_folder_no_metrics_of_th
     assert result.exit_code == 0, result.output
     metrics = card_sections((registry_project / "hf-other" / "README.md").read_text())["Metrics"]
     assert "neither a registered version nor the evaluated models/policy" in metrics and "0.610" not in metrics
+
+
+ERROR_PATHS = [  # argv after `rlhf-model`, the one line it must end with
+    (["generate", "models/policy", "--prompts", "missing.jsonl", "--out", "out.jsonl"], "missing.jsonl: no such file"),
+    (["generate", "missing", "--prompts", "prompts.jsonl", "--out", "out.jsonl"], "missing: not a model folder"),
+    (["generate", "models/policy", "--prompts", "prompts.jsonl", "--out", "nope/x.jsonl"], "--out"),
+    (["score-pairs", "models/reward", "missing.jsonl"], "missing.jsonl: no such file"),
+    (["score-pairs", "models/reward", "prompts.jsonl", "--json", "nope/m.json"], "--json"),
+    (["export", "--out", "exported", "--model", "missing"], "missing: not a model folder"),
+    (["chat", "missing"], "missing: not a model folder"),
+]
+
+
+@pytest.mark.parametrize(("argv", "line"), ERROR_PATHS, ids=[" ".join(argv[:2]) for argv, _ in ERROR_PATHS])
+def test_a_bad_argument_or_file_is_reported_before_torch_transformers_or_mlflow_load(argv, line, tmp_path):
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "hi"}\n')
+    for name in ("params.yaml", "dvc.yaml"):  # a project: export reads its params before the model
+        shutil.copy(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), name), tmp_path)
+    probe = (
+        "import sys; from typer.testing import CliRunner; from tasks.cli.model import app; "
+        f"result = CliRunner().invoke(app, {argv!r}); "
+        "print(result.exit_code, [m for m in ('torch', 'transformers', 'mlflow') if m in sys.modules]); "
+        "print(result.output.strip())"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, check=True)
+    status, output = result.stdout.split("\n", 1)
+    assert status == "1 []" and line in output and len(output.strip().splitlines()) == 1, result.stdout

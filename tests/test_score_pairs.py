@@ -140,7 +140,7 @@ def test_a_broken_row_or_a_bad_argument_stops_the_command_with_one_line(reward_d
             [reward_dir, str(path), "--mapping", mapping, "--max-length", "999"],
             "--max-length 999: the model has only 256 positions",
         ),
-        ([reward_dir, str(tmp_path / "none.jsonl")], "error: FileNotFoundError:"),
+        ([reward_dir, str(tmp_path / "none.jsonl")], f"{tmp_path / 'none.jsonl'}: no such file or folder"),
     ):
         result = runner.invoke(model_cli.app, ["score-pairs", *args])
         assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1, result.output

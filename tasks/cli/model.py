@@ -200,6 +200,8 @@ def _fail(err: Exception) -> None:
     from tasks.kit.registry import RegistryError
 
     text = one_line(str(err)) or type(err).__name__
+    if isinstance(err, FileNotFoundError) and err.filename:
+        err, text = UserError(), f"{err.filename}: no such file or folder"
     plain = isinstance(err, (UserError, RegistryError, PairsError))  # their lines already say what and where
     typer.echo(text if plain else f"error: {type(err).__name__}: {text}", err=True)
     raise typer.Exit(1)
@@ -214,6 +216,16 @@ def _one_line() -> Iterator[None]:
         _fail(err)
 
 
+def writable_file(path: str, option: str) -> None:
+    """Refuse an output file whose folder does not exist, before anything slow runs.
+
+    Raises:
+        UserError: names the option and the folder.
+    """
+    if not os.path.isdir(os.path.dirname(path)):
+        raise UserError(f"{option} {path}: the folder {os.path.dirname(path)} does not exist")
+
+
 @app.command()
 def export(
     out: str = typer.Option(..., help="the folder to write (must not exist, or be empty)"),
@@ -226,9 +238,6 @@ def export(
 ) -> None:
     """Export a policy as a Hugging Face folder: safetensors, tokenizer with chat template, generation config and
     README.md, the model card. Written into a temporary folder beside --out and renamed at the end."""
-    from transformers import GenerationConfig
-
-    from rlhf.models import save_tokenizer
     from tasks.kit.model_card import card_facts, render_card
     from tasks.kit.params import read_params, stage_params
     from tasks.kit.registry import find_by_sha, folder_sha256
@@ -258,6 +267,10 @@ def export(
                 if found is None and client is not None and name:  # a folder: is its content a registered version?
                     found = find_by_sha(client, name, sha)
                 policy, tokenizer = load(source, "cpu")
+            from transformers import GenerationConfig  # noqa: PLC0415 (after the checks, as load's own imports)
+
+            from rlhf.models import save_tokenizer  # noqa: PLC0415
+
             staged = os.path.join(tmp, "export")
             generation = stage_params("generation")
             policy.generation_config = GenerationConfig(
@@ -304,11 +317,11 @@ def chat(
     project: str = typer.Option(None, help="the project folder, for models:/ URIs (default: found from here)"),
 ) -> None:
     """Chat in the terminal with the model's chat template. /reset clears the conversation; /exit or Ctrl-D ends."""
-    import torch
-
     with _one_line(), model_folder(model, project) as folder:
         policy, tokenizer = load(folder)
         budget = prompt_budget(policy, max_new_tokens, max_prompt_tokens)
+    import torch  # noqa: PLC0415 (after the checks: a bad argument is reported in a second)
+
     torch.manual_seed(seed)
     opening = [{"role": "system", "content": system}] if system else []
     messages = list(opening)
@@ -351,16 +364,17 @@ def generate(
     project: str = typer.Option(None, help="the project folder, for models:/ URIs (default: found from here)"),
 ) -> None:
     """Generate one response per row of a prompts file (rows checked before the model loads)."""
-    import torch
-
-    from rlhf.chat import encode_prompt
-    from rlhf.checkpoint import atomic_write_text
-
     prompts, out = os.path.abspath(prompts), os.path.abspath(out)
     with _one_line():
         rows = read_prompts(prompts)
+        writable_file(out, "--out")
         with model_folder(model, project) as folder:
             policy, tokenizer = load(folder)
+        import torch  # noqa: PLC0415 (after the checks: a bad argument is reported in a second)
+
+        from rlhf.chat import encode_prompt  # noqa: PLC0415
+        from rlhf.checkpoint import atomic_write_text  # noqa: PLC0415
+
         budget = prompt_budget(policy, max_new_tokens, max_prompt_tokens)
         torch.manual_seed(seed)
         ids = [encode_prompt(tokenizer, row["messages"], budget) for row in rows]
@@ -416,12 +430,13 @@ def score_pairs(
     then the same per kind of data (a row's kind field, --kind, or one kind a file when several are given) and
     per source. Rows are checked before the model loads; a row that does not parse stops it with one line
     (file:line: rule), or with --skip-bad-rows is left out and counted."""
-    from rlhf.checkpoint import write_json
     from tasks.cli import score_pairs as scoring
 
     if json_out is not None:
         json_out = os.path.abspath(json_out)  # a models:/ URI makes the project folder current
     with _one_line():
+        if json_out is not None:
+            writable_file(json_out, "--json")
         kinds = scoring.file_kinds(pairs, kind)
         examples, rows, left_out = [], 0, []
         for path, file_kind in zip(pairs, kinds, strict=True):
@@ -433,6 +448,8 @@ def score_pairs(
             reward_model, tokenizer, length = scoring.load_reward_model(folder, max_length)
         metrics = scoring.score(reward_model, tokenizer, examples, length, batch_size)
         if json_out is not None:
+            from rlhf.checkpoint import write_json  # noqa: PLC0415 (imports torch: after the checks)
+
             write_json(json_out, scoring.json_metrics(metrics))
     typer.echo(f"{model} on {', '.join(pairs)}: {len(examples)} pairs from {rows} rows, max length {length} tokens")
     if left_out:
