@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 from huggingface_hub import ModelCard
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
@@ -61,10 +62,14 @@ def check_folder(out, source: str, eos_token_id: int) -> str:
     assert {"model.safetensors", "config.json", "generation_config.json", "README.md"} <= files, files
     assert not any(name.endswith((".bin", ".pt", ".pkl")) for name in files)
     assert os.stat(out / "model.safetensors").st_mode & 0o044 == 0o044  # readable by others, as the umask allows
+    with safe_open(out / "model.safetensors", "pt") as weights:  # bf16 by default, as the Hub's SmolLM2
+        assert {weights.get_slice(key).get_dtype() for key in weights.keys()} == {"BF16"}  # noqa: SIM118
     model = AutoModelForCausalLM.from_pretrained(out, use_safetensors=True, trust_remote_code=False)
     original = AutoModelForCausalLM.from_pretrained(source, use_safetensors=True)
     for (name, a), (_, b) in zip(model.state_dict().items(), original.state_dict().items(), strict=True):
-        assert torch.equal(a, b), name
+        assert torch.equal(a.to(torch.bfloat16), b.to(torch.bfloat16)), name
+    for name in files - {"model.safetensors"}:  # nothing written for others points into this machine
+        assert os.path.dirname(os.path.dirname(str(out))) not in (out / name).read_text(), name
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert tokenizer.chat_template and tokenizer.eos_token_id == eos_token_id
     # where both kinds of consumer look: chat_template.jinja and tokenizer_config.json's key, the same text

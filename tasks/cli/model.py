@@ -234,16 +234,21 @@ def export(
         help="models:/<name>@<alias>, models:/<name>/<version> or a folder "
         "(default: the champion of params.yaml registry.policy_model)",
     ),
+    dtype: str = typer.Option("bfloat16", help="the weights' dtype: bfloat16 (half the size) or float32"),
     project: str = typer.Option(None, help="the project folder (default: found from here)"),
 ) -> None:
-    """Export a policy as a Hugging Face folder: safetensors, tokenizer with chat template, generation config and
-    README.md, the model card. Written into a temporary folder beside --out and renamed at the end."""
+    """Export a policy as a Hugging Face folder that transformers 4.57 and 5 load: safetensors, tokenizer with chat
+    template, generation config and README.md, the model card. Written into a temporary folder beside --out and
+    renamed at the end. A version that failed its gate is exported with a warning naming it."""
     from tasks.kit.model_card import card_facts, render_card
     from tasks.kit.params import read_params, stage_params
-    from tasks.kit.registry import find_by_sha, folder_sha256
+    from tasks.kit.portable import make_portable
+    from tasks.kit.registry import DECISION_TAG, find_by_sha, folder_sha256
 
     out = os.path.abspath(out)
     with _one_line():
+        if dtype not in ("bfloat16", "float32"):
+            raise UserError(f"--dtype {dtype}: bfloat16 or float32")
         if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
             raise UserError(f"{out}: exists and is not an empty folder; choose another --out")
         given = os.path.abspath(model) if model and not model.startswith("models:/") else model
@@ -267,7 +272,8 @@ def export(
                 if found is None and client is not None and name:  # a folder: is its content a registered version?
                     found = find_by_sha(client, name, sha)
                 policy, tokenizer = load(source, "cpu")
-            from transformers import GenerationConfig  # noqa: PLC0415 (after the checks, as load's own imports)
+            import torch  # noqa: PLC0415 (after the checks, as load's own imports)
+            from transformers import GenerationConfig  # noqa: PLC0415
 
             from rlhf.models import save_tokenizer  # noqa: PLC0415
 
@@ -283,9 +289,10 @@ def export(
                 pad_token_id=tokenizer.pad_token_id,
                 bos_token_id=tokenizer.bos_token_id,
             )
-            policy.save_pretrained(staged, safe_serialization=True)
+            policy.to(getattr(torch, dtype)).save_pretrained(staged, safe_serialization=True)
             save_tokenizer(tokenizer, staged)
-            origin = given if given.startswith("models:/") else f"the folder {given}"
+            make_portable(staged)
+            origin = given if given.startswith("models:/") else f"the folder {shown_path(given, project)}"
             render_card(card_facts(sha, found, client, origin)).save(os.path.join(staged, "README.md"))
             umask = os.umask(0)
             os.umask(umask)
@@ -295,6 +302,19 @@ def export(
                 os.rmdir(out)  # empty (checked above): the rename takes its place
             os.rename(staged, out)
     typer.echo(f"exported {given} to {out}")
+    decision = found.tags.get(DECISION_TAG) if found is not None else None
+    if decision == "fail":
+        typer.echo(
+            f"warning: {found.name} version {found.version} failed its gate ({DECISION_TAG} = fail; its reasons: "
+            f"rlhf-registry status policy): the folder says so in its card",
+            err=True,
+        )
+
+
+def shown_path(path: str, project: str) -> str:
+    """``path`` as written for others: relative to the project when inside it, else its last folder name."""
+    inside = os.path.commonpath([os.path.abspath(path), project]) == project
+    return os.path.relpath(path, project) if inside else os.path.basename(os.path.normpath(path))
 
 
 def find_version_or_none(uri: str, client):
