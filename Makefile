@@ -10,7 +10,7 @@ export DVC_NO_ANALYTICS := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export HF_HUB_DISABLE_TELEMETRY := 1
 
-.PHONY: setup pipeline test unit lint mutants speed
+.PHONY: setup pipeline test unit lint docs mutants speed
 
 setup: $(VENV)/.installed
 
@@ -32,13 +32,19 @@ $(VENV)/.installed: pyproject.toml infra/constraints.txt
 pipeline: setup
 	$(BIN)/python -m flows.pipeline
 
-test: lint
+test: lint docs
 	$(BIN)/python -m pytest
 
 # ruff lints and checks the format (configured in pyproject.toml); `make test` and CI fail on any finding.
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+
+# The user's guide (mkdocs.yml, docs/) built with --strict: a broken link or anchor, or a page left out of the nav,
+# fails it, and `make test` with it. The HTML goes to a temporary folder, removed after; SITE=<folder> keeps it there.
+docs: setup
+	site="$(or $(SITE),$$(mktemp -d))"; NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir "$$site"; status=$$?; \
+	$(if $(SITE),,rm -rf "$$site";) exit $$status
 
 unit: setup
 	$(BIN)/python -m pytest -m "not integration"

@@ -7,7 +7,7 @@ core, then on N processes with the cores shared out, under ``infra/accelerate/dd
 the whole model) and ``infra/accelerate/fsdp.yaml`` (the trained model sharded, :mod:`rlhf.sharding`): gloo
 on a CPU-only machine, NCCL with one GPU each on a GPU host. It prints one line per trainer and launch: the
 median seconds per step after one warm-up step, the speed-up, and the megabytes one process holds of the
-model's weights (frozen blocks included), gradients and AdamW moments. A benchmark, not a test (README:
+model's weights (frozen blocks included), gradients and AdamW moments. A benchmark, not a test (docs/scaling.md:
 running at scale has the figures measured here).
 """
 

@@ -17,7 +17,7 @@ Figures (each at both implementations' fp32, and each at its best precision; plu
 - our PPO iteration at batch sizes and response lengths (scaling), with its per-phase seconds.
 
 Writes ``bench/out/speed/results.json`` (every run, raw) and ``bench/out/speed/table.md``
-(the tables for the README) and prints the tables. Worker logs go to ``bench/out/speed/logs/``.
+(the tables for docs/results.md) and prints the tables. Worker logs go to ``bench/out/speed/logs/``.
 
 Usage:
     python -m bench.speed            # the full run, alone on the machine (~35 min on 2 cores; 2 rounds took 24)

@@ -284,7 +284,7 @@ def build_report(results: dict[str, Any]) -> dict[str, Any]:
 
 
 def write_markdown(report: dict[str, Any], path: str) -> None:
-    """Write the tables and notes as Markdown (for the README)."""
+    """Write the tables and notes as Markdown (for docs/results.md)."""
     lines = []
     for table in report["tables"]:
         lines += [f"**{table['title']}**", "", "| " + " | ".join(table["columns"]) + " |"]

@@ -1,5 +1,5 @@
 """params.yaml's own values are the defaults: a typed config's field carries no default or params.yaml's value (the
-default profile and preset applied), every class a stage builds from params.yaml is checked here, and the README's
+default profile and preset applied), every class a stage builds from params.yaml is checked here, and the docs'
 tables of values (the PPO-max switches, the data splits) show params.yaml's."""
 
 from __future__ import annotations
@@ -94,9 +94,9 @@ def test_the_check_sees_a_wrong_default(monkeypatch):
         test_a_field_default_is_params_yaml_value("ppo")
 
 
-def _table(header: str) -> list[list[str]]:
-    """The rows of the README table under ``header`` (its first line), each as its stripped cells."""
-    lines = (ROOT / "README.md").read_text().splitlines()
+def _table(page: str, header: str) -> list[list[str]]:
+    """The rows of the table under ``header`` (its first line) in ``docs/<page>``, each as its stripped cells."""
+    lines = (ROOT / "docs" / page).read_text().splitlines()
     start = lines.index(header) + 2  # the header, then the |---| line
     rows = []
     for line in lines[start:]:
@@ -125,14 +125,14 @@ def test_the_readme_ppo_table_shows_params_yaml_presets(column, preset):
     params = read_params(str(ROOT / "params.yaml"))
     params["ppo"]["preset"] = preset
     values = stage_params("ppo", params)
-    rows = _table(PPO_TABLE)
+    rows = _table("configuration.md", PPO_TABLE)
     assert len(rows) >= 14
     for row in rows:
         keys = re.findall(r"`(\w+)`", re.sub(r"\(.*?\)", "", row[0]))  # keys in parentheses carry no value
         shown = row[column] if row[column] != "same" else row[-2]
         for key, text in zip(keys, re.split(r"[,;]\s*", shown), strict=False):
             assert _readme_value(text) == values[key], (
-                f"README {preset} column: {key} is {text}, params.yaml {values[key]}"
+                f"docs/configuration.md {preset} column: {key} is {text}, params.yaml {values[key]}"
             )
 
 
@@ -150,9 +150,9 @@ def test_the_readme_split_table_shows_params_yaml_fractions(column, profile):
         "ptx_text": fractions["ptx_text"] * (1 - heldout),
         "ptx_heldout": fractions["ptx_text"] * heldout,
     }
-    rows = _table(SPLIT_TABLE)
+    rows = _table("data.md", SPLIT_TABLE)
     assert {row[0].strip("`") for row in rows} == set(shares)
     for row in rows:
         formula = re.sub(r"\(\+.*?\)", "", row[column]).replace("×", "*").replace("−", "-")
-        share = eval(formula, {"__builtins__": {}})  # the README's own arithmetic: "0.05 * (1 - 0.2)"
-        assert share == pytest.approx(shares[row[0].strip("`")]), f"README {profile}: {row}"
+        share = eval(formula, {"__builtins__": {}})  # the page's own arithmetic: "0.05 * (1 - 0.2)"
+        assert share == pytest.approx(shares[row[0].strip("`")]), f"docs/data.md {profile}: {row}"

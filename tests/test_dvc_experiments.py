@@ -86,7 +86,7 @@ def test_an_experiment_compares_with_the_committed_baseline_in_dvc_exp_show_and_
         values = load(os.path.join(project, "metrics", name))
         keys = values if isinstance(values, dict) else values[0]
         assert "seconds" not in keys and not [k for k in keys if "/time/" in k], name
-    # what the README says to commit is all the run leaves for git
+    # what docs/pipeline.md says to commit is all the run leaves for git
     git(project, "add", "dvc.lock", "metrics", "params.yaml")
     git(project, "commit", "-qm", "baseline")
     assert git(project, "status", "--porcelain") == ""

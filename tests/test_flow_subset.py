@@ -152,7 +152,7 @@ def dvc(project: str, *args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.integration
 def test_a_subset_run_after_an_upstream_param_change_runs_the_stale_stage_first(tmp_path, monkeypatch, capsys):
-    """The README's `python -m flows.pipeline --stage ...` on real DVC (Prefect's own machinery left out: each
+    """docs/pipeline.md's `python -m flows.pipeline --stage ...` on real DVC (Prefect's own machinery left out: each
     stage runs `dvc repro --single-item` as the flow's task does)."""
     project = fake_project(tmp_path)
     assert dvc(project, "init", "--no-scm", "-q").returncode == 0

@@ -104,7 +104,7 @@ def test_every_config_field_can_be_set_from_params_and_stands_in_the_file():
                 config_from_params(cls, {**values, field.name: field.default}, section)
             elif field.default_factory is not dataclasses.MISSING:
                 config_from_params(cls, {**values, field.name: field.default_factory()}, section)
-            if field.name not in ("storage_options",):  # a credential-free default; documented in the README
+            if field.name not in ("storage_options",):  # a credential-free default; documented in docs/data.md
                 assert field.name in shown, f"{section}.{field.name} is a setting but params.yaml does not show it"
 
 

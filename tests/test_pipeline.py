@@ -204,7 +204,7 @@ def test_dvc_repro_runs_everything_then_only_what_a_ppo_param_touches(tiny_run, 
 
 def test_prefect_flow_runs_the_stale_stages_on_two_sharded_processes_and_groups_mlflow_runs(tiny_run, tmp_path):
     project = copy_project(tiny_run, tmp_path)
-    # the training stages on two gloo processes through the tested FSDP config (README: running at scale;
+    # the training stages on two gloo processes through the tested FSDP config (docs/scaling.md: running at scale;
     # infra/accelerate/ddp.yaml is tested by tests/test_distributed.py)
     set_param(project, "num_processes: 1 ", "num_processes: 2 ")
     set_param(project, "accelerate_config: null", "accelerate_config: infra/accelerate/fsdp.yaml")

@@ -93,7 +93,7 @@ class Site:
         return self.start(f"worker-{pool}-{queue or 'default'}", checkout, f"{BIN}/prefect", *args, env=env)
 
     def trigger(self, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
-        """The README's command: ``prefect deployment run rlhf-pipeline/scheduled`` (with ``--watch``: waits)."""
+        """docs/scaling.md's command: ``prefect deployment run rlhf-pipeline/scheduled`` (with ``--watch``: waits)."""
         args = [f"{BIN}/prefect", "deployment", "run", "rlhf-pipeline/scheduled", *extra]
         return subprocess.run(args, cwd=self.project, env=self.env, capture_output=True, text=True, timeout=300)
 

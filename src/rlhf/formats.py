@@ -1,11 +1,11 @@
 """Raw preference rows in any supported format -> preference examples of chat messages.
 
-Formats (README "Input data"): ``hh`` (whole HH-RLHF dialogue strings),
+Formats (docs/data.md "Input data"): ``hh`` (whole HH-RLHF dialogue strings),
 ``pairs`` (prompt/chosen/rejected), ``conversational`` (chosen/rejected message
 lists) and ``ranking`` (K ranked responses). An example is ``{"prompt",
 "chosen", "rejected"}``, each a list of ``{"role", "content"}`` messages; the
 prompt ends with a user turn and each response starts and ends with an assistant
-turn (README "Input data" says what happens to rows that do not).
+turn (docs/data.md "Input data" says what happens to rows that do not).
 """
 
 from __future__ import annotations

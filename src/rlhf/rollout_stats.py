@@ -78,7 +78,7 @@ def sequence_table(
 
 
 def rollout_stats(table: torch.Tensor) -> dict[str, float]:
-    """The monitoring signals of one rollout (metric names of the README's PPO section) from its
+    """The monitoring signals of one rollout (metric names of docs/ppo.md, Monitoring) from its
     :func:`sequence_table` (every rank's rows), in one host round trip besides the skewness (which reads the
     scores' host copy): response means, token means (sums over all tokens divided by all tokens), the score
     quantiles, and the value model's explained variance ``1 - Var[returns - values] / Var[returns]`` over all

@@ -85,7 +85,7 @@ def check_accelerate_config(path: str) -> None:
         ValueError: its ``distributed_type`` is DeepSpeed or Megatron-LM, or its ``fsdp_config`` lacks
             ``fsdp_version: 2`` or ``fsdp_cpu_ram_efficient_loading: false``, or sets anything else but
             ``fsdp_reshard_after_forward`` (the trainers shard each decoder block themselves, :mod:`rlhf.sharding`;
-            README: running at scale).
+            docs/scaling.md: running at scale).
     """
     from rlhf.distributed import UNSUPPORTED  # noqa: PLC0415 (imports torch and transformers)
 
