@@ -69,7 +69,10 @@ def main(
         demonstrations = [
             c.input_ids for c, _ in encode_pairs(tokenizer, train[: config.center_max_examples], config.max_length)
         ]
-        summary["rm/offset"] = center_rewards(model, tokenizer, demonstrations, config.eval_batch_size, runtime)
+        demo_kinds = [kind_of(row) for row in train[: config.center_max_examples]]
+        summary["rm/offset"] = center_rewards(
+            model, tokenizer, demonstrations, config.eval_batch_size, runtime, demo_kinds
+        )
         metrics, _ = evaluate_reward_model(
             model, tokenizer, held_out, config.max_length, config.eval_batch_size, runtime
         )

@@ -13,6 +13,7 @@ from rich.table import Table
 from rlhf.kinds import kinds_in
 from rlhf.stats import chance_warning
 from tasks.kit.outputs import timing_path
+from tasks.kit.paths import POLICY_GATE, REWARD_GATE
 
 SUMMARY = {
     "prepare": [],
@@ -223,10 +224,7 @@ def verdict(metrics: dict[str, dict]) -> tuple[str, str]:
     prompts: refusal rate increase over SFT, upper 95% bound (...) (reports/policy_gate.json)")``,
     ``("Completed", "policy gate passed all 9 checks")``.
     """
-    for stage, what, report in (
-        ("evaluate", "policy gate", "reports/policy_gate.json"),
-        ("gate", "reward gate", "reports/reward_gate.json"),
-    ):
+    for stage, what, report in (("evaluate", "policy gate", POLICY_GATE), ("gate", "reward gate", REWARD_GATE)):
         record = metrics.get(stage, {})
         if "decision" not in record:
             continue

@@ -111,7 +111,15 @@ def judge_figures(
 
 
 def curve(
-    sft: Any, scorers: Scorers, tokenizer, prompts: list, config, settings, runtime, sampled: dict[int, dict]
+    sft: Any,
+    scorers: Scorers,
+    tokenizer,
+    prompts: list,
+    config,
+    settings,
+    runtime,
+    sampled: dict[int, dict],
+    kinds: list[str] | None = None,
 ) -> list[dict[str, float]]:
     """The over-optimisation curve: one row per policy PPO kept (``models/policy_kept/iteration-NNNN``, the rollout
     step) and the SFT model (iteration 0), each sampled the same way (one sample of each of the first
@@ -134,6 +142,7 @@ def curve(
         }
 
     fixed = prompts[: config.curve_prompts]
+    fixed_kinds = kinds[: len(fixed)] if kinds is not None else None
 
     def point(iteration: int, run: dict[str, Any]) -> dict[str, float]:
         return row(iteration, {k: run[k][: len(fixed), :1] for k in ("kl", "kl_k3", "proxy", "judge")})
@@ -146,14 +155,27 @@ def curve(
             continue
         policy = runtime.place(load_kept_policy(SFT, os.path.join(KEPT, name))).requires_grad_(False)
         rows.append(
-            point(iteration, generate_and_score(policy, sft, scorers, tokenizer, fixed, config, settings, runtime))
+            point(
+                iteration,
+                generate_and_score(
+                    policy, sft, scorers, tokenizer, fixed, config, settings, runtime, kinds=fixed_kinds
+                ),
+            )
         )
         del policy
     return rows
 
 
 def best_of_n_figures(
-    sft: Any, scorers: Scorers, tokenizer, prompts: list, config, settings, runtime, sampled: dict[str, Any]
+    sft: Any,
+    scorers: Scorers,
+    tokenizer,
+    prompts: list,
+    config,
+    settings,
+    runtime,
+    sampled: dict[str, Any],
+    kinds: list[str] | None = None,
 ) -> dict:
     """Best-of-N of the SFT model on the curve prompts, the reference point of the over-optimisation curve.
 
@@ -173,7 +195,10 @@ def best_of_n_figures(
     fixed = prompts[: config.curve_prompts]
     run = {k: sampled[k][: len(fixed), :1] for k in ("proxy", "judge")}
     if config.best_of_n > 1:
-        more = generate_and_score(sft, sft, scorers, tokenizer, fixed, config, settings, runtime, config.best_of_n, 1)
+        fixed_kinds = kinds[: len(fixed)] if kinds is not None else None
+        more = generate_and_score(
+            sft, sft, scorers, tokenizer, fixed, config, settings, runtime, config.best_of_n, 1, kinds=fixed_kinds
+        )
         run = {k: torch.cat([run[k], more[k]], dim=1) for k in run}
     figures, n, kept = {}, 1, {}
     while n <= config.best_of_n:
@@ -237,14 +262,14 @@ def run(
         check_reads_whole(reader, length, ("ppo.max_prompt_length (evaluate's max_prompt_length)", reads), longest)
     heldout = load_jsonl(PTX_HELDOUT)
     metrics, runs = evaluate_policy(
-        sft, policy, scorers, tokenizer, prompts, heldout, config, settings, runtime, base=base
+        sft, policy, scorers, tokenizer, prompts, heldout, config, settings, runtime, base=base, kinds=kinds
     )
     del policy, base
     metrics |= kind_figures(runs, kinds, config.bootstrap_resamples, config.seed)
     shipped = int(stage_metrics("ppo").get("ppo/shipped_iteration", 0))
     sampled = {shipped: runs["policy"], 0: runs["sft"]}
-    rows_of_curve = curve(sft, scorers, tokenizer, prompts, config, settings, runtime, sampled)
-    metrics |= best_of_n_figures(sft, scorers, tokenizer, prompts, config, settings, runtime, runs["sft"])
+    rows_of_curve = curve(sft, scorers, tokenizer, prompts, config, settings, runtime, sampled, kinds)
+    metrics |= best_of_n_figures(sft, scorers, tokenizer, prompts, config, settings, runtime, runs["sft"], kinds)
     judge, doubts = judge_figures(stage_metrics("judge"), config.judge_min_length_accuracy, sorted(set(kinds)))
     metrics |= judge | {
         "eval/reward_model_version": float(champion["version"]),

@@ -19,6 +19,7 @@ from typing import Any
 
 from rlhf.chat import check_reads_whole, encode_prompt
 from rlhf.data import load_jsonl, ptx_token_ids
+from rlhf.kinds import kind_of
 from rlhf.lora import AdapterDisabledReference, add_lora, merged_copy
 from rlhf.models import load_causal_lm, load_scalar_model, load_tokenizer, save_tokenizer
 from rlhf.plots import reward_histograms, signal_figures
@@ -95,6 +96,8 @@ def run(
         raise ValueError(f"{PROMPTS}: {len(rows)} prompts, but {held_out} are held out for validation")
     encoded = [encode_prompt(tokenizer, row["prompt"], config.max_prompt_length) for row in rows]
     train_prompts, validation = encoded[: len(encoded) - held_out], encoded[len(encoded) - held_out :]
+    kinds = [kind_of(row) for row in rows]  # each prompt rewarded with its own kind's score
+    train_kinds, validation_kinds = kinds[: len(kinds) - held_out], kinds[len(kinds) - held_out :]
     ptx = (
         [ptx_token_ids(tokenizer, row, config.ptx_max_length) for row in load_jsonl(PTX)] if config.ptx_coef > 0 else []
     )
@@ -102,7 +105,19 @@ def run(
         checkpoint_name, {"ppo": params, "generation": generation}, [PROMPTS, PTX, SFT, REWARD], runtime
     )
     result = train_ppo(
-        models, tokenizer, train_prompts, validation, ptx, config, settings, log, checkpointer, runtime, progress_bars()
+        models,
+        tokenizer,
+        train_prompts,
+        validation,
+        ptx,
+        config,
+        settings,
+        log,
+        checkpointer,
+        runtime,
+        progress_bars(),
+        prompt_kinds=train_kinds,
+        validation_kinds=validation_kinds,
     )
     result.summary["ppo/reward_model_version"] = float(champion["version"])
     models.policy = whole_model(models.policy, runtime.ranks.main)  # FSDP: gathered on rank 0

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rlhf.device import Runtime
-from rlhf.kind_heads import head_kinds, mix, output_count, own_kind_scores
+from rlhf.kind_heads import head_kinds, mix, output_count, own_kind_scores, read_scores
 from rlhf.kinds import training_kinds
 from rlhf.models import load_scalar_model
 from rlhf.reward import RewardConfig, encode_pairs, train_reward_model
@@ -58,6 +58,25 @@ def test_kind_heads_travel_with_the_model_and_every_scorer_reads_their_mixture(t
     expected = (outputs[:, :2] * torch.softmax(outputs[:, 2:], dim=-1)).sum(-1)
     assert torch.allclose(score_sequences(model, tokenizer, sequences, 2, Runtime()), expected, atol=1e-5)
     assert torch.allclose(score_groups(model, tokenizer, [sequences], 2, Runtime()), expected, atol=1e-5)
+    # a row that names its kind is read with that kind's score, in every path; a kind the model lacks: the mix
+    own = torch.stack([outputs[0, 1], expected[1]])
+    kinds = ["helpful", "general"]
+    assert torch.allclose(score_sequences(model, tokenizer, sequences, 2, Runtime(), kinds), own, atol=1e-5)
+    assert torch.allclose(score_groups(model, tokenizer, [sequences[:1], sequences[1:]], 2, Runtime(), kinds), own,
+                          atol=1e-5)  # fmt: skip
+    harmless = score_groups(model, tokenizer, [sequences], 2, Runtime(), ["harmless"])  # a group: one kind
+    assert torch.allclose(harmless, outputs[:, 0], atol=1e-5)
+
+
+def test_a_row_is_read_with_its_own_kinds_score_else_the_mix_by_hand():
+    # row 0 names helpful: its score 2; row 1 names a kind the model lacks: the mix of (3, -1) by softmax(5, 0),
+    # e^5 / (e^5 + 1) = 0.993307: 3 * 0.993307 - 0.006693 = 2.973228
+    outputs = torch.tensor([[1.0, 2.0, 0.0, 0.0], [3.0, -1.0, 5.0, 0.0]])
+    assert read_scores(outputs, KINDS, ["helpful", "general"]).tolist() == [2.0, pytest.approx(2.973228, abs=1e-6)]
+    assert torch.equal(read_scores(outputs, KINDS), mix(outputs, 2))  # no kinds: the gate's mix
+    assert read_scores(torch.tensor([[0.7]]), [], ["helpful"]).tolist() == [pytest.approx(0.7)]  # one output
+    with pytest.raises(ValueError, match="1 kinds for 2 rows"):
+        read_scores(outputs, KINDS, ["helpful"])
 
 
 def test_a_pair_trains_its_own_kinds_score_and_the_gate_learns_its_kind(tiny_dir, tokenizer):

@@ -222,7 +222,7 @@ def test_two_files_of_two_kinds_print_a_block_each_with_the_figures_of_their_pai
             model, tokenizer, [e for e in examples if e["kind"] == kind], 256, 4, Runtime(torch.device("cpu"))
         )
         assert written[f"rm/kind/{kind}/accuracy"] == pytest.approx(alone["rm/accuracy"], nan_ok=True)
-        assert written[f"rm/kind/{kind}/margin"] == pytest.approx(alone["rm/margin"])
+        assert written[f"rm/kind/{kind}/margin"] == pytest.approx(alone["rm/margin"], abs=1e-6)  # batching rounds
     lines = result.stdout.splitlines()
     at = lines.index("kind harmless:")
     assert lines[at + 1].startswith("  accuracy ") and lines.index("kind helpful:") > at

@@ -108,6 +108,7 @@ def judge_scores(
     settings: GenerationSettings,
     config: EvalConfig,
     runtime: Runtime,
+    kinds: list[str] | None = None,
 ) -> torch.Tensor:
     """The judge's score of each response text, after the same unfinished-response rule as the proxy's.
 
@@ -119,18 +120,23 @@ def judge_scores(
 
     Args:
         prompts: ``N`` message lists; texts: ``N`` responses; unfinished: ``(N,)`` bool.
+        kinds: ``N`` kinds of data, each response read with its kind's score (:func:`rlhf.kind_heads.read_scores`);
+            None: the judge's kind gate.
 
     Returns:
         ``(N,)`` float32 on the CPU.
     """
     tokenizer = scorers.judge_tokenizer
     groups: list[list[list[int]]] = []
+    group_kinds: list[str] = []
     for i, (prompt, text) in enumerate(zip(prompts, texts, strict=True)):
         ids = encode_chat(tokenizer, prompt, [{"role": "assistant", "content": text}], config.judge_max_length)
-        if i == 0 or prompt != prompts[i - 1]:
+        if i == 0 or prompt != prompts[i - 1] or (kinds is not None and kinds[i] != kinds[i - 1]):
             groups.append([])
+            group_kinds.append(kinds[i] if kinds is not None else "")
         groups[-1].append(ids.input_ids)
-    scores = score_groups(scorers.judge, tokenizer, groups, config.batch_size, runtime).float().cpu()
+    read = group_kinds if kinds is not None else None
+    scores = score_groups(scorers.judge, tokenizer, groups, config.batch_size, runtime, read).float().cpu()
     return treat_unfinished(scores, unfinished.cpu(), settings)
 
 
@@ -146,6 +152,7 @@ def generate_and_score(
     runtime: Runtime,
     samples: int = 1,
     first: int = 0,
+    kinds: list[str] | None = None,
 ) -> dict[str, Any]:
     """Sample ``samples`` responses per prompt (or decode greedily) and score them as PPO does, and by the judge.
 
@@ -156,7 +163,8 @@ def generate_and_score(
     are compared on common random numbers; the curve's and best-of-N's first sample of a prompt is the one
     evaluated, taken from the evaluation's run, not drawn again). ``first``: samples
     ``first`` to ``samples - 1`` only (those before are drawn elsewhere); the returned shapes have
-    ``samples - first`` columns.
+    ``samples - first`` columns. ``kinds``: each prompt's kind of data, its responses read with that kind's score
+    by the proxy and the judge (:func:`rlhf.kind_heads.read_scores`); None: their kind gates.
 
     Returns:
         ``proxy``, ``judge``, ``kl`` and ``kl_k3`` (nats per response to ``reference``, the k1 and k3 estimates
@@ -165,6 +173,7 @@ def generate_and_score(
         ``(P, samples)`` bool; ``texts``: ``P * samples`` strings, prompt-major.
     """
     repeated = [p for p in prompts for _ in range(first, samples)]
+    repeated_kinds = None if kinds is None else [k for k in kinds for _ in range(first, samples)]
     seeds = [prompt_seed(config.seed, s, i) for i in range(len(prompts)) for s in range(first, samples)]
     encoded = [encode_prompt(tokenizer, p, config.max_prompt_length) for p in repeated]
     temperature = 1.0 if config.greedy else settings.temperature
@@ -173,7 +182,14 @@ def generate_and_score(
         with runtime.autocast():
             batch = slice(start, start + config.batch_size)
             scored = sample_and_score(
-                model, scorers.proxy, tokenizer, encoded[batch], settings, config.greedy, seeds=seeds[batch]
+                model,
+                scorers.proxy,
+                tokenizer,
+                encoded[batch],
+                settings,
+                config.greedy,
+                seeds=seeds[batch],
+                kinds=repeated_kinds[batch] if repeated_kinds is not None else None,
             )
             rollout = scored.rollout
             ids, attn, begin, mask = (
@@ -204,7 +220,10 @@ def generate_and_score(
         out["length"].append(mask.sum(-1).float().cpu())
         out["texts"] += [tokenizer.decode(ids[i, begin:][mask[i]], skip_special_tokens=True) for i in range(len(ids))]
     result = {key: torch.cat(value) for key, value in out.items() if key != "texts"}
-    result["judge"] = judge_scores(scorers, repeated, out["texts"], result.pop("unfinished"), settings, config, runtime)
+    unfinished = result.pop("unfinished")
+    result["judge"] = judge_scores(
+        scorers, repeated, out["texts"], unfinished, settings, config, runtime, repeated_kinds
+    )
     shape = (len(prompts), samples - first)
     return {**{key: value.reshape(shape) for key, value in result.items()}, "texts": out["texts"]}
 
@@ -248,6 +267,7 @@ def evaluate_policy(
     settings: GenerationSettings,
     runtime: Runtime,
     base: PreTrainedModel | None = None,
+    kinds: list[str] | None = None,
 ) -> tuple[dict[str, float], dict[str, dict[str, Any]]]:
     """Generate with the SFT model and the policy on the same prompts and compare them, by the proxy and the judge.
 
@@ -266,6 +286,7 @@ def evaluate_policy(
         config: :class:`EvalConfig`; settings: the shared generation settings.
         runtime: device and precision; the models already on its device.
         base: the model SFT was trained from (``models/base``), or None.
+        kinds: each prompt's kind of data, its responses read with that kind's score (:func:`generate_and_score`).
 
     Returns:
         ``(metrics, runs)``: for S in (proxy, judge) ``eval/S/win_rate`` with ``_low``/``_high`` (95%, bootstrap
@@ -290,13 +311,16 @@ def evaluate_policy(
     if not prompts:
         raise ValueError("no evaluation prompts")
     prompts = prompts[: config.max_prompts]
+    kinds = kinds[: config.max_prompts] if kinds is not None else None
     models = {"sft": sft, "policy": policy} | ({BASE: base} if base is not None else {})
     for model in (*models.values(), scorers.proxy, scorers.judge):
         model.eval()
     k = config.samples_per_prompt
     references = {"sft": sft, "policy": sft, BASE: None}  # the base model's KL is not wanted: not computed
     runs = {
-        name: generate_and_score(model, references[name], scorers, tokenizer, prompts, config, settings, runtime, k)
+        name: generate_and_score(
+            model, references[name], scorers, tokenizer, prompts, config, settings, runtime, k, kinds=kinds
+        )
         for name, model in models.items()
     }
     metrics = {

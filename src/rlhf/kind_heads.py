@@ -5,8 +5,9 @@ kinds ranks one of them backwards. With ``reward.kind_heads`` (and ``judge.kind_
 ``2K`` outputs for the ``K`` kinds of its training pairs: ``K`` scores ``s_k`` and ``K`` gate logits ``g_k``.
 Training reads each pair's own kind's score (its Bradley-Terry term) and teaches the gate the kind (the
 cross-entropy of the pair's kind on both responses: :func:`own_kind_scores`); everywhere else the reward is
-``r = sum_k softmax(g)_k s_k`` (:func:`mix`), a function of the text alone, so PPO, the evaluation and held-out
-pairs that do not say their kind are scored as before. The kinds are kept in the model's config
+``r = sum_k softmax(g)_k s_k`` (:func:`mix`), a function of the text alone, for text that does not say its kind;
+a row that does (every held-out pair, PPO and evaluation prompt of the pipeline) is read with its own kind's score
+(:func:`read_scores`), as training reads it. The kinds are kept in the model's config
 (:data:`KINDS_KEY`), in the order of the outputs, and travel with the model.
 
 Sources: a mixture of experts with a learned gate (Jacobs, Jordan, Nowlan & Hinton 1991, "Adaptive Mixtures of
@@ -50,6 +51,35 @@ def mix(outputs: torch.Tensor, kinds: int) -> torch.Tensor:
     if kinds == 0:
         return outputs.squeeze(-1)
     return (outputs[..., :kinds] * torch.softmax(outputs[..., kinds:], dim=-1)).sum(-1)
+
+
+def read_scores(outputs: torch.Tensor, model_kinds: Sequence[str], kinds: Sequence[str] | None = None) -> torch.Tensor:
+    """The reward of each row from the head's outputs: its own kind's score ``s_k`` where ``kinds`` names one of
+    the model's kinds (as training reads it: :func:`own_kind_scores`), else the gate's mix (:func:`mix`).
+
+    Every row this pipeline scores knows its kind (a held-out pair, a PPO or evaluation prompt), and the gate
+    that reads the response cannot be trusted with it: on the `long` run's harmless test pairs it picked the
+    harmless head for 5% of chosen responses, ranking them with the helpful head (docs/results.md).
+
+    Args:
+        outputs: ``(N, 2K)`` float, or ``(N, 1)`` for a one-output head.
+        model_kinds: the model's kinds in output order (:func:`head_kinds`); empty for one output.
+        kinds: ``N`` kinds (a row's may be one the model lacks, e.g. ``general``: the mix), or None: all mixed.
+
+    Returns:
+        ``(N,)`` in the outputs' dtype.
+
+    Raises:
+        ValueError: ``kinds`` is not one per row.
+    """
+    mixed = mix(outputs, len(model_kinds))
+    if not model_kinds or kinds is None:
+        return mixed
+    if len(kinds) != outputs.shape[0]:
+        raise ValueError(f"{len(kinds)} kinds for {outputs.shape[0]} rows")
+    index = torch.tensor([model_kinds.index(k) if k in model_kinds else -1 for k in kinds], device=outputs.device)
+    own = outputs[:, : len(model_kinds)].gather(1, index.clamp(min=0)[:, None]).squeeze(1)
+    return torch.where(index >= 0, own, mixed)
 
 
 def head_scores(model: Any, hidden: torch.Tensor) -> torch.Tensor:

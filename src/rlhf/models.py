@@ -34,7 +34,7 @@ from transformers.utils import logging as transformers_logging
 
 from rlhf.chat import pad
 from rlhf.finite import non_finite_weights
-from rlhf.kind_heads import KINDS_KEY, head_kinds, head_scores, output_count
+from rlhf.kind_heads import KINDS_KEY, head_kinds, head_scores, output_count, read_scores
 from rlhf.losses import last_token_index, logprobs_from_logits
 from rlhf.sampling import PerPromptSampling
 from rlhf.sharding import is_sharded
@@ -313,7 +313,11 @@ def token_scores(
 
 
 def sequence_scores(
-    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, entry: TrunkEntry | None = None
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    entry: TrunkEntry | None = None,
+    kinds: list[str] | None = None,
 ) -> torch.Tensor:
     """Reward-model score ``r_psi(x, y)`` read at the last real token (found from the attention mask).
 
@@ -321,18 +325,20 @@ def sequence_scores(
     demonstrations) is subtracted.
 
     Args:
-        model: reward model (sequence-classification head, one label).
+        model: reward model (sequence-classification head: one output, or kind heads).
         input_ids: ``(B, T)`` int64, prompt + response, left- or right-padded.
         attention_mask: ``(B, T)`` 0/1.
         entry: as :func:`token_scores`.
+        kinds: each row's kind of data, read with its own kind's score (:func:`rlhf.kind_heads.read_scores`);
+            None: the kind gate's mix.
 
     Returns:
         ``(B,)`` float32.
     """
-    scores = token_scores(model, input_ids, attention_mask, entry)
-    last = last_token_index(attention_mask)
+    hidden = last_hidden_state(model, input_ids, attention_mask, position_ids_from_mask(attention_mask), entry)
+    last = hidden[torch.arange(hidden.shape[0], device=hidden.device), last_token_index(attention_mask)]
     offset = float(getattr(model.config, "reward_offset", 0.0))
-    return scores[torch.arange(scores.shape[0], device=scores.device), last] - offset
+    return read_scores(model.score(last).float(), head_kinds(model), kinds) - offset
 
 
 def response_logprobs(

@@ -76,6 +76,8 @@ class _Loop:
     moments: RunningMoments
     best_dir: str
     say: Callable[[str], None]
+    prompt_kinds: list[str] | None = None  # each prompt's kind of data (rlhf.kind_heads.read_scores); None: the gate
+    validation_kinds: list[str] | None = None
 
 
 def _save(checkpointer: Checkpointer, step: int, loop: _Loop, state: PPOState) -> None:
@@ -131,6 +133,8 @@ def train_ppo(
     runtime: Runtime,
     progress: bool = True,
     scaler_step: ScalerStep | None = None,
+    prompt_kinds: list[str] | None = None,
+    validation_kinds: list[str] | None = None,
 ) -> PPOResult:
     """Train the policy and value model in place with PPO / PPO-max; leaves the policy to ship in ``models.policy``.
 
@@ -165,6 +169,8 @@ def train_ppo(
         checkpointer: resume point and home of the best policy.
         runtime: device and precision (:class:`rlhf.device.Runtime`); the four models already on its device.
         scaler_step: a mixed-precision loss scaler's step (:class:`rlhf.finite.FiniteGuard`); None: no scaler.
+        prompt_kinds, validation_kinds: each prompt's kind of data, its responses rewarded with that kind's score
+            (:func:`rlhf.kind_heads.read_scores`); None: the reward model's kind gate.
 
     Returns:
         :class:`PPOResult`; its summary holds the shipped policy's validation figures and
@@ -202,6 +208,8 @@ def train_ppo(
         RunningMoments(),
         os.path.join(checkpointer.root, "best"),
         bar.write if runtime.ranks.main else (lambda line: None),
+        prompt_kinds,
+        validation_kinds if validate else None,
     )
     kept_dir = os.path.join(checkpointer.root, "kept")
     torch.manual_seed(config.seed)
@@ -271,7 +279,9 @@ def _iteration(loop: _Loop, state: PPOState) -> dict[str, float]:
     # a continuing stream over seeded epochs, so every rollout has rollout_batch_size prompts
     # (an epoch's short last batch would shrink the buffer, its statistics and its optimiser steps)
     size, ranks, prompts = config.rollout_batch_size, loop.runtime.ranks, loop.prompts
-    batch = [prompts[minibatch_indices(iteration * size + j, len(prompts), 1, config.seed)[0]] for j in range(size)]
+    chosen = [minibatch_indices(iteration * size + j, len(prompts), 1, config.seed)[0] for j in range(size)]
+    batch = [prompts[i] for i in chosen]
+    kinds = [loop.prompt_kinds[i] for i in chosen] if loop.prompt_kinds is not None else None
     seeds = [prompt_seed(config.seed, iteration, j) for j in range(size)]  # a prompt's tokens: not its rank's
     calibrate = config.value_init == "reward" and state.value_calibration is None
     experience, stats = make_experience(
@@ -285,6 +295,7 @@ def _iteration(loop: _Loop, state: PPOState) -> dict[str, float]:
         loop.runtime,
         calibrate_value=calibrate,
         seeds=ranks.shard(seeds),
+        kinds=ranks.shard(kinds) if kinds is not None else None,
     )
     check_finite_rollout(experience, stats, iteration + 1, ranks)
     if calibrate:
@@ -364,6 +375,7 @@ def _keep_best(loop: _Loop, state: PPOState, step: int) -> dict[str, float]:
             loop.validation,
             loop.settings,
             runtime,
+            loop.validation_kinds,
         )
     reward = stats.get("ppo/validation/reward", -math.inf)
     if step == 0 or reward > state.best.reward:

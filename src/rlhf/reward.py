@@ -294,6 +294,7 @@ def center_rewards(
     demonstrations: list[list[int]],
     batch_size: int,
     runtime: Runtime,
+    kinds: list[str] | None = None,
 ) -> float:
     """Shift the reward model so the mean score of the demonstrations is 0; returns the offset.
 
@@ -303,8 +304,10 @@ def center_rewards(
 
     Args:
         demonstrations: token sequences of prompt + chosen response (the RM training split).
+        kinds: each demonstration's kind of data, read with that kind's score as every scored row of the pipeline
+            is (:func:`rlhf.kind_heads.read_scores`); None: the kind gate's mix.
     """
     model.config.reward_offset = 0.0
-    offset = float(score_sequences(model, tokenizer, demonstrations, batch_size, runtime).mean())
+    offset = float(score_sequences(model, tokenizer, demonstrations, batch_size, runtime, kinds).mean())
     model.config.reward_offset = offset
     return offset

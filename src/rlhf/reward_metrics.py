@@ -16,7 +16,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.chat import encode_chat
 from rlhf.device import Runtime
-from rlhf.kinds import first_of_each_kind, named, parts
+from rlhf.kinds import first_of_each_kind, kind_of, named, parts
 from rlhf.length_bias import REPLY_PROMPTS, SHORT_REPLIES, empty_response_metrics, length_figures, reply_name
 from rlhf.reward import encode_pairs, response_lengths
 from rlhf.shared_prompt import score_groups
@@ -159,7 +159,8 @@ def evaluate_reward_model(
     ``rm/source/<name>/<figure>``.
     """
     pairs = encode_pairs(tokenizer, examples, max_length)
-    scores = score_groups(model, tokenizer, [[c.input_ids, r.input_ids] for c, r in pairs], batch_size, runtime)
+    kinds = [kind_of(example) for example in examples]  # each pair read with its own kind's score
+    scores = score_groups(model, tokenizer, [[c.input_ids, r.input_ids] for c, r in pairs], batch_size, runtime, kinds)
     chosen, rejected = scores.view(-1, 2).unbind(1)
     chosen_lengths, rejected_lengths = (torch.tensor(n, device=runtime.device) for n in response_lengths(pairs))
     replies = ("", *SHORT_REPLIES)  # one prompt's replies share it: a group
@@ -171,7 +172,8 @@ def evaluate_reward_model(
         ]
         for i in asked_rows
     ]
-    replied = score_groups(model, tokenizer, asked, batch_size, runtime).view(-1, len(replies)).T  # (replies, R)
+    replied = score_groups(model, tokenizer, asked, batch_size, runtime, [kinds[i] for i in asked_rows])
+    replied = replied.view(-1, len(replies)).T  # (replies, R)
     asked_index = torch.tensor(asked_rows, device=chosen.device, dtype=torch.long)
 
     def figures(index: torch.Tensor, reply_index: torch.Tensor) -> dict[str, float]:

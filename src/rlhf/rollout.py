@@ -131,11 +131,13 @@ def sample_and_score(
     greedy: bool = False,
     timer: PhaseTimer | None = None,
     seeds: list[int] | None = None,
+    kinds: list[str] | None = None,
 ) -> ScoredRollout:
     """Sample one response per prompt and score it as the settings say (PPO, validation and evaluation).
 
     Runs in the caller's autocast context; ``timer`` (optional) records ``generation`` and ``reward`` seconds;
-    ``seeds``: one generator per prompt (:func:`rlhf.models.sample`).
+    ``seeds``: one generator per prompt (:func:`rlhf.models.sample`); ``kinds``: each prompt's kind of data, its
+    response read with that kind's score (:func:`rlhf.kind_heads.read_scores`), None: the kind gate's mix.
     """
     phase = timer if timer is not None else (lambda name: contextlib.nullcontext())
     with phase("generation"):
@@ -145,7 +147,7 @@ def sample_and_score(
     ids, attn = rollout.input_ids, rollout.attention_mask
     trunk = SharedTrunk(policy, ids, attn, position_ids_from_mask(attn))
     with phase("reward"):
-        raw = sequence_scores(reward_model, ids, attn, trunk.entry(reward_model))
+        raw = sequence_scores(reward_model, ids, attn, trunk.entry(reward_model), kinds)
     unfinished, empty = unfinished_responses(rollout, tokenizer, settings)
     return ScoredRollout(rollout, raw, treat_unfinished(raw, unfinished, settings), unfinished, empty, trunk)
 
@@ -299,6 +301,7 @@ def make_experience(
     runtime: Runtime,
     calibrate_value: bool = False,
     seeds: list[int] | None = None,
+    kinds: list[str] | None = None,
 ) -> tuple[Experience, dict[str, float]]:
     """Roll out, score and turn a batch of prompts into advantages and returns.
 
@@ -318,6 +321,7 @@ def make_experience(
             (:func:`calibrate_value_head`) before the advantages are computed.
         seeds: one generator seed per prompt (:func:`rlhf.sampling.prompt_seed`), so the tokens a prompt gets
             do not depend on the rank or the rows beside it; None: torch's global generator.
+        kinds: each prompt's kind of data (:func:`sample_and_score`); None: the reward model's kind gate.
 
     Returns:
         ``(experience, stats)``; stats are the iteration's monitoring signals and the seconds of each
@@ -326,7 +330,9 @@ def make_experience(
     policy, reference, reward_model, value_model = models
     timer = PhaseTimer(runtime)
     with runtime.autocast():
-        scored = sample_and_score(policy, reward_model, tokenizer, prompts, settings, timer=timer, seeds=seeds)
+        scored = sample_and_score(
+            policy, reward_model, tokenizer, prompts, settings, timer=timer, seeds=seeds, kinds=kinds
+        )
         rollout, trunk = scored.rollout, scored.trunk
         ids, attn, start = rollout.input_ids, rollout.attention_mask, rollout.response_start
         with timer("policy_logprobs"):
@@ -381,8 +387,10 @@ def validation_stats(
     prompts: list[list[int]],
     settings: GenerationSettings,
     runtime: Runtime,
+    kinds: list[str] | None = None,
 ) -> dict[str, float]:
-    """Greedy responses on held-out prompts, scored as in training: what the best policy is kept by.
+    """Greedy responses on held-out prompts, scored as in training: what the best policy is kept by (``kinds``:
+    each prompt's kind of data, :func:`sample_and_score`).
 
     Every forward pass runs under ``runtime.autocast()``. With several processes each rank passes all the
     prompts, answers its share (:meth:`rlhf.distributed.Ranks.shard`), and every rank returns the means over all.
@@ -394,8 +402,9 @@ def validation_stats(
     """
     ranks = runtime.ranks
     mine = ranks.shard(prompts)
+    my_kinds = ranks.shard(kinds) if kinds is not None else None
     with runtime.autocast():
-        scored = sample_and_score(policy, reward_model, tokenizer, mine, settings, greedy=True)
+        scored = sample_and_score(policy, reward_model, tokenizer, mine, settings, greedy=True, kinds=my_kinds)
         rollout, trunk = scored.rollout, scored.trunk
         ids, attn, start = rollout.input_ids, rollout.attention_mask, rollout.response_start
         logprobs, _ = response_logprobs(policy, ids, attn, start, settings.temperature, entry=trunk.entry(policy))

@@ -24,7 +24,7 @@ from transformers import LlamaModel, PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.chat import pad
 from rlhf.device import Runtime
-from rlhf.kind_heads import head_scores
+from rlhf.kind_heads import head_kinds, read_scores
 from rlhf.models import sequence_scores
 
 
@@ -141,10 +141,12 @@ def score_sequences(
     sequences: list[list[int]],
     batch_size: int,
     runtime: Runtime,
+    kinds: list[str] | None = None,
 ) -> torch.Tensor:
     """Reward-model scores of token sequences, ``(N,)`` float32 on ``runtime.device``, in the input order.
 
-    Batches are formed from length-sorted sequences so little compute goes to padding.
+    Batches are formed from length-sorted sequences so little compute goes to padding. ``kinds``: each
+    sequence's kind of data (:func:`rlhf.models.sequence_scores`); None: the kind gate's mix.
     """
     model.eval()
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
@@ -153,7 +155,8 @@ def score_sequences(
         chunk = order[start : start + batch_size]
         input_ids, attention_mask = pad(tokenizer, [sequences[i] for i in chunk], "right", runtime.device)
         with runtime.autocast():
-            scores[chunk] = sequence_scores(model, input_ids, attention_mask)
+            chunk_kinds = [kinds[i] for i in chunk] if kinds is not None else None
+            scores[chunk] = sequence_scores(model, input_ids, attention_mask, kinds=chunk_kinds)
     return scores
 
 
@@ -164,19 +167,23 @@ def score_groups(
     groups: list[list[list[int]]],
     batch_size: int,
     runtime: Runtime,
+    kinds: list[str] | None = None,
 ) -> torch.Tensor:
     """Reward-model scores of token sequences in groups that begin alike (a pair, one prompt's responses).
 
     Each group is one row, its common prefix run once (:mod:`rlhf.shared_prompt`); groups are sorted by their
     row's length and batched ``batch_size`` sequences a pass (at least one group). Where the model cannot take
-    a packed row, :func:`score_sequences`. The stored centring offset is subtracted, as there.
+    a packed row, :func:`score_sequences`. The stored centring offset is subtracted, as there. ``kinds``: each
+    group's kind of data, its members read with that kind's score (:func:`rlhf.kind_heads.read_scores`); None:
+    the kind gate's mix.
 
     Returns:
         ``(N,)`` float32 on ``runtime.device``: every group's members in order, the groups in the input order.
     """
     flat = [sequence for group in groups for sequence in group]
+    flat_kinds = None if kinds is None else [kind for group, kind in zip(groups, kinds, strict=True) for _ in group]
     if not can_pack(model):
-        return score_sequences(model, tokenizer, flat, batch_size, runtime)
+        return score_sequences(model, tokenizer, flat, batch_size, runtime, flat_kinds)
     model.eval()
     first = [0]
     for group in groups:
@@ -191,8 +198,10 @@ def score_groups(
             stop += 1
         chunk = order[start:stop]
         packed = pack([groups[g] for g in chunk], tokenizer.pad_token_id, runtime.device)
+        members = [i for g in chunk for i in range(first[g], first[g + 1])]
         with runtime.autocast():
-            values = head_scores(model, packed_hidden(model, packed))[packed.row, packed.last]
-        scores[[i for g in chunk for i in range(first[g], first[g + 1])]] = values - offset
+            outputs = model.score(packed_hidden(model, packed)[packed.row, packed.last]).float()
+            values = read_scores(outputs, head_kinds(model), [flat_kinds[i] for i in members] if flat_kinds else None)
+        scores[members] = values - offset
         start = stop
     return scores

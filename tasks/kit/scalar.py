@@ -17,7 +17,7 @@ import matplotlib.pyplot as plt
 import torch
 
 from rlhf.data import load_jsonl
-from rlhf.kinds import kinds_in, training_kinds
+from rlhf.kinds import kind_of, kinds_in, training_kinds
 from rlhf.models import load_scalar_model, load_tokenizer, save_tokenizer
 from rlhf.reward import JudgeConfig, RewardConfig, center_rewards, encode_pairs, train_reward_model
 from rlhf.reward_metrics import evaluate_reward_model
@@ -71,7 +71,8 @@ def run(
         chosen.input_ids
         for chosen, _ in encode_pairs(tokenizer, train[: config.center_max_examples], config.max_length)
     ]
-    metrics["rm/offset"] = center_rewards(model, tokenizer, demonstrations, config.eval_batch_size, runtime)
+    kinds = [kind_of(row) for row in train[: config.center_max_examples]]
+    metrics["rm/offset"] = center_rewards(model, tokenizer, demonstrations, config.eval_batch_size, runtime, kinds)
     eval_metrics, margins = evaluate_reward_model(
         model, tokenizer, load_jsonl(splits[1]), config.max_length, config.eval_batch_size, runtime
     )
