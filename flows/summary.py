@@ -10,6 +10,7 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
+from rlhf.gate_rules import decision_sentence
 from rlhf.kinds import kinds_in
 from rlhf.stats import chance_warning
 from tasks.kit.outputs import timing_path
@@ -217,20 +218,16 @@ def summary_markdown(metrics: dict[str, dict], timings: dict[str, float | None] 
 
 def verdict(metrics: dict[str, dict]) -> tuple[str, str]:
     """What the run decided, as ``(state name, one sentence)``: the policy gate's decision when evaluate ran, else
-    the reward gate's; the flow's final state is named after it (Prefect's run list shows it), and the console's
-    last line says the sentence, naming the criteria that failed (their figures are in the gate's report).
+    the reward gate's (:func:`rlhf.gate_rules.decision_sentence`, with the report that holds its figures); the
+    flow's final state is named after it (Prefect's run list shows it), and the console's last line says it.
 
     e.g. ``("Gate failed", "policy gate failed 2 of 9 checks: EOS rate of the policy's responses; helpful
     prompts: refusal rate increase over SFT, upper 95% bound (...) (reports/policy_gate.json)")``,
     ``("Completed", "policy gate passed all 9 checks")``.
     """
     for stage, what, report in (("evaluate", "policy gate", POLICY_GATE), ("gate", "reward gate", REWARD_GATE)):
-        record = metrics.get(stage, {})
-        if "decision" not in record:
-            continue
-        checks = record.get("checks", [])
-        failed = [check["criterion"] for check in checks if not check["passed"]]
-        if record["decision"] == "pass":
-            return "Completed", f"{what} passed all {len(checks)} checks"
-        return "Gate failed", f"{what} failed {len(failed)} of {len(checks)} checks: {'; '.join(failed)} ({report})"
+        sentence = decision_sentence(metrics.get(stage), what)
+        if sentence is not None:
+            passed = metrics[stage]["decision"] == "pass"
+            return ("Completed", sentence) if passed else ("Gate failed", f"{sentence} ({report})")
     return "Completed", "no gate ran"

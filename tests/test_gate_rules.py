@@ -7,7 +7,15 @@ import math
 import numpy as np
 import pytest
 
-from rlhf.gate_rules import GateCriteria, PolicyCriteria, judge_doubts, passed, policy_gate, reward_gate
+from rlhf.gate_rules import (
+    GateCriteria,
+    PolicyCriteria,
+    decision_sentence,
+    judge_doubts,
+    passed,
+    policy_gate,
+    reward_gate,
+)
 
 CRITERIA = GateCriteria(min_accuracy_low=0.5, champion_tolerance=0.02, max_ece=0.15, min_length_accuracy=0.35)
 
@@ -327,3 +335,16 @@ def test_a_policy_trained_against_a_candidate_that_failed_its_gate_fails_the_pol
         False,
     )
     assert "candidate version 3, which did not pass the reward gate" in last.detail and not passed(checks)
+
+
+def test_a_decision_is_one_sentence_naming_the_criteria_that_failed():
+    checks = [{"criterion": "EOS rate", "passed": False}, {"criterion": "KL", "passed": True},
+              {"criterion": "win rate", "passed": False}]  # fmt: skip
+    assert decision_sentence({"decision": "fail", "checks": checks}, "policy gate") == (
+        "policy gate failed 2 of 3 checks: EOS rate; win rate"
+    )
+    assert (
+        decision_sentence({"decision": "pass", "checks": checks[1:2]}, "reward gate")
+        == "reward gate passed all 1 checks"
+    )
+    assert decision_sentence(None, "policy gate") is None and decision_sentence({}, "policy gate") is None

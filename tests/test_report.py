@@ -182,8 +182,11 @@ def test_the_page_holds_every_section_its_figures_as_pngs_and_no_external_addres
     assert "0.710 [0.580, n/a]" in html  # a null bound shows as n/a
     assert "the first 2 of 3 samples" in html and "plain answer 1" in html and "plain answer 2" not in html
     assert "proxy 0.100, judge n/a" in html  # a sample's missing judge score
-    assert "policy gate: fail" in html and "not produced by this run" not in html
+    assert "policy gate: fail" in html and "not produced by this run" not in html  # its section
     assert JUDGE_AT_CHANCE not in html  # the judge's interval lies above 0.5
+    verdict = "policy gate failed 1 of 1 checks: rm_eval accuracy lower 95% bound (Wilson)"  # first, and why
+    assert html.index(f"<th>verdict</th><td>{verdict}</td>") < html.index("reward-model accuracy [95%]")
+    assert "<th>reward gate</th><td>reward gate passed all 1 checks</td>" in html
     evaluation = html[html.index('<h2 id="evaluation">') : html.index('<h2 id="samples">')]
     assert "length-controlled win rate [95%]" in evaluation and "score difference, policy - SFT [95%]" in evaluation
     assert "0.560 [0.310, 0.800]" in evaluation and "0.520 [0.400, 0.630]" in evaluation and "1.250" in evaluation

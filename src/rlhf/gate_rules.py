@@ -63,6 +63,19 @@ class Check:
         return f"{head}: {self.criterion}, {_fmt(self.value)}, bound {_fmt(self.bound)}{detail}"
 
 
+def decision_sentence(record: dict[str, Any] | None, what: str) -> str | None:
+    """A gate's decision record (``reports/{reward,policy}_gate.json``) as one sentence naming the criteria that
+    failed, e.g. ``"policy gate failed 2 of 9 checks: EOS rate of the policy's responses; ..."`` or ``"reward gate
+    passed all 5 checks"``; None without a record (the gate has not run). ``what``: the gate's name."""
+    if not record or "decision" not in record:
+        return None
+    checks = record.get("checks") or []
+    if record["decision"] == "pass":
+        return f"{what} passed all {len(checks)} checks"
+    failed = [check["criterion"] for check in checks if not check.get("passed")]
+    return f"{what} failed {len(failed)} of {len(checks)} checks: {'; '.join(failed)}"
+
+
 def _fmt(value: float) -> str:
     return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.3f}"
 

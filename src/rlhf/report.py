@@ -17,6 +17,7 @@ from typing import Any
 
 import jinja2
 
+from rlhf.gate_rules import decision_sentence
 from rlhf.report_cells import NA, fmt, fmt_count, fmt_interval, number
 from rlhf.report_cells import table as _table
 from rlhf.report_kinds import kind_tables, scorer_kind_table
@@ -161,6 +162,9 @@ def check_inputs(loaded: dict[str, Any], paths: dict[str, str]) -> None:
         if not ok:
             found = "other bytes" if isinstance(value, bytes) else type(value).__name__
             raise ValueError(f"{path}: expected {what}, found {found}")
+
+
+GATES = (("reward_gate", "reward gate"), ("policy_gate", "policy gate"))  # input name, as the verdict names it
 
 
 def headline(loaded: dict[str, Any]) -> dict[str, float]:
@@ -482,7 +486,9 @@ def render_report(
     check_inputs(loaded, paths)
     ev, meaningful = loaded.get("eval") or {}, number((loaded.get("eval") or {}).get("eval/judge/meaningful"))
     judge_note = " (not meaningful: see the evaluation)" if meaningful == 0.0 else ""
+    gates = [decision_sentence(loaded.get(name), what) for name, what in GATES]
     headline_rows = [
+        ("verdict", next((sentence for sentence in reversed(gates) if sentence), "no gate has decided")),
         ("reward-model accuracy [95%]", fmt_interval(loaded.get("reward") or {}, "rm/accuracy")),
         ("reward-model balanced accuracy [95%]", fmt_interval(loaded.get("reward") or {}, "rm/balanced_accuracy")),
         ("judge accuracy [95%]", fmt_interval(loaded.get("judge") or {}, "judge/accuracy")),
@@ -490,8 +496,7 @@ def render_report(
         ("judge win rate of the policy [95%]", fmt_interval(ev, "eval/judge/win_rate") + judge_note),
         ("proxy win rate of the policy [95%]", fmt_interval(ev, "eval/proxy/win_rate")),
         ("KL of the policy to SFT (nats / response)", fmt(ev.get("eval/policy/kl"))),
-        ("reward gate", str((loaded.get("reward_gate") or {}).get("decision", NA))),
-        ("policy gate", str((loaded.get("policy_gate") or {}).get("decision", NA))),
+        *((what, sentence or NA) for (_, what), sentence in zip(GATES, gates, strict=True)),
     ]
     header_rows = [
         ("pipeline run", pipeline_run),
