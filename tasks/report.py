@@ -76,7 +76,7 @@ def _png(figure) -> bytes:
 
 def _lines(rows: list[dict[str, Any]], x: str, series, title: str, xlabel: str) -> bytes | None:
     """One line per ``(key, label)`` of ``series`` against ``x``; None when no row has a finite value of any."""
-    figure, axis = plt.subplots(figsize=(5.5, 3.2))
+    figure, axis = plt.subplots(figsize=(7.5, 3.2))
     drawn = False
     for key, label in series:
         points = sorted((row[x], row[key]) for row in rows if _finite(row.get(x)) and _finite(row.get(key)))
@@ -88,7 +88,7 @@ def _lines(rows: list[dict[str, Any]], x: str, series, title: str, xlabel: str) 
         return None
     axis.set(xlabel=xlabel, title=title)
     axis.grid(alpha=0.3)
-    axis.legend()
+    axis.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize="small", frameon=False)  # beside the lines
     figure.tight_layout()
     return _png(figure)
 

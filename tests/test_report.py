@@ -197,6 +197,17 @@ def test_model_output_is_escaped_never_markup(project):
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html and XSS not in html
 
 
+def test_a_sample_shows_its_whole_conversation_and_a_response_that_is_sfts_is_marked(project):
+    loaded = report.load_inputs()
+    turns = [{"role": "user", "content": "my bike has a flat"}, {"role": "assistant", "content": "Front or back?"},
+             {"role": "user", "content": "the back one"}]  # fmt: skip
+    row = {**loaded["samples"]["samples"][1], "messages": turns, "policy_response": "plain answer 1"}
+    loaded["samples"] = {"run_id": "abc123", "samples": [row]}
+    samples = page(loaded).split('<h2 id="samples">')[1]
+    assert "user: my bike has a flat\n\nassistant: Front or back?\n\nuser: the back one" in samples
+    assert samples.count("the same text as SFT&#39;s (a tie)") == 1  # the policy's side only
+
+
 def page(loaded: dict) -> str:
     """The report page of ``loaded``, its figures drawn, with one sample row."""
     figures = report.draw_figures(loaded)

@@ -430,8 +430,8 @@ def _best_of_n(section: dict[str, Any], ev: dict[str, Any]) -> None:
 
 
 def samples_section(loaded: dict[str, Any], paths: dict[str, str], limit: int) -> dict[str, Any]:
-    """The first ``limit`` rows of reports/eval/samples.json: prompt (and its kind), SFT and policy responses with
-    their scores."""
+    """The first ``limit`` rows of reports/eval/samples.json: the conversation (and its kind), SFT and policy
+    responses with their scores, a policy response that is SFT's text marked as the tie it is."""
     section = _section("samples", "Samples", loaded, paths, "samples")
     found = loaded.get("samples")
     if found is not None:
@@ -439,18 +439,27 @@ def samples_section(loaded: dict[str, Any], paths: dict[str, str], limit: int) -
         shown = f"the first {min(limit, len(rows))} of {len(rows)} samples"
         section["notes"].append(f"{shown} (evaluate run {found.get('run_id', NA)})")
         for row in rows[:limit]:
-            earlier = max(len(row.get("messages") or []) - 1, 0)
+            same = row.get("sft_response") == row.get("policy_response")
             sides = [
                 {
                     "text": str(row.get(f"{m}_response", "")),
-                    "scores": f"proxy {fmt(row.get(f'{m}_proxy'))}, judge {fmt(row.get(f'{m}_judge'))}",
+                    "scores": f"proxy {fmt(row.get(f'{m}_proxy'))}, judge {fmt(row.get(f'{m}_judge'))}"
+                    + ("; the same text as SFT's (a tie)" if same and m == "policy" else ""),
                 }
                 for m in ("sft", "policy")
             ]
             name = f"{row.get('id', '?')} #{row.get('sample', 0)}" + (f" ({row['kind']})" if row.get("kind") else "")
-            name += f" (+{earlier} earlier turns)" if earlier else ""
-            section["samples"].append({"id": name, "prompt": str(row.get("prompt", "")), "sides": sides})
+            section["samples"].append({"id": name, "prompt": conversation(row), "sides": sides})
     return section
+
+
+def conversation(row: dict[str, Any]) -> str:
+    """A sample's prompt as its whole conversation, one ``role: text`` paragraph a turn (earlier turns included);
+    the row's ``prompt`` text when it has no ``messages``."""
+    messages = row.get("messages") or []
+    if not messages:
+        return str(row.get("prompt", ""))
+    return "\n\n".join(f"{m.get('role', '?')}: {m.get('content', '')}" for m in messages)
 
 
 TEMPLATE = (resources.files("rlhf") / "templates/report.html").read_text(encoding="utf-8")  # a Jinja template
