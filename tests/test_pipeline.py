@@ -220,9 +220,11 @@ def test_prefect_flow_runs_the_stale_stages_on_two_sharded_processes_and_groups_
         assert f"Running stage '{stage}'" in log and log.count(f"[{stage}] {line}") == 1
         assert log.count(f"[{stage}] started (MLflow run") == 1 and "it/s]" not in log  # no bar off a terminal
     assert output.count("RLHF pipeline") == 1  # the summary table, once
-    (status,) = [line for line in output.splitlines() if line.startswith("dvc status:")]
+    lines = output.splitlines()  # stdout, then stderr (Prefect's log lines)
+    (status,) = [line for line in lines if line.startswith("dvc status:")]
     assert "evaluate: changed deps" in status  # evaluate, not asked for, reads the new policy: stale
-    assert output.splitlines()[-1].startswith("[flow] policy gate failed ")  # the verdict last (evaluate's gate)
+    verdict = lines[lines.index(status) + 1]  # stdout's last line: the verdict (of the fixture's evaluate)
+    assert verdict.startswith("[flow] policy gate failed ") and verdict.endswith("(reports/policy_gate.json)")
     with sqlite3.connect(os.path.join(project, "mlflow.db")) as db:
         parents = db.execute(  # the flow's pipeline run (the fixture's `dvc repro` made its own)
             "select run_uuid from tags where key = 'rlhf.pipeline_run_id' and value like 'prefect-%' and run_uuid in "
