@@ -127,7 +127,8 @@ def curve(
     and the KL to the SFT model, nats per response: ``kl`` (k1, as ``eval/policy/kl``; its mean over a few
     samples can come out below 0), ``kl_k3`` (never negative) and ``sqrt_kl`` = sqrt(``kl_k3``), the axis of
     Gao et al. 2023. ``sampled``: the evaluation's own runs by iteration (SFT at 0, the shipped policy at its
-    iteration), whose first sample of those prompts is that point's: they are not drawn again."""
+    iteration), whose first sample of those prompts is that point's: they are not drawn again. ``kinds``: each
+    prompt's kind of data, its responses read with that kind's score (:func:`rlhf.evaluation.generate_and_score`)."""
 
     def row(iteration: int, run: dict[str, Any]) -> dict[str, float]:
         kl, kl_k3 = float(run["kl"][:, 0].mean()), float(run["kl_k3"][:, 0].mean())
@@ -182,7 +183,8 @@ def best_of_n_figures(
     ``config.best_of_n`` samples of each of the first ``curve_prompts`` prompts (the first of each is the
     evaluation's own, taken from ``sampled``, its SFT run, not drawn again); for N = 1, 4, 16, ... up to it,
     the proxy keeps each prompt's best of the first N (:func:`rlhf.comparison.best_of_n`), and the judge scores
-    it. KL to SFT is the analytic ``log N - (N-1)/N`` (:func:`rlhf.comparison.best_of_n_kl`): what the reward
+    it (``kinds``: each prompt's kind of data, as :func:`curve`). KL to SFT is the analytic ``log N - (N-1)/N``
+    (:func:`rlhf.comparison.best_of_n_kl`): what the reward
     model can deliver at each KL without training, to read PPO's kept policies against.
 
     Returns:

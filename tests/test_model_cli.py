@@ -63,7 +63,7 @@ def check_folder(out, source: str, eos_token_id: int) -> str:
     assert not any(name.endswith((".bin", ".pt", ".pkl")) for name in files)
     assert os.stat(out / "model.safetensors").st_mode & 0o044 == 0o044  # readable by others, as the umask allows
     with safe_open(out / "model.safetensors", "pt") as weights:  # bf16 by default, as the Hub's SmolLM2
-        assert {weights.get_slice(key).get_dtype() for key in weights.keys()} == {"BF16"}  # noqa: SIM118
+        assert {weights.get_slice(key).get_dtype() for key in weights.keys()} == {"BF16"}  # noqa: SIM118 (safe_open is not iterable)
     model = AutoModelForCausalLM.from_pretrained(out, use_safetensors=True, trust_remote_code=False)
     original = AutoModelForCausalLM.from_pretrained(source, use_safetensors=True)
     for (name, a), (_, b) in zip(model.state_dict().items(), original.state_dict().items(), strict=True):

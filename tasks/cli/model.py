@@ -272,10 +272,10 @@ def export(
                 if found is None and client is not None and name:  # a folder: is its content a registered version?
                     found = find_by_sha(client, name, sha)
                 policy, tokenizer = load(source, "cpu")
-            import torch  # noqa: PLC0415 (after the checks, as load's own imports)
-            from transformers import GenerationConfig  # noqa: PLC0415
+            import torch  # here, after the checks, as load's own imports
+            from transformers import GenerationConfig
 
-            from rlhf.models import save_tokenizer  # noqa: PLC0415
+            from rlhf.models import save_tokenizer
 
             staged = os.path.join(tmp, "export")
             generation = stage_params("generation")
@@ -340,7 +340,7 @@ def chat(
     with _one_line(), model_folder(model, project) as folder:
         policy, tokenizer = load(folder)
         budget = prompt_budget(policy, max_new_tokens, max_prompt_tokens)
-    import torch  # noqa: PLC0415 (after the checks: a bad argument is reported in a second)
+    import torch  # here, after the checks: a bad argument is reported in a second
 
     torch.manual_seed(seed)
     opening = [{"role": "system", "content": system}] if system else []
@@ -390,10 +390,10 @@ def generate(
         writable_file(out, "--out")
         with model_folder(model, project) as folder:
             policy, tokenizer = load(folder)
-        import torch  # noqa: PLC0415 (after the checks: a bad argument is reported in a second)
+        import torch  # here, after the checks: a bad argument is reported in a second
 
-        from rlhf.chat import encode_prompt  # noqa: PLC0415
-        from rlhf.checkpoint import atomic_write_text  # noqa: PLC0415
+        from rlhf.chat import encode_prompt
+        from rlhf.checkpoint import atomic_write_text
 
         budget = prompt_budget(policy, max_new_tokens, max_prompt_tokens)
         torch.manual_seed(seed)
@@ -468,7 +468,7 @@ def score_pairs(
             reward_model, tokenizer, length = scoring.load_reward_model(folder, max_length)
         metrics = scoring.score(reward_model, tokenizer, examples, length, batch_size)
         if json_out is not None:
-            from rlhf.checkpoint import write_json  # noqa: PLC0415 (imports torch: after the checks)
+            from rlhf.checkpoint import write_json  # imports torch: here, after the checks
 
             write_json(json_out, scoring.json_metrics(metrics))
     typer.echo(f"{model} on {', '.join(pairs)}: {len(examples)} pairs from {rows} rows, max length {length} tokens")

@@ -42,7 +42,7 @@ def quiet_libraries(stage: str) -> None:
     for name, value in QUIET_ENV.items():
         os.environ.setdefault(name, value)
     if "transformers" in sys.modules:  # imported already: it read the variable above at its import
-        from transformers.utils import logging as transformers_logging  # noqa: PLC0415
+        from transformers.utils import logging as transformers_logging  # noqa: PLC0415 (only when the stage loaded it)
 
         transformers_logging.disable_progress_bar()
     logging.getLogger("mlflow").setLevel(logging.WARNING)
