@@ -28,7 +28,7 @@ from flows.stages import (
     StageRefused,
     dvc_stages,
     dvc_status,
-    entry_paths,
+    figure_files,
     run_in_order,
     run_stage,
     stage_graph,
@@ -135,7 +135,7 @@ def run_pipeline(stages: list[str] | None = None, pools: bool = False) -> dict[s
     finally:
         StageRun.end_pipeline(run_id, status)
     specs = dvc_stages("dvc.yaml").items()
-    return {stage: values for stage, spec in specs if (values := read_metrics(entry_paths(spec.get("metrics"))))}
+    return {stage: values for stage, spec in specs if (values := read_metrics(figure_files(spec)))}
 
 
 def approve_policy(report_path: str = paths.POLICY_GATE) -> str | None:

@@ -20,6 +20,7 @@ from prefect import task
 
 from flows.console import CLEAR, SKIPPED, relay, stage_log, terminal
 from flows.summary import headline, read_metrics, stage_seconds
+from tasks.kit import paths
 from tasks.kit.console import PROGRESS_ENV
 from tasks.kit.params import load_yaml
 
@@ -33,6 +34,17 @@ def dvc_stages(dvc_file: str) -> dict:
 def entry_paths(entries: list | None) -> list[str]:
     """Paths of a dvc.yaml deps/outs/metrics list (entries are strings or one-key dicts)."""
     return [next(iter(e)) if isinstance(e, dict) else e for e in entries or []]
+
+
+def figure_files(spec: dict) -> list[str]:
+    """A stage's figures as files (its metrics, its gate's report): the ``cache: false`` JSON outputs of its
+    ``dvc.yaml`` entry, apart from its headline row (:func:`tasks.kit.paths.headline`: a few of them, renamed)."""
+    found = []
+    for entry in [*(spec.get("outs") or []), *(spec.get("metrics") or [])]:
+        path, options = next(iter(entry.items())) if isinstance(entry, dict) else (entry, None)
+        if path.endswith(".json") and (options or {}).get("cache") is False and not paths.is_headline(path):
+            found.append(path)
+    return found
 
 
 def stage_graph(dvc_file: str = "dvc.yaml") -> nx.DiGraph:
@@ -234,6 +246,6 @@ def run_stage(stage: str, pipeline_run_id: str) -> None:
         show(f"[{stage}] up to date: DVC skipped it")
         return
     seconds = stage_seconds(stage)
-    figures = headline(stage, read_metrics(entry_paths(dvc_stages("dvc.yaml")[stage].get("metrics"))))
+    figures = headline(stage, read_metrics(figure_files(dvc_stages("dvc.yaml")[stage])))
     took = f" in {seconds:.0f} s" if seconds is not None else ""
     show(f"[{stage}] done{took}" + (f": {figures}" if figures else ""))

@@ -175,7 +175,7 @@ def print_summary(
 
 
 def read_metrics(paths: list[str]) -> dict:
-    """The content of the metrics files at ``paths`` that exist (a stage's ``metrics:`` in ``dvc.yaml``), merged."""
+    """The content of the JSON files at ``paths`` that exist (a stage's :func:`flows.stages.figure_files`), merged."""
     values: dict = {}
     for path in paths:
         if os.path.exists(path):

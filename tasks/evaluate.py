@@ -43,7 +43,7 @@ from tasks.kit import paths
 from tasks.kit.champion import is_champion, require_champion
 from tasks.kit.common import cli, setup_torch, stage_runtime
 from tasks.kit.configs import config_from_params, derived_values
-from tasks.kit.outputs import StagedOutputs, load_json, stage_metrics, write_metrics
+from tasks.kit.outputs import StagedOutputs, load_json, stage_metrics, write_headline, write_metrics
 from tasks.kit.params import stage_params
 from tasks.kit.registry import decide_once, find_by_sha, folder_sha256, refuse_deleted, register, version_tags
 from tasks.kit.runs import StageRun, tracking_client
@@ -389,7 +389,7 @@ def gate_policy(metrics: dict[str, float], run_id: str, doubts: list[str] | None
     def judge() -> tuple[list, dict]:  # runs only for a version not decided before
         return policy_gate(metrics, ppo, criteria, doubts), {}
 
-    decision = decide_once(client, name, candidate, judge, reason, move)
+    decision = decide_once(client, name, candidate, judge, reason, move, what="policy gate")
     return {"candidate": {"name": name, "version": str(candidate.version)}, **decision}
 
 
@@ -427,6 +427,7 @@ def main() -> None:
         write_json(outputs.file(KIND_METRICS), kinds)  # undefined (NaN) as null, as write_metrics writes it
         report = gate_policy(metrics, stage.run.info.run_id, doubts)  # last: a registry that is down keeps the old
         write_json(outputs.file(POLICY_GATE), report)
+        write_headline(outputs, "evaluate", {**metrics, "gate/passed": float(report["decision"] == "pass")})
     for line in summary_lines(metrics, doubts):
         print(line, flush=True)
     shown = ("win_rate", "score_diff", "lc_length_coef", KIND_PREFIX)  # in summary_lines

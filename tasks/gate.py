@@ -21,7 +21,7 @@ from tasks.kit import paths
 from tasks.kit.champion import MARKER, OUT_DIR, VERSION_FILE, held_version, promote_command
 from tasks.kit.common import stage_runtime
 from tasks.kit.configs import config_from_params
-from tasks.kit.outputs import StagedOutputs, stage_metrics, write_metrics
+from tasks.kit.outputs import StagedOutputs, stage_metrics, write_headline, write_metrics
 from tasks.kit.params import stage_params
 from tasks.kit.registry import (
     SHA_TAG,
@@ -79,7 +79,7 @@ def decide(client, name: str, candidate, metrics: dict[str, float], params: dict
         f"rm_eval balanced accuracy {'n/a' if balanced is None else f'{balanced:.3f}'}, "
         f"accuracy {metrics['rm/accuracy']:.3f} over {metrics['rm/pairs']:.0f} pairs"
     )
-    return decide_once(client, name, candidate, judge, f"passed the reward gate ({accuracy})")
+    return decide_once(client, name, candidate, judge, f"passed the reward gate ({accuracy})", what="reward gate")
 
 
 WITHOUT_CHAMPION = ("stop", "candidate")
@@ -191,6 +191,7 @@ def main() -> None:
         report = run(params, reward, device, outputs, stage.run.info.run_id)
         stage.log({k: v for k, v in report.items() if k.startswith("gate/") and v is not None}, 0)
         write_metrics(outputs.file(REPORT), report, stage)
+        write_headline(outputs, "gate", report)
     for line in report_lines(report):
         print(line, flush=True)
 

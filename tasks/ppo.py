@@ -33,7 +33,7 @@ from tasks.kit.common import cli, setup_torch, stage_runtime
 from tasks.kit.configs import config_from_params
 from tasks.kit.console import progress_bars
 from tasks.kit.launch import distributed_type
-from tasks.kit.outputs import StagedOutputs, write_metrics
+from tasks.kit.outputs import StagedOutputs, write_headline, write_metrics
 from tasks.kit.params import stage_params
 from tasks.kit.resume import run_checkpointer
 from tasks.kit.stage import training_stage
@@ -182,6 +182,7 @@ def main() -> None:
         mlflow.set_tag("rlhf.reward_model_version", f"{result.summary['ppo/reward_model_version']:.0f}")
         summary = {**result.summary, "stopped_by": result.stopped_by}
         write_metrics(outputs.file(METRICS), summary, stage, curves={outputs.file(CURVES): result.history})
+        write_headline(outputs, "ppo", summary)
         return summary_lines(summary, result.best_iteration)
 
     training_stage(

@@ -16,7 +16,7 @@ from tasks.kit import paths
 from tasks.kit.common import cli, setup_torch, stage_runtime
 from tasks.kit.configs import config_from_params
 from tasks.kit.console import progress_bars
-from tasks.kit.outputs import StagedOutputs, write_metrics
+from tasks.kit.outputs import StagedOutputs, write_headline, write_metrics
 from tasks.kit.params import stage_params
 from tasks.kit.resume import run_checkpointer
 from tasks.kit.stage import training_stage
@@ -63,6 +63,7 @@ def main() -> None:
 
     def finish(stage, outputs: StagedOutputs, metrics: dict[str, float]) -> list[str]:
         write_metrics(outputs.file(METRICS), metrics, stage)
+        write_headline(outputs, "sft", metrics)
         return []
 
     training_stage(

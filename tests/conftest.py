@@ -33,6 +33,16 @@ TINY = {
 }
 
 
+def files_as_model(folder, content: bytes) -> None:
+    """A folder registered as a policy's files would be (a ``config.json`` naming a causal LM, and ``content`` as its
+    weights), for tests of the registry's bookkeeping, where no model is ever loaded."""
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w") as handle:
+        json.dump({"architectures": ["LlamaForCausalLM"]}, handle)
+    with open(os.path.join(folder, "weights.bin"), "wb") as handle:
+        handle.write(content)
+
+
 @pytest.fixture(autouse=True)
 def no_tracking_uri_leak():
     """Undo what ``mlflow.set_tracking_uri`` leaves behind in this process: it also exports

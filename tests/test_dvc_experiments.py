@@ -16,6 +16,9 @@ from types import SimpleNamespace
 import pytest
 from test_pipeline import copy_project, run, set_param
 
+from tasks.kit import paths
+from tasks.kit.outputs import HEADLINE
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASELINE = ["prepare", "base_model", "validate", "sft", "reward", "gate", "ppo"]  # evaluate adds time, not coverage
 
@@ -82,16 +85,22 @@ def test_an_experiment_compares_with_the_committed_baseline_in_dvc_exp_show_and_
     assert "Running stage 'ppo'" in output and "Running stage 'sft'" not in output  # what the param touches
     for stage in BASELINE:  # times stay out of what git and DVC compare
         assert "seconds" in load(os.path.join(project, "timings", f"{stage}.json"))
-    for name in os.listdir(os.path.join(project, "metrics")):
-        values = load(os.path.join(project, "metrics", name))
-        keys = values if isinstance(values, dict) else values[0]
-        assert "seconds" not in keys and not [k for k in keys if "/time/" in k], name
+    for root, _, names in os.walk(os.path.join(project, "metrics")):
+        for name in names:
+            values = load(os.path.join(root, name))
+            keys = values if isinstance(values, dict) else values[0]
+            assert "seconds" not in keys and not [k for k in keys if "/time/" in k], name
     # what docs/pipeline.md says to commit is all the run leaves for git
     git(project, "add", "dvc.lock", "metrics", "params.yaml")
     git(project, "commit", "-qm", "baseline")
     assert git(project, "status", "--porcelain") == ""
     assert "metrics/ppo_curves.json" in git(project, "ls-files", "metrics")
     baseline = git(project, "rev-parse", "HEAD").strip()
+    env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
+    table = subprocess.run([sys.executable, "-m", "dvc", "metrics", "show"], cwd=project, env=env, capture_output=True)
+    lines = table.stdout.decode().splitlines()  # one row a stage, numbers only, within 120 columns
+    assert sorted(line.split()[0] for line in lines[1:]) == sorted(paths.headline(stage) for stage in HEADLINE)
+    assert max(len(line) for line in lines) <= 120, lines
 
     output = run(project, "dvc", "exp", "run", "-n", "kl-0.1", "-S", "ppo.kl_coef=0.1", "ppo")
     ran = [stage for stage in [*BASELINE, "evaluate"] if f"Running stage '{stage}'" in output]
@@ -104,19 +113,21 @@ def test_an_experiment_compares_with_the_committed_baseline_in_dvc_exp_show_and_
     (experiment,) = [r for e in base["experiments"] for r in e["revs"] if r["name"] == "kl-0.1"]
     for entry in (base, experiment):
         assert entry["error"] is None
-        for stage in [s for s in BASELINE if s != "gate"]:  # exp show's `!`: a metrics file no revision carries
-            # (the gate's report is reports/reward_gate.json: it records the registry, not the commit)
-            loaded = entry["data"]["metrics"][f"metrics/{stage}.json"]
+        # exp show's columns: each stage's headline row (metrics/headline/<stage>.json), numbers only
+        assert set(entry["data"]["metrics"]) == {paths.headline(stage) for stage in HEADLINE}  # evaluate: the fixture's
+        for stage in HEADLINE:
+            loaded = entry["data"]["metrics"][paths.headline(stage)]
             assert loaded.get("error") is None and loaded["data"], stage
+            assert all(isinstance(v, (int, float)) for v in loaded["data"].values()), stage
     base_metrics, exp_metrics = base["data"]["metrics"], experiment["data"]["metrics"]
     assert base["data"]["params"]["params.yaml"]["data"]["ppo"]["kl_coef"] == 0.05
     assert experiment["data"]["params"]["params.yaml"]["data"]["ppo"]["kl_coef"] == 0.1
-    assert base_metrics["metrics/ppo.json"]["data"]["ppo/last/kl_coef"] == pytest.approx(0.05)
-    assert exp_metrics["metrics/ppo.json"]["data"]["ppo/last/kl_coef"] == pytest.approx(0.1)
-    assert exp_metrics["metrics/reward.json"] == base_metrics["metrics/reward.json"]  # only ppo reran
+    assert exp_metrics["metrics/headline/reward.json"] == base_metrics["metrics/headline/reward.json"]  # ppo reran
 
-    # the diffs between the committed baseline and the experiment: only what the experiment changed
-    metrics_diff = dvc_json(project, "metrics", "diff", baseline, "kl-0.1")
+    # the diffs between the committed baseline and the experiment: only what the experiment changed; the headline
+    # rows by default, a stage's every figure when its file is named
+    assert set(dvc_json(project, "metrics", "diff", baseline, "kl-0.1")) <= {"metrics/headline/ppo.json"}
+    metrics_diff = dvc_json(project, "metrics", "diff", baseline, "kl-0.1", "--targets", "metrics/ppo.json")
     assert set(metrics_diff) == {"metrics/ppo.json"}
     assert metrics_diff["metrics/ppo.json"]["ppo/last/kl_coef"]["old"] == pytest.approx(0.05)
     assert metrics_diff["metrics/ppo.json"]["ppo/last/kl_coef"]["new"] == pytest.approx(0.1)
@@ -127,6 +138,11 @@ def test_an_experiment_compares_with_the_committed_baseline_in_dvc_exp_show_and_
     # evaluate did not run (ppo is the target): its curve, metrics/overoptimisation.json, is in neither revision
     errors = [e for e in plots.get("errors") or [] if e.get("source") != "metrics/overoptimisation.json"]
     assert not errors, errors
+    out = str(tmp_path / "plots")  # the page renders offline: the chart libraries inlined, no remote script
+    subprocess.run([sys.executable, "-m", "dvc", "plots", "show", "-o", out], cwd=project, env=env, check=True)
+    with open(os.path.join(out, "index.html"), encoding="utf-8") as handle:
+        page = handle.read()
+    assert not re.search(r"<script[^>]*\ssrc=", page) and "vegaEmbed(" in page and "ppo_curves" in page
     iterations = len(load(os.path.join(project, "metrics", "ppo_curves.json")))
     for name in ("metrics/ppo_curves.json", "ppo/kl", "ppo/value/explained_variance"):
         (figure,) = plots["data"][name]

@@ -17,13 +17,13 @@ import time
 
 import pytest
 import torch
-from conftest import PAIR
+from conftest import PAIR, files_as_model
 from typer.testing import CliRunner
 
 from rlhf.models import load_scalar_model
 from tasks import gate
 from tasks.cli import registry as registry_cli
-from tasks.kit import registry
+from tasks.kit import registry, served
 from tasks.kit.champion import MARKER, OUT_DIR, VERSION_FILE, is_champion, require_champion
 from tasks.kit.outputs import StagedOutputs
 
@@ -85,6 +85,41 @@ def test_a_passing_candidate_becomes_champion_once_and_a_rerun_leaves_its_files_
     assert tags[registry.SHA_TAG] == registry.folder_sha256("models/reward") and tags["rlhf.pipeline_run_id"]
 
 
+def test_a_version_is_an_mlflow_model_pyfunc_loads_and_its_decision_reads_as_a_sentence(registry_project):
+    import mlflow
+    import pandas as pd
+
+    from rlhf.chat import encode_chat
+    from rlhf.device import Runtime
+    from rlhf.models import load_tokenizer
+    from rlhf.shared_prompt import score_sequences
+
+    new_candidate(BAD, 2)
+    run_gate()
+    found = client().get_model_version(NAME, "1")
+    assert found.source == f"runs:/{found.run_id}/model"  # relative to its run, not to this machine's folders
+    reason = found.tags[registry.REASON_TAG]
+    assert reason.startswith("reward gate failed 1 of ") and reason.endswith(
+        "checks: rm_eval balanced accuracy lower 95% bound (stratified bootstrap)"
+    )
+    assert found.description.startswith(f"{reason}.\n\n- GATE FAILED: rm_eval balanced accuracy lower 95% bound")
+    assert found.description.count("\n- gate passed: ") == 4  # every check, a line each
+    uri = f"models:/{NAME}/1"
+    assert mlflow.models.get_model_info(uri).signature.inputs.input_names() == ["prompt", "response", "kind"]
+    local = mlflow.artifacts.download_artifacts(f"{uri}/MLmodel")
+    with open(local) as handle:
+        assert str(registry_project) not in handle.read()  # no folder of this machine in the model's files
+    rows = pd.DataFrame({"prompt": ["Is it safe?"] * 2, "response": ["Yes.", "No, never."], "kind": ["harmless", None]})
+    rewards = mlflow.pyfunc.load_model(uri).predict(rows)
+    tokenizer, model = load_tokenizer("models/reward"), load_scalar_model("models/reward")
+    ids = [
+        encode_chat(tokenizer, PAIR["prompt"], [{"role": "assistant", "content": r}], 64).input_ids
+        for r in rows.response
+    ]
+    expected = score_sequences(model, tokenizer, ids, 8, Runtime(torch.device("cpu")))
+    assert rewards == pytest.approx(expected.tolist(), abs=1e-5)  # the reward stage's own reading
+
+
 def test_a_failing_candidate_keeps_the_champion_rescored_on_the_current_split(registry_project, capsys):
     new_candidate(GOOD, 1)
     run_gate()
@@ -126,15 +161,18 @@ def test_promote_and_rollback_by_hand_are_recorded_and_survive_the_next_gate_run
     report = run_gate()  # does not re-decide version 2 (failed) and does not undo the move
     assert (report["decided"], report["decision"], require_champion()["version"]) == ("before", "fail", "2")
     assert registry.folder_sha256(OUT_DIR) != ""  # written from the registry
-    result = runner.invoke(registry_cli.app, ["rollback", "reward", "--reason", "version 2 misbehaves"])
+    reason = "version 2 misbehaves\n\x1b[2J\x1b[31mcleared\u202e"  # a newline, terminal codes, a BiDi override
+    result = runner.invoke(registry_cli.app, ["rollback", "reward", "--reason", reason])
     assert result.exit_code == 0, result.output
     run_gate()
     assert require_champion()["version"] == "1"
+    assert registry.history(client(), NAME)[-1]["reason"] == reason  # stored as typed
     status = runner.invoke(registry_cli.app, ["status", "reward"])
     assert status.exit_code == 0 and "champion = version 1 (gate: pass)" in status.output
     assert status.output.startswith(f"project {registry_project}, tracking store sqlite:///")
     assert [line.split("  ")[2] for line in status.output.splitlines()[2:]] == ["(none) -> 1", "1 -> 2", "2 -> 1"]
-    assert "by rollback: version 2 misbehaves" in status.output
+    assert "by rollback: version 2 misbehaves\\n\\x1b[2J\\x1b[31mcleared\\u202e" in status.output  # shown escaped
+    assert "\x1b" not in status.output + result.output and "\u202e" not in status.output
 
 
 def test_registry_command_errors_are_one_line(registry_project, tmp_path_factory, monkeypatch):
@@ -191,8 +229,7 @@ def test_an_over_long_reason_is_refused_before_anything_moves_and_params_are_kep
 def start_together(folder, extra_env: dict[str, str]) -> None:
     """Four processes (tests/store_worker.py) create the experiment, the pipeline's parent run and the registered
     model at the same moment; each must succeed, with one registered model of four versions and one parent."""
-    os.makedirs("folder")
-    (folder / "folder" / "weights.txt").write_text("w")
+    files_as_model(folder / "folder", b"w")
     worker = os.path.join(os.path.dirname(__file__), "store_worker.py")
     env = {
         **os.environ,
@@ -264,7 +301,10 @@ def test_a_damaged_champion_in_the_store_is_refused_before_it_is_rescored_and_a_
     new_candidate(GOOD, 1)
     run_gate()
     champion = client().get_model_version(NAME, "1")
-    stored = os.path.join(champion.source.removeprefix("file://"), "model.safetensors")
+    from mlflow.store.artifact.runs_artifact_repo import RunsArtifactRepository
+
+    files = RunsArtifactRepository.get_underlying_uri(champion.source).removeprefix("file://")  # the MLflow Model's
+    stored = os.path.join(served.weights_folder(files), "model.safetensors")
     with open(stored, "r+b") as handle:  # truncated in the artifact store
         handle.truncate(os.path.getsize(stored) // 2)
     new_candidate(GOOD, 2)  # the champion is downloaded to be re-scored against it
@@ -351,6 +391,31 @@ def test_a_version_deleted_by_hand_keeps_its_history_and_its_content_stays_out_u
     assert [m["to"] for m in registry.history(client(), NAME)] == ["1", "2"]
 
 
+def test_a_registered_model_deleted_whole_stays_deleted_and_keeps_its_history_until_restored(registry_project):
+    new_candidate(GOOD, 1)
+    run_gate()
+    new_candidate({**GOOD, "rm/balanced_accuracy": 0.66}, 2)
+    assert run_gate()["champion"]["version"] == "2"
+    client().delete_registered_model(NAME)  # a person, in the MLflow UI: every version and alias with it
+    moves = [(m["from"], m["to"], m["by"]) for m in registry.history(client(), NAME)]
+    assert moves == [(None, "1", "gate"), ("1", "2", "gate")]  # the history outlives the model
+    status = CliRunner().invoke(registry_cli.app, ["status", "reward"])
+    assert status.exit_code == 0 and "1 -> 2" in status.output, status.output
+    with pytest.raises(registry.RegistryError) as failure:  # models/reward still holds version 2's bytes
+        run_gate()
+    assert str(failure.value) == (
+        f"registry: this content was {NAME} version 2, which was deleted with the whole {NAME}; it is not "
+        'registered again until a person restores it: rlhf-registry restore reward --version 2 --reason "..." '
+        "(or retrain)"
+    )
+    assert client().search_registered_models(f"name = '{NAME}'") == []  # not created again
+    restored = CliRunner().invoke(registry_cli.app, ["restore", "reward", "--version", "2", "--reason", "a mistake"])
+    assert restored.exit_code == 0, restored.output
+    report = run_gate()  # a new registered model: MLflow numbers its versions from 1 again; gated like any
+    assert (report["candidate"]["version"], report["decision"], report["champion"]["version"]) == ("1", "pass", "1")
+    assert [m["to"] for m in registry.history(client(), NAME)] == ["1", "2", "1"]
+
+
 def test_inside_a_dvc_experiment_a_passing_candidate_is_only_a_challenger(registry_project, monkeypatch):
     new_candidate(GOOD, 1)
     run_gate()
@@ -421,6 +486,20 @@ def test_evaluate_registers_the_policy_once_and_promotes_it_only_through_its_gat
     passed = gate_policy(won, client_.create_run(experiment).info.run_id)
     assert (passed["candidate"]["version"], passed["decision"]) == ("2", "pass")
     assert str(registry.holder(client(), "rlhf-policy").version) == "2"
+    assert client().get_model_version("rlhf-policy", "2").description.startswith("policy gate passed all ")
+    # version 1 (the tiny causal LM) as an MLflow Model: a prompt in, the policy's greedy answer out
+    import mlflow
+    import pandas as pd
+
+    from rlhf.chat import encode_prompt
+    from rlhf.models import load_causal_lm, load_tokenizer
+    from tasks.kit.served import respond
+
+    policy = mlflow.pyfunc.load_model("models:/rlhf-policy/1")
+    answers = policy.predict(pd.DataFrame({"prompt": ["Is it safe?"]}), params={"max_new_tokens": 4, "greedy": True})
+    tokenizer = load_tokenizer(tiny_dir)
+    ids = [encode_prompt(tokenizer, PAIR["prompt"], 252)]
+    assert list(answers) == respond(load_causal_lm(tiny_dir), tokenizer, ids, 4, 1.0, True)
 
 
 def test_the_flow_summary_repeats_every_gate_failed_line():

@@ -15,6 +15,7 @@ import urllib.parse
 
 import pytest
 import yaml
+from conftest import files_as_model
 from rich.filesize import decimal
 from typer.testing import CliRunner
 
@@ -37,17 +38,17 @@ def register_versions(count: int) -> None:
     client, experiment = tracking()
     for number in range(1, count + 1):
         folder = f"model-{number}"
-        os.makedirs(folder)
-        with open(os.path.join(folder, "weights.bin"), "wb") as handle:
-            handle.write(bytes([number]) * 1000)
+        files_as_model(folder, bytes([number]) * 1000)
         run_id = client.create_run(experiment).info.run_id
         registry.register(client, NAME, folder, run_id, {registry.SHA_TAG: str(number)})
 
 
 def files_of(number: int) -> str:
     """The local folder holding version ``number``'s model files."""
-    source = registry.version(tracking()[0], NAME, number).source
-    return urllib.parse.urlparse(source).path
+    from mlflow.store.artifact.runs_artifact_repo import RunsArtifactRepository
+
+    source = registry.version(tracking()[0], NAME, number).source  # runs:/<run>/model
+    return urllib.parse.urlparse(RunsArtifactRepository.get_underlying_uri(source)).path
 
 
 def test_retention_keeps_aliased_rollback_approval_and_the_newest_and_prunes_the_rest(registry_project):
@@ -60,7 +61,9 @@ def test_retention_keeps_aliased_rollback_approval_and_the_newest_and_prunes_the
     lines: list[str] = []
     removals, keep_runs = housekeeping.prune_versions(client, NAME, 1, False, lines.append)  # a dry run
     assert [r.what for r in removals] == [f"the model files of {NAME} version {n}" for n in (6, 5)]
-    assert all(r.size == 1000 for r in removals) and all(os.path.isdir(files_of(n)) for n in range(1, 8))
+    sizes = {n: housekeeping.folder_bytes(files_of(n)) for n in range(1, 8)}  # the MLflow Model: weights and all
+    assert [r.size for r in removals] == [sizes[6], sizes[5]] and sizes[6] > 1000
+    assert all(os.path.isdir(files_of(n)) for n in range(1, 8))
     assert lines[0] == (
         f"[registry] {NAME} (registry.keep_versions 1): keeps the model files of version 7 (one of the newest 1 "
         "without an alias), 4 (holds staging), 3 (holds champion), 2 (a rollback returns to it), 1 (awaits approval)"
@@ -69,7 +72,11 @@ def test_retention_keeps_aliased_rollback_approval_and_the_newest_and_prunes_the
     removals, _ = housekeeping.prune_versions(client, NAME, 1, True, lines.append)
     assert [os.path.isdir(files_of(n)) for n in range(1, 8)] == [True, True, True, True, False, False, True]
     record = registry.pruned(registry.version(client, NAME, 5))
-    assert (record["rule"], record["bytes"], record["by"]) == ("registry.keep_versions 1", 1000, "rlhf-housekeeping")
+    assert (record["rule"], record["bytes"], record["by"]) == (
+        "registry.keep_versions 1",
+        sizes[5],
+        "rlhf-housekeeping",
+    )
     assert client.get_run(registry.version(client, NAME, 5).run_id).info.lifecycle_stage == "active"  # run kept
     assert housekeeping.prune_versions(client, NAME, 1, True, lines.append)[0] == []  # nothing left to do
     status = CliRunner().invoke(registry_cli.app, ["status", "reward"])

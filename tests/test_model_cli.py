@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from typer.testing import CliRunner
 
 from rlhf.chat import encode_prompt
 from tasks.cli import model as model_cli
+from tasks.kit import served
 from tasks.kit.model_card import card_facts, render_card, sha256_file
 from tasks.kit.registry import COMMIT_TAG, DATA_TAG, SHA_TAG, folder_sha256, register
 from tasks.kit.runs import PIPELINE_RUN_TAG, tracking_client
@@ -219,14 +221,14 @@ def test_export_of_the_champion_carries_the_registry_lineage_and_metrics(registr
 
 def test_chat_keeps_the_conversation_in_the_chat_template(tiny_dir, tokenizer, monkeypatch):
     calls = []
-    real = model_cli.respond
+    real = served.respond
 
     def recording(model, tok, prompts, *args):
         answers = real(model, tok, prompts, *args)
         calls.append((prompts, answers))
         return answers
 
-    monkeypatch.setattr(model_cli, "respond", recording)
+    monkeypatch.setattr(served, "respond", recording)  # the chat command imports it when it starts
     args = ["chat", tiny_dir, "--max-new-tokens", "6", "--seed", "3"]
     result = runner.invoke(model_cli.app, args, input="hello\nand again?\n/exit\n")
     assert result.exit_code == 0, result.output
@@ -346,3 +348,27 @@ def test_a_bad_argument_or_file_is_reported_before_torch_transformers_or_mlflow_
     result = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, check=True)
     status, output = result.stdout.split("\n", 1)
     assert status == "1 []" and line in output and len(output.strip().splitlines()) == 1, result.stdout
+
+
+@pytest.mark.parametrize("module", ["model", "registry", "review", "housekeeping"])
+def test_every_help_reads_as_text_without_placeholders_or_markup(module, monkeypatch):
+    import importlib
+
+    monkeypatch.setenv("COLUMNS", "120")
+    app = importlib.import_module(f"tasks.cli.{module}").app
+    runner = CliRunner()
+    commands = [[]] + [[name] for name in typer_commands(app)]
+    for command in commands:
+        shown = runner.invoke(app, [*command, "--help"], color=False)
+        assert shown.exit_code == 0, (command, shown.output)
+        text = shown.output
+        # typer >= 0.27 writes `{model}`, `<str>`, `--help <bool>`; markup mode writes `code` without its backticks
+        assert not re.search(r"<(str|bool|int|float)>|\{[a-z_]+\}|``|`", text), (command, text)
+        assert "Usage:" in text and (command == [] or command[0] in text)
+
+
+def typer_commands(app) -> list[str]:
+    """The names of a typer app's subcommands."""
+    import typer
+
+    return sorted(getattr(typer.main.get_command(app), "commands", {}))  # none: the app is its one command

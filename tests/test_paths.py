@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import json
 import os
 import re
 
@@ -52,3 +53,23 @@ def test_no_stage_command_or_flow_types_an_artefact_path_of_its_own():
                     ):
                         typed.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}: {node.value!r}")
     assert typed == []
+
+
+def test_each_stage_declares_only_its_headline_row_as_dvc_metrics_and_writes_it_as_numbers(tmp_path, monkeypatch):
+    from tasks.kit.outputs import HEADLINE, StagedOutputs, write_headline
+
+    with open(os.path.join(ROOT, "dvc.yaml"), encoding="utf-8") as handle:
+        stages = yaml.safe_load(handle)["stages"]
+    declared = {name: [next(iter(e)) for e in spec.get("metrics") or []] for name, spec in stages.items()}
+    assert declared == {name: [paths.headline(name)] if name in HEADLINE else [] for name in stages}
+    monkeypatch.chdir(tmp_path)
+    values = {
+        "rm/balanced_accuracy": 0.55321,
+        "rm/balanced_accuracy_low": 0.5,  # not a headline figure
+        "rm/kind/harmless/balanced_accuracy": float("nan"),  # undefined: DVC shows "-"
+        "rm/kind/helpful/balanced_accuracy": 0.6,
+    }
+    with StagedOutputs() as outputs:
+        write_headline(outputs, "reward", values)
+    with open(paths.headline("reward")) as handle:
+        assert json.load(handle) == {"bal_acc": 0.553, "helpful": 0.6}

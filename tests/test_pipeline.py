@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sqlite3
 import subprocess
@@ -234,7 +235,15 @@ def test_prefect_flow_runs_the_stale_stages_on_two_sharded_processes_and_groups_
         children = db.execute(
             "select count(*) from tags where key = 'mlflow.parentRunId' and value = ?", parents[0]
         ).fetchone()[0]
+        (name,) = db.execute("select name from runs where run_uuid = ?", parents[0]).fetchone()
+        params = dict(db.execute("select key, value from params where run_uuid = ?", parents[0]).fetchall())
+        (kind,) = db.execute("select value from experiment_tags where key = 'mlflow.experimentKind'").fetchone()
     assert children == len(ran)
+    # the parent is named for people and holds the whole params as this run read them (the profile applied)
+    assert re.fullmatch(r"tiny pipeline \d{4}-\d\d-\d\d \d\d:\d\d UTC", name)
+    assert params["profile"] == "tiny" and params["ppo.iterations"] == "3" and params["device.num_processes"] == "2"
+    assert params["data.more_sources.0.name"] == "helpful-base" and len(params) > 150
+    assert kind == "custom_model_development"  # MLflow's UI opens the runs, not the GenAI traces
 
 
 def test_ppo_stage_killed_with_sigkill_resumes_to_the_same_result(tiny_run, tmp_path):

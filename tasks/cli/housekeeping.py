@@ -373,8 +373,9 @@ def housekeep(apply: bool, all_commits: bool, project: str | None, say=typer.ech
 
 
 app = typer.Typer(
+    rich_markup_mode="markdown",  # the docstrings' `code` shown as code, not as backticks
     help="Remove what a project no longer needs: pruned model files, stale checkpoints, DVC cache, "
-    "deleted MLflow runs. A dry run unless --yes."
+    "deleted MLflow runs. A dry run unless --yes.",
 )
 
 

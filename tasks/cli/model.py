@@ -23,8 +23,9 @@ import typer
 from tasks.kit.common import one_line
 
 app = typer.Typer(
+    rich_markup_mode="markdown",  # the docstrings' `code` shown as code, not as backticks
     help="Use the aligned policy: export it (with a model card), chat with it, generate responses; "
-    "score a reward model on a pairs file."
+    "score a reward model on a pairs file.",
 )
 MODEL_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/@]+)|/(?P<version>\d+))$")
 
@@ -154,16 +155,6 @@ def chat_prompt_ids(tokenizer, messages: list[dict[str, str]], budget: int) -> t
     return ids[-budget:], dropped
 
 
-def respond(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float, greedy: bool):
-    """Sample one response per prompt (token lists) with :func:`rlhf.models.sample` (stops at EOS); returns the
-    decoded texts, special tokens left out."""
-    from rlhf.models import sample
-
-    rollout = sample(model, tokenizer, prompts, max_new_tokens, temperature, greedy)
-    responses, masks = rollout.input_ids[:, rollout.response_start :], rollout.response_mask
-    return [tokenizer.decode(r[m], skip_special_tokens=True).strip() for r, m in zip(responses, masks, strict=True)]
-
-
 def read_prompts(path: str) -> list[dict[str, Any]]:
     """Rows of a prompts file: ``{"prompt": "text"}``, ``{"prompt": [messages]}`` (the pipeline's eval_prompts) or
     ``{"messages": [messages]}``; each gets ``messages`` ending with a user turn. Returns ``{"key", "value",
@@ -209,7 +200,12 @@ def _fail(err: Exception) -> None:
 
 @contextlib.contextmanager
 def _one_line() -> Iterator[None]:
-    """User errors (a bad argument, row, folder, registry reply) end the command with one line, no traceback."""
+    """User errors (a bad argument, row, folder, registry reply) end the command with one line, no traceback; the
+    libraries' progress bars (loading weights, downloading a version) and warnings stay quiet meanwhile
+    (:func:`tasks.kit.console.quiet_libraries`)."""
+    from tasks.kit.console import quiet_libraries
+
+    quiet_libraries("rlhf-model")
     try:
         yield
     except (UserError, ValueError, OSError) as err:  # RegistryError is a ValueError; FileNotFoundError an OSError
@@ -342,6 +338,8 @@ def chat(
         budget = prompt_budget(policy, max_new_tokens, max_prompt_tokens)
     import torch  # here, after the checks: a bad argument is reported in a second
 
+    from tasks.kit.served import respond
+
     torch.manual_seed(seed)
     opening = [{"role": "system", "content": system}] if system else []
     messages = list(opening)
@@ -394,6 +392,7 @@ def generate(
 
         from rlhf.chat import encode_prompt
         from rlhf.checkpoint import atomic_write_text
+        from tasks.kit.served import respond
 
         budget = prompt_budget(policy, max_new_tokens, max_prompt_tokens)
         torch.manual_seed(seed)

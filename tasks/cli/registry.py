@@ -8,7 +8,8 @@ import os
 import typer
 import yaml
 
-from tasks.kit.common import one_line
+from tasks.kit import ledger
+from tasks.kit.common import one_line, terminal_text
 from tasks.kit.registry import (
     CHAMPION,
     DECISION_TAG,
@@ -17,6 +18,7 @@ from tasks.kit.registry import (
     _project,
     history,
     holder,
+    model_exists,
     move_alias,
     previous_holder,
     pruned,
@@ -25,7 +27,8 @@ from tasks.kit.registry import (
 )
 
 app = typer.Typer(
-    help="The champions (reward model, policy) of this project's MLflow registry: status, promote, rollback, restore."
+    rich_markup_mode="markdown",  # the docstrings' `code` shown as code, not as backticks
+    help="The champions (reward model, policy) of this project's MLflow registry: status, promote, rollback, restore.",
 )
 MODELS = {"reward": "reward_model", "policy": "policy_model"}  # the command's model -> params.yaml registry key
 STATUS_METRICS = (
@@ -69,7 +72,8 @@ def _open(model: str, project: str | None):
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
     client = mlflow.MlflowClient(tracking_uri=uri)
-    _guard(f"registered model {name}", client.get_registered_model, name)
+    if not model_exists(client, name) and not _guard("read the ledger", ledger.read, client, f"content.{name}."):
+        _guard(f"registered model {name}", client.get_registered_model, name)  # never registered: its one line
     return client, name, f"project {folder}, tracking store {uri}"
 
 
@@ -89,7 +93,8 @@ def _move(model: str, to: str, by: str, reason: str, project: str | None) -> Non
     decision = version(client, name, to).tags.get(DECISION_TAG)
     record = move_alias(client, name, to, by, reason)  # a refusal (a pruned version, say) is its one line
     typer.echo(where)
-    typer.echo(f"{name}: {CHAMPION} moved from version {record['from']} to {record['to']} ({by}: {record['reason']})")
+    moved = f"moved from version {record['from']} to {record['to']} ({by}: {terminal_text(record['reason'])})"
+    typer.echo(f"{name}: {CHAMPION} {moved}")
     if decision != "pass":  # by hand a person may override the gate: say what was overridden
         typer.echo(
             f"note: version {to} {'failed its gate' if decision == 'fail' else 'was never gated'}; moved by hand"
@@ -157,20 +162,25 @@ def status(
         client, name, where = _open(model, project)
         typer.echo(where)
         found = holder(client, name)
-        if found is None:
+        if not model_exists(client, name):
+            typer.echo(
+                f"{name}: deleted from the registry whole; its content stays out until a person restores it "
+                f"(rlhf-registry restore {model} --version N --reason ...); its history:"
+            )
+        elif found is None:
             latest = _guard(f"search {name}", client.search_model_versions, f"name = '{name}'")
             newest = max(latest, key=lambda v: int(v.version)) if latest else None
             last = f"; newest version {newest.version}, gate: {newest.tags.get(DECISION_TAG, 'none')}" if newest else ""
-            typer.echo(f"{name}: no version holds {CHAMPION}{last}")
+            typer.echo(terminal_text(f"{name}: no version holds {CHAMPION}{last}"))
         else:
             metrics = {k[len("rlhf.metric.") :]: v for k, v in found.tags.items() if k.startswith("rlhf.metric.")}
             shown = ", ".join(f"{k}={metrics[k]}" for k in STATUS_METRICS if k in metrics)
             decision = found.tags.get(DECISION_TAG, "none")
-            typer.echo(f"{name}: {CHAMPION} = version {found.version} (gate: {decision}); {shown}")
+            typer.echo(terminal_text(f"{name}: {CHAMPION} = version {found.version} (gate: {decision}); {shown}"))
         for move in history(client, name):
+            line = f"  {move['at']}  {move['from'] or '(none)'} -> {move['to']}  by {move['by']}: {move['reason']}"
             typer.echo(
-                f"  {move['at']}  {move['from'] or '(none)'} -> {move['to']}  by {move['by']}: {move['reason']}"
-                + (f" (pipeline {move['pipeline_run']})" if move.get("pipeline_run") else "")
+                terminal_text(line + (f" (pipeline {move['pipeline_run']})" if move.get("pipeline_run") else ""))
             )
         gone = sorted(
             (v for v in _guard(f"search {name}", client.search_model_versions, f"name = '{name}'") if pruned(v)),

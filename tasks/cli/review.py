@@ -277,6 +277,7 @@ def log_review(run_id: str, result: Tally, filled: str) -> str:
 # ------------------------------------------------------------------------------------------------- the command
 
 app = typer.Typer(
+    rich_markup_mode="markdown",  # the docstrings' `code` shown as code, not as backticks
     help="Blind A/B human review of the policy against the SFT model: export a CSV for raters, import it filled.",
     no_args_is_help=True,
 )

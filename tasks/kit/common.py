@@ -6,6 +6,7 @@ import os
 import re
 import signal
 import sys
+import unicodedata
 from typing import Any
 
 from tasks.kit.console import quiet_libraries
@@ -69,6 +70,21 @@ MAX_LINE = 500
 def service_errors() -> tuple[type[BaseException], ...]:
     """The classes of :data:`SERVICE_ERRORS` whose module is loaded (one not loaded cannot have raised)."""
     return tuple(getattr(sys.modules[module], name) for module, name in SERVICE_ERRORS if module in sys.modules)
+
+
+UNPRINTABLE = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"})
+"""Unicode categories a terminal must not receive raw: controls (newlines, the escape that starts a colour or
+cursor code), format characters (bidirectional overrides), surrogates, private-use, unassigned, line and
+paragraph separators."""
+
+
+def terminal_text(text: Any) -> str:
+    """``text`` safe to print within one terminal line: each :data:`UNPRINTABLE` character written as its Python
+    escape (``\\n``, ``\\x1b``, ``\\u202e``). What people typed is stored as it was; only its display is escaped."""
+    return "".join(
+        ch.encode("unicode_escape").decode("ascii") if unicodedata.category(ch) in UNPRINTABLE else ch
+        for ch in str(text)
+    )
 
 
 def one_line(message: str) -> str:

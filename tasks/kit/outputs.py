@@ -246,3 +246,42 @@ def stage_metrics(stage: str) -> dict[str, Any]:
     """
     parts = paths.kind_metrics(stage)
     return {**load_json(paths.metrics(stage)), **(load_json(parts) if os.path.isfile(parts) else {})}
+
+
+HEADLINE = {  # each stage's row of the one table `dvc metrics show` prints (metrics/headline/<stage>.json): a short
+    # name means the same in every row, so the table stays within 120 columns; {kind}: a column per kind of data
+    "validate": {"pairs": "validate/valid"},
+    "sft": {"loss": "sft/loss_last"},
+    "reward": {"bal_acc": "rm/balanced_accuracy", "{kind}": "rm/kind/{kind}/balanced_accuracy"},
+    "gate": {"passed": "gate/passed"},
+    "judge": {"bal_acc": "judge/balanced_accuracy", "{kind}": "judge/kind/{kind}/balanced_accuracy"},
+    "ppo": {"kl": "ppo/last/kl"},
+    "evaluate": {
+        "win_rate": "eval/judge/win_rate",
+        "lc_win": "eval/judge/lc_win_rate",
+        "kl": "eval/policy/kl",
+        "refusals": "eval/policy/refusal_rate",
+        "passed": "gate/passed",
+    },
+}
+"""Stage -> {column: metric key}: balanced accuracies (overall and per kind) of the reward model and the judge,
+``passed`` 1/0 for the reward and the policy gate, the KL to SFT (PPO's last rollout, evaluation's prompts),
+the judge's win rate and length-controlled win rate over SFT, the policy's refusal rate. Every figure of a stage is
+in its own files (``dvc metrics show metrics/reward.json``)."""
+
+
+def write_headline(outputs, stage: str, values: dict[str, Any]) -> None:
+    """Stage ``stage``'s row of :data:`HEADLINE` from ``values`` (its metrics, per-kind ones included) into
+    ``metrics/headline/<stage>.json``: numbers only, rounded to 3 decimals (a figure ``values`` lacks, or NaN, is
+    left out: DVC shows ``-``)."""
+    from rlhf.checkpoint import write_json  # noqa: PLC0415 (imports torch and transformers)
+    from rlhf.kinds import kinds_in  # noqa: PLC0415 (as above)
+
+    row = {}
+    for column, key in HEADLINE[stage].items():
+        kinds = kinds_in(values, key.split("/", 1)[0]) if "{kind}" in key else [None]
+        for kind in kinds:
+            value = values.get(key.format(kind=kind))
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                row[column.format(kind=kind)] = round(value, 3) if isinstance(value, float) else value
+    write_json(outputs.file(paths.headline(stage)), row)

@@ -25,6 +25,17 @@ def kind_metrics(stage: str) -> str:
     return f"metrics/{stage}_kinds.json"
 
 
+def headline(stage: str) -> str:
+    """A stage's row of the table ``dvc metrics show`` prints (:data:`tasks.kit.outputs.HEADLINE`):
+    ``metrics/headline/<stage>.json``."""
+    return f"metrics/headline/{stage}.json"
+
+
+def is_headline(path: str) -> bool:
+    """Whether ``path`` is a stage's headline row (:func:`headline`)."""
+    return path.startswith(headline("*").rsplit("/", 1)[0] + "/")
+
+
 BASE = "models/base"  # base_model: model.source as safetensors
 SFT = "models/sft"
 REWARD = "models/reward"  # the reward stage's candidate

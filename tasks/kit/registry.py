@@ -1,14 +1,15 @@
 """The MLflow model registry: versions found by content, aliases that move with a recorded history.
 
 Everything that talks to the registry lives here (the core imports no MLflow; the gate's decision is
-:mod:`rlhf.gate_rules`). A version holds the ``save_pretrained`` safetensors folder as run artifacts (no
-pickled module) and is read back only by downloading that folder for the project's own loaders.
+:mod:`rlhf.gate_rules`). A version is an MLflow Model (:mod:`tasks.kit.served`: a pyfunc from code, nothing
+pickled) holding the ``save_pretrained`` safetensors folder, which the pipeline reads back by downloading it for
+the project's own loaders. Its source is ``runs:/<run>/model``: relative to its run, not to a machine's folder.
 
-Every alias move (by a gate, ``promote`` or ``rollback``) is one tag, on the version moved to and on the
-registered model (where deleting the version cannot take it), ``rlhf.alias_move.<alias>.<nanoseconds>`` = JSON
-``{alias, from, to, by, reason, at, pipeline_run}``: MLflow keeps only the current alias, and one tag per move
-never outgrows a tag's size limit. The registered model also keeps each version's content hash
-(``rlhf.content.<version>``), so content a person deleted is not registered again until restored
+Every alias move (by a gate, ``promote`` or ``rollback``) is one tag, on the version moved to and in the
+ledger (:mod:`tasks.kit.ledger`: where deleting the version, or the whole registered model, cannot take it),
+``rlhf.alias_move.<alias>.<nanoseconds>`` = JSON ``{alias, from, to, by, reason, at, pipeline_run}``: MLflow
+keeps only the current alias, and one tag per move never outgrows a tag's size limit. The ledger also keeps each
+version's content hash, so content a person deleted is not registered again until restored
 (:func:`refuse_deleted`, ``rlhf-registry restore``). The command for people is :mod:`tasks.cli.registry`.
 
 A version whose model files ``rlhf-housekeeping`` deleted (:mod:`tasks.cli.housekeeping`, ``registry.keep_versions``)
@@ -28,13 +29,15 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from rlhf.gate_rules import as_records, passed
+from rlhf.gate_rules import as_records, decision_sentence, passed
+from tasks.kit import ledger
 from tasks.kit.common import one_line
 from tasks.kit.runs import PIPELINE_RUN_TAG, create_if_missing, git_commit, pipeline_run_id
 
 CHAMPION = "champion"
 SHA_TAG, DATA_TAG, COMMIT_TAG = "rlhf.model_sha256", "rlhf.data_sha256", "rlhf.git_commit"
 DECISION_TAG, CHECKS_TAG, CHALLENGER_TAG = "rlhf.gate.decision", "rlhf.gate.checks", "rlhf.challenger"
+REASON_TAG = "rlhf.gate.reason"  # the decision in one sentence naming the failed criteria (also the description)
 APPROVAL_TAG = "rlhf.approval"  # awaiting | approved | rejected | timed out
 MOVE_PREFIX = "rlhf.alias_move."
 PRUNED_TAG = "rlhf.pruned"  # JSON {at, by, rule, bytes}: rlhf-housekeeping deleted the version's model files
@@ -133,19 +136,19 @@ def register(client, name: str, folder: str, run_id: str, tags: dict[str, str], 
     except MlflowException:  # first use; another process may register the first version at the same moment
         create, read = partial(client.create_registered_model, name), partial(client.get_registered_model, name)
         _guard(f"create registered model {name}", create_if_missing, create, read)
-    _guard(f"log the artifacts of {folder}", client.log_artifacts, run_id, folder, ARTIFACT_PATH)
+    from tasks.kit.served import save  # noqa: PLC0415 (MLflow: seconds to import)
+
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(folder))) as tmp:
+        served = os.path.join(tmp, ARTIFACT_PATH)
+        save(folder, served)
+        _guard(f"log the artifacts of {folder}", client.log_artifacts, run_id, served, ARTIFACT_PATH)
     if params is not None:
         _guard("log the params", client.log_text, run_id, _params_json(params), PARAMS_ARTIFACT)
-    source = f"{client.get_run(run_id).info.artifact_uri.rstrip('/')}/{ARTIFACT_PATH}"
+    source = f"runs:/{run_id}/{ARTIFACT_PATH}"  # relative to the run: the store's location is not written here
     found = _guard(f"register {name}", client.create_model_version, name, source, run_id=run_id, tags=tags)
-    if tags.get(SHA_TAG):  # kept where deleting the version cannot take it: refuse_deleted() reads it
-        _guard(
-            "record the content",
-            client.set_registered_model_tag,
-            name,
-            f"{CONTENT_PREFIX}{found.version}",
-            tags[SHA_TAG],
-        )
+    if tags.get(SHA_TAG):  # kept where deleting the version or the model cannot take it: refuse_deleted() reads it
+        record = {"version": str(found.version), "at": ledger.now()}
+        _guard("record the content", ledger.write, client, f"content.{name}.{tags[SHA_TAG]}", record)
     return found
 
 
@@ -176,35 +179,73 @@ def refuse_deleted(client, name: str, sha: str, restore: str) -> None:
         RegistryError: ``sha`` was a version that no longer exists and was not restored; names the version and
             ``restore``, the command that brings it back.
     """
-    tags = _model_tags(client, name)
-    for key, value in tags.items():
-        number = key[len(CONTENT_PREFIX) :]
-        if key.startswith(CONTENT_PREFIX) and value == sha and f"{RESTORED_PREFIX}{number}" not in tags:
+    for record in _deleted(client, name):
+        if record["sha"] == sha and not record["restored"]:
+            gone = "deleted from the registry" if record["model_exists"] else f"deleted with the whole {name}"
             raise RegistryError(
-                f"registry: this content was {name} version {number}, which was deleted from the registry; it is "
-                f"not registered again until a person restores it: {restore.format(version=number)} (or retrain)"
+                f"registry: this content was {name} version {record['version']}, which was {gone}; it is not "
+                f"registered again until a person restores it: {restore.format(version=record['version'])} "
+                "(or retrain)"
             )
 
 
+def _recorded(client, name: str) -> dict[str, str]:
+    """Content hash -> the version it was registered as, from the ledger and (registries written before it) the
+    registered model's ``rlhf.content.<version>`` tags."""
+    tags = _model_tags(client, name)
+    contents = {sha: key[len(CONTENT_PREFIX) :] for key, sha in tags.items() if key.startswith(CONTENT_PREFIX)}
+    ledgered = _guard("read the ledger", ledger.read, client, f"content.{name}.")
+    return contents | {sha: record["version"] for sha, record in ledgered.items()}
+
+
+def _deleted(client, name: str) -> list[dict[str, Any]]:
+    """The content registered under ``name`` that no version holds any more (a version, or the whole registered
+    model, deleted by a person): ``{sha, version, restored, model_exists}`` each."""
+    tags, exists = _model_tags(client, name), model_exists(client, name)
+    held = {found.tags.get(SHA_TAG) for found in _versions(client, name)} if exists else set()
+    restored = _guard("read the ledger", ledger.read, client, f"restored.{name}.")
+    return [
+        {
+            "sha": sha,
+            "version": number,
+            "restored": sha in restored or f"{RESTORED_PREFIX}{number}" in tags,
+            "model_exists": exists,
+        }
+        for sha, number in _recorded(client, name).items()
+        if sha not in held
+    ]
+
+
+def model_exists(client, name: str) -> bool:
+    """Whether the registered model ``name`` exists (a person may have deleted it whole)."""
+    from mlflow.exceptions import MlflowException  # noqa: PLC0415 (MLflow: seconds to import)
+
+    try:
+        client.get_registered_model(name)
+        return True
+    except MlflowException:
+        return False
+
+
 def restore(client, name: str, number: str, reason: str) -> None:
-    """Let the content of deleted version ``number`` be registered again (the next gate run gates it anew).
+    """Let the content of deleted version ``number`` (a version deleted, or the whole registered model) be
+    registered again: the next gate run registers and gates it anew.
 
     Raises:
         RegistryError: no such version was recorded, it still exists, it was restored already, or no reason.
     """
-    tags = _model_tags(client, name)
-    if f"{CONTENT_PREFIX}{number}" not in tags:
+    if str(number) not in _recorded(client, name).values():
         raise RegistryError(f"registry: {name} has no record of a version {number}; nothing to restore")
-    if any(str(found.version) == str(number) for found in _versions(client, name)):
+    deleted = [record for record in _deleted(client, name) if record["version"] == str(number)]
+    if not deleted:
         raise RegistryError(f"registry: {name} version {number} exists; nothing to restore")
-    if f"{RESTORED_PREFIX}{number}" in tags:
+    if all(record["restored"] for record in deleted):
         raise RegistryError(f"registry: {name} version {number} was restored already; run the gate (dvc repro)")
     if not reason.strip() or len(reason.strip()) > MAX_REASON:
         raise RegistryError(f"registry: --reason must say why, in at most {MAX_REASON:,} characters; nothing done")
-    record = {"reason": reason.strip(), "at": datetime.now(UTC).isoformat(timespec="seconds")}
-    _guard(
-        "record the restore", client.set_registered_model_tag, name, f"{RESTORED_PREFIX}{number}", json.dumps(record)
-    )
+    for record in deleted:
+        entry = {"version": str(number), "reason": reason.strip(), "at": ledger.now()}
+        _guard("record the restore", ledger.write, client, f"restored.{name}.{record['sha']}", entry)
 
 
 def find_by_sha(client, name: str, sha: str):
@@ -289,8 +330,8 @@ def move_alias(
     _guard(f"move {alias} of {name}", client.set_registered_model_alias, name, alias, target.version)
     key = f"{MOVE_PREFIX}{alias}.{time.time_ns()}"
     _guard(f"record the move of {alias}", client.set_model_version_tag, name, target.version, key, json.dumps(record))
-    # and on the registered model, where deleting the version cannot take it (history() reads both)
-    _guard(f"record the move of {alias}", client.set_registered_model_tag, name, key, json.dumps(record))
+    # and in the ledger, where deleting the version or the whole model cannot take it (history() reads all)
+    _guard(f"record the move of {alias}", ledger.write, client, f"move.{name}.{alias}.{key.rsplit('.', 1)[1]}", record)
     return record
 
 
@@ -298,10 +339,12 @@ def history(client, name: str, alias: str = CHAMPION) -> list[dict[str, Any]]:
     """Every recorded move of ``alias`` of ``name``, oldest first, also the moves to a version deleted since (kept
     on the registered model). Raises RegistryError (one line)."""
     prefix = f"{MOVE_PREFIX}{alias}."
-    tags = _model_tags(client, name)
+    tags = _model_tags(client, name)  # moves recorded before the ledger kept them
     for found in _versions(client, name):
-        tags |= found.tags  # moves recorded before the registered model kept them too
+        tags |= found.tags  # and before the registered model did
     moves = {int(key[len(prefix) :]): json.loads(value) for key, value in tags.items() if key.startswith(prefix)}
+    ledgered = _guard("read the ledger", ledger.read, client, f"move.{name}.{alias}.")
+    moves |= {int(at): record for at, record in ledgered.items()}
     return [moves[at] for at in sorted(moves)]
 
 
@@ -330,14 +373,18 @@ def experiment_name() -> str | None:
     return os.environ.get("DVC_EXP_NAME") or None
 
 
-def decide_once(client, name: str, candidate, judge, reason: str, move: bool = True) -> dict[str, Any]:
+def decide_once(
+    client, name: str, candidate, judge, reason: str, move: bool = True, what: str = "gate"
+) -> dict[str, Any]:
     """A gate's decision on ``candidate``: the one stored on it, or a new one, stored and acted on.
 
     ``judge() -> (checks, extra)`` (:class:`rlhf.gate_rules.Check` list, and figures to record beside them)
     runs only for a version without a decision: a decision is never taken twice, so a later run never undoes
     a person's move. On a pass the ``champion`` alias moves to the candidate (recorded with ``reason``), except
     inside a DVC experiment, where the candidate is only tagged a challenger, and with ``move`` False, where it
-    is tagged as awaiting a person's approval (``rlhf.approval: awaiting``; :mod:`flows.approval`).
+    is tagged as awaiting a person's approval (``rlhf.approval: awaiting``; :mod:`flows.approval`). A new decision
+    is also written for people: :data:`REASON_TAG` and the version's description say it in a sentence (``what``
+    names the gate) followed by every check's line.
 
     Returns:
         The record (``decision`` pass|fail, ``checks``, ``lines``, the extras, ``decided_at``,
@@ -373,6 +420,10 @@ def decide_once(client, name: str, candidate, judge, reason: str, move: bool = T
     version_ = str(candidate.version)
     _guard("store the decision", client.set_model_version_tag, name, version_, CHECKS_TAG, json.dumps(record))
     _guard("store the decision", client.set_model_version_tag, name, version_, DECISION_TAG, record["decision"])
+    sentence = decision_sentence(record, what)
+    _guard("store the decision", client.set_model_version_tag, name, version_, REASON_TAG, sentence)
+    description = f"{sentence}.\n\n" + "\n".join(f"- {line}" for line in record["lines"])
+    _guard("describe the decision", client.update_model_version, name, version_, description=description)
     if record["decision"] == "pass" and record["experiment"]:
         _guard("tag the challenger", client.set_model_version_tag, name, version_, CHALLENGER_TAG, record["experiment"])
     elif record["decision"] == "pass" and not move:
@@ -394,6 +445,8 @@ def download(client, found, folder: str) -> None:
 
     import mlflow  # noqa: PLC0415 (MLflow: seconds to import)
 
+    from tasks.kit.served import weights_folder  # noqa: PLC0415 (imports MLflow)
+
     record = pruned(found)
     if record is not None:
         raise RegistryError(
@@ -407,6 +460,7 @@ def download(client, found, folder: str) -> None:
             artifact_uri=found.source,
             dst_path=tmp,
         )
+        path = weights_folder(path)
         for entry in os.listdir(path):
             shutil.move(os.path.join(path, entry), os.path.join(folder, entry))
     expected = found.tags.get(SHA_TAG)

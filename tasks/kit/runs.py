@@ -18,7 +18,7 @@ from typing import Any
 
 from filelock import FileLock
 
-from tasks.kit.params import PARAMS_FILE, mlflow_params, mlflow_text, read_params
+from tasks.kit.params import DEFAULT_PROFILE, PARAMS_FILE, mlflow_params, mlflow_text, read_params, stage_params
 
 PIPELINE_RUN_TAG = "rlhf.pipeline_run_id"
 
@@ -88,7 +88,39 @@ def tracking_client():
                 lambda: client.get_experiment_by_name(name),
             )
         get_or_create = partial(mlflow.set_experiment, name)  # a second call finds what another process made
-        return client, create_if_missing(get_or_create, get_or_create).experiment_id
+        experiment = create_if_missing(get_or_create, get_or_create)
+    if EXPERIMENT_KIND_TAG not in experiment.tags:  # else MLflow's UI opens it on the GenAI traces page
+        set_tag_once(client, experiment.experiment_id, EXPERIMENT_KIND_TAG, "custom_model_development")
+    return client, experiment.experiment_id
+
+
+def set_tag_once(client, experiment_id: str, key: str, value: str) -> None:
+    """Set an experiment tag that processes starting together may all set: a store refuses the second insert of
+    a key (SQLite's unique constraint), which is success when the key is there now.
+
+    Raises:
+        MlflowException: the store refused and the key is not set.
+    """
+    from mlflow.exceptions import MlflowException  # noqa: PLC0415 (MLflow: seconds to import)
+
+    try:
+        client.set_experiment_tag(experiment_id, key, value)
+    except MlflowException:
+        if key not in client.get_experiment(experiment_id).tags:
+            raise
+
+
+EXPERIMENT_KIND_TAG = (
+    "mlflow.experimentKind"  # model training (runs and models), not GenAI (traces); a person's own stays
+)
+
+
+def pipeline_params() -> dict[str, str]:
+    """Every section of params.yaml as this run reads it (the preset and profile applied), as MLflow params of the
+    pipeline's parent run (``ppo.clip``, ``data.more_sources.0.name``, ...; each stage's run holds its own too)."""
+    params = read_params()
+    sections = {name: stage_params(name, params) for name, value in params.items() if isinstance(value, dict)}
+    return mlflow_params({"profile": params.get("profile", DEFAULT_PROFILE), **sections})
 
 
 @contextlib.contextmanager
@@ -354,12 +386,19 @@ class StageRun:
         """The id of ``pipeline_run``'s parent run, created when there is none (and reopened when it ended)."""
         parent = self._find_parent(client, self.experiment_id, pipeline_run)
         if parent is None:
+            from mlflow.entities import Param  # noqa: PLC0415 (MLflow: seconds to import)
+
             tags = {PIPELINE_RUN_TAG: pipeline_run, "rlhf.kind": "pipeline"}
-            created = client.create_run(self.experiment_id, tags=tags, run_name=f"pipeline {pipeline_run}")
+            profile = read_params().get("profile", DEFAULT_PROFILE)
+            run_name = f"{profile} pipeline {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC"
+            created = client.create_run(self.experiment_id, tags=tags, run_name=run_name)
             # two stages of one pipeline run may start together: the oldest parent is the one, ours goes
             parent = self._find_parent(client, self.experiment_id, pipeline_run)
             if parent.info.run_id != created.info.run_id:
                 client.delete_run(created.info.run_id)
+            else:
+                params = [Param(key, value) for key, value in pipeline_params().items()]
+                client.log_batch(created.info.run_id, params=params)
         elif parent.info.status != "RUNNING":  # a later stage of the same pipeline run continues it
             client.update_run(parent.info.run_id, status="RUNNING")
         return parent.info.run_id

@@ -27,7 +27,7 @@ from tasks.kit import paths
 from tasks.kit.common import setup_torch, stage_runtime
 from tasks.kit.configs import config_from_params
 from tasks.kit.console import progress_bars
-from tasks.kit.outputs import StagedOutputs, is_part_figure, write_metrics
+from tasks.kit.outputs import StagedOutputs, is_part_figure, write_headline, write_metrics
 from tasks.kit.resume import run_checkpointer
 
 CONFIGS = {"reward": RewardConfig, "judge": JudgeConfig}  # stage -> its typed config: same fields, own defaults
@@ -174,3 +174,4 @@ def write_outputs(
     write_metrics(
         outputs.file(paths.kind_metrics(name)), {k: v for k, v in metrics.items() if is_part_figure(k)}, stage
     )
+    write_headline(outputs, name, metrics)
