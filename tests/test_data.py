@@ -5,13 +5,17 @@ import functools
 import gzip
 import hashlib
 import http.server
+import io
 import json
 import lzma
 import os
+import tarfile
 import threading
+import zipfile
 
 import pytest
 import yaml
+import zstandard
 
 import rlhf.data
 import tasks.prepare
@@ -737,7 +741,13 @@ def test_responses_equal_once_the_trailing_user_turn_is_dropped_are_quarantined(
 # --- compression read from the content; a source without a usable row is an error ----------------------------
 
 ROWS = [{"prompt": f"Question {i}?", "chosen": f"Good answer {i}.", "rejected": f"Bad answer {i}."} for i in range(4)]
-COMPRESS = {None: lambda data: data, "gzip": gzip.compress, "bz2": bz2.compress, "xz": lzma.compress}
+COMPRESS = {
+    None: lambda data: data,
+    "gzip": gzip.compress,
+    "bz2": bz2.compress,
+    "xz": lzma.compress,
+    "zstd": lambda data: zstandard.ZstdCompressor().compress(data),
+}
 
 
 def write_rows(path, rows, compression=None):
@@ -756,6 +766,7 @@ def write_rows(path, rows, compression=None):
         ("pairs.jsonl.BZ2", "bz2"),
         ("pairs.data", "xz"),
         ("pairs.jsonl.gz", "bz2"),  # the name says one codec, the content another
+        ("pairs.jsonl.zst", "zstd"),
     ],
 )
 def test_read_jsonl_reads_the_compression_from_the_content_not_the_name(tmp_path, name, compression):
@@ -811,7 +822,7 @@ def test_a_source_without_a_usable_row_fails_the_stage_naming_it(tmp_path, monke
 MANY = [{"prompt": f"Question {i}?", "chosen": f"Answer {i} " * 20, "rejected": f"No {i}."} for i in range(400)]
 
 
-@pytest.mark.parametrize("compression", ["gzip", "bz2", "xz"])
+@pytest.mark.parametrize("compression", ["gzip", "bz2", "xz", "zstd"])
 @pytest.mark.parametrize("damage", ["truncated", "corrupt"])
 def test_a_compressed_source_that_breaks_partway_fails_prepare_in_one_line(tmp_path, monkeypatch, compression, damage):
     path = tmp_path / "pairs.jsonl.gz"
@@ -829,6 +840,65 @@ def test_a_compressed_source_that_breaks_partway_fails_prepare_in_one_line(tmp_p
     assert f"its {compression} stream is truncated or corrupt" in message
     assert 0 <= int(message.split("after line ")[1].split(":")[0]) < len(MANY)  # how far it got
     assert not (tmp_path / "data" / "processed").exists()  # nothing written
+
+
+def archive(kind: str, folder) -> bytes:
+    """The bytes of a ``kind`` archive holding one JSON-lines file (7z and rar: their signature, then noise)."""
+    member = folder / "pairs.jsonl"
+    member.write_bytes(b"".join(json.dumps(r).encode() + b"\n" for r in ROWS))
+    out = io.BytesIO()
+    if kind.startswith("zip"):
+        with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED if kind == "zip-stored" else zipfile.ZIP_DEFLATED) as z:
+            z.write(member, "pairs.jsonl")
+    elif kind.startswith("tar"):
+        with tarfile.open(fileobj=out, mode={"tar": "w", "tar.gz": "w:gz", "tar.xz": "w:xz"}[kind]) as t:
+            t.add(member, "pairs.jsonl")
+    else:
+        out.write({"7z": b"7z\xbc\xaf\x27\x1c", "rar": b"Rar!\x1a\x07\x00"}[kind] + os.urandom(200))
+    return out.getvalue()
+
+
+@pytest.mark.parametrize(
+    "kind, named",
+    [
+        ("zip-stored", "zip"),  # read as text, the stored member's lines were used but the first
+        ("zip-deflated", "zip"),  # refused as invalid UTF-8
+        ("tar", "tar"),
+        ("tar.gz", "gzip-compressed tar"),
+        ("tar.xz", "xz-compressed tar"),
+        ("7z", "7z"),
+        ("rar", "rar"),
+    ],
+)
+def test_an_archive_is_refused_in_one_line_naming_the_container(tmp_path, monkeypatch, kind, named):
+    path = tmp_path / "pairs.jsonl"  # the name says JSON lines; the content decides
+    (tmp_path / "member").mkdir()
+    path.write_bytes(archive(kind, tmp_path / "member"))
+    with pytest.raises(ValueError) as failure:
+        run_prepare(tmp_path, monkeypatch, source=str(path))
+    assert str(failure.value) == (
+        f"{path}: the file is a {named} archive, not JSON lines: unpack it and give its .jsonl file"
+    )
+    assert not (tmp_path / "data" / "processed").exists()  # nothing written
+
+
+def test_numbers_too_large_for_the_arithmetic_quarantine_their_row_and_huge_ranks_still_rank(tmp_path):
+    huge = "9" * 5000  # json.loads refuses integers over 4,300 digits
+    lines = [
+        json.dumps(ROWS[0]),
+        '{"prompt": "Q?", "chosen": "A.", "rejected": "B.", "score": ' + huge + "}",
+        '{"prompt": "Mood?", "responses": ["sad", "glad"], "ranks": [1' + "0" * 400 + ", 2]}",  # 401 digits
+    ]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    rows = list(read_jsonl(str(path)))
+    assert isinstance(rows[1][1], RowError) and str(rows[1][1]).startswith("invalid JSON: a number too long to read")
+    result = prepare([rows[0], rows[1]])
+    kept = [row for split in result.splits.values() for row in split]
+    assert result.rows_in == 2 and len(kept) == 1 and [q["line"] for q in result.quarantine] == [2]  # conserved
+    ranked = prepare([rows[2]], fmt="ranking")  # compared exactly as integers: the 401-digit rank is the worse
+    (pair,) = [row for split in ranked.splits.values() for row in split]
+    assert (pair["chosen"][0]["content"], pair["rejected"][0]["content"]) == ("glad", "sad")
 
 
 def test_an_empty_source_and_a_source_of_the_wrong_format_fail_the_stage(tmp_path, monkeypatch):

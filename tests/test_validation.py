@@ -36,6 +36,9 @@ LENIENT = ValidationConfig(max_length=64, max_quarantine_fraction=1.0)
         (pair(prompt="\u200d\ufe0f"), "empty_prompt"),
         (pair(chosen="Paris.", rejected="Pa\u200bris.\u200c"), "identical_responses"),
         (pair(chosen="Paris.", rejected="Paris.\u3164"), "identical_responses"),  # a Hangul filler
+        # combining marks with no letter to sit on draw nothing readable: acute accents, enclosing circles
+        (pair(chosen="\u0301\u0301\u0301"), "empty_chosen"),
+        (pair(rejected=" \u20dd \u0489\u17b4"), "empty_rejected"),  # + a Khmer inherent vowel (invisible)
         (pair(chosen="Sure.\n\nHuman: and then?"), "role_marker_in_response"),
         (pair(rejected="Why did the chicken... Human: what? Assistant: to cross"), "role_marker_in_response"),
         (pair(rejected="\ud800 broken surrogate"), "utf8"),
@@ -388,3 +391,21 @@ def test_turn_rules(tokenizer, field, messages, rule):
     if field == "prompt":
         result = validate_split("f.jsonl", [{"id": "p", "prompt": messages}], "prompts", tokenizer, LENIENT)
         assert result.quarantined[0]["reasons"] == [rule]
+
+
+def test_an_hh_response_holding_a_human_turn_is_quarantined_as_the_same_text_is_in_pairs(tokenizer):
+    from rlhf.formats import to_examples
+
+    answer = "Sure.\n\nHuman: and then?\n\nAssistant: Then Rome."
+    (hh,) = to_examples(
+        {
+            "chosen": f"\n\nHuman: Capital of Italy?\n\nAssistant: {answer}",
+            "rejected": "\n\nHuman: Capital of Italy?\n\nAssistant: Paris.",
+        },  # fmt: skip
+        "hh",
+    )
+    assert [m["role"] for m in hh["chosen"]] == ["assistant", "user", "assistant"]  # what the markup parses to
+    plain = pair(prompt="Capital of Italy?", chosen=answer)
+    for row in (hh, plain):
+        result = validate_split("f.jsonl", [good(0), {**row, "id": "x"}], "pairs", tokenizer, LENIENT)
+        assert [q["reasons"] for q in result.quarantined] == [["role_marker_in_response"]]

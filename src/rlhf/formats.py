@@ -29,24 +29,28 @@ echoed by ordinary answers ("Hi" -> "Hi there!") and is left alone."""
 _INVISIBLE_CATEGORIES = frozenset({"Cf", "Cc", "Cs", "Cn"})
 """Unicode categories that draw nothing: format characters (zero-width space and joiners, word joiner, BOM,
 soft hyphen, bidirectional marks, tags), controls, lone surrogates and unassigned code points."""
-_INVISIBLE_CHARACTERS = frozenset("\u034f\u115f\u1160\u3164\uffa0\u2800") | frozenset(
+_INVISIBLE_CHARACTERS = frozenset("\u034f\u115f\u1160\u17b4\u17b5\u3164\uffa0\u2800") | frozenset(
     map(chr, [*range(0xFE00, 0xFE10), *range(0xE0100, 0xE01F0)])
 )
-"""Letters and marks that draw nothing: the combining grapheme joiner, the Hangul fillers, the braille blank
-and the variation selectors."""
+"""Letters and marks that draw nothing: the combining grapheme joiner, the Hangul fillers, the Khmer inherent
+vowels, the braille blank and the variation selectors."""
 
 
 def visible_text(text: str) -> str:
     """``text`` as a reader sees it: invisible characters removed, any run of whitespace one space, stripped.
 
     What counts as an empty response, two identical responses, a whitespace-only difference, a duplicate or
-    one conversation reads this, so ``"Yes\u200b"`` is ``"Yes"`` and ``"\u200b"`` is empty.
+    one conversation reads this, so ``"Yes\u200b"`` is ``"Yes"`` and ``"\u200b"`` is empty; a combining mark with
+    no character before it to combine with (``"\u0301\u0301"``, or after a space) is dropped, so marks alone are
+    empty too, while ``"e\u0301"`` stays.
     """
-    kept = "".join(
-        ch
-        for ch in text
-        if ch.isspace() or (unicodedata.category(ch) not in _INVISIBLE_CATEGORIES and ch not in _INVISIBLE_CHARACTERS)
-    )
+    kept = ""
+    for ch in text:
+        category = unicodedata.category(ch)
+        if ch.isspace() or (category not in _INVISIBLE_CATEGORIES and ch not in _INVISIBLE_CHARACTERS):
+            if category.startswith("M") and (not kept or kept[-1].isspace()):
+                continue  # a combining mark with no letter before it draws nothing readable
+            kept += ch
     return " ".join(kept.split())
 
 
@@ -203,11 +207,7 @@ def expand_ranking(responses: list[Any], ranks: list[Any] | None) -> list[tuple[
     if not isinstance(responses, list) or len(responses) < 2:
         raise RowError("field 'responses' must be a list of at least 2 responses")
     ranks = list(range(len(responses))) if ranks is None else ranks
-    if (
-        not isinstance(ranks, list)
-        or len(ranks) != len(responses)
-        or not all(isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r) for r in ranks)
-    ):
+    if not isinstance(ranks, list) or len(ranks) != len(responses) or not all(_finite_number(r) for r in ranks):
         raise RowError(f"field 'ranks' must be a list of {len(responses)} finite numbers")
     pairs = []
     for i in range(len(responses)):
@@ -216,6 +216,14 @@ def expand_ranking(responses: list[Any], ranks: list[Any] | None) -> list[tuple[
                 better, worse = (i, j) if ranks[i] < ranks[j] else (j, i)
                 pairs.append((responses[better], responses[worse]))
     return pairs
+
+
+def _finite_number(value: Any) -> bool:
+    """A JSON number that ranks: any integer (exact, however many digits: ``math.isfinite`` overflows past 309),
+    or a finite float (JSON's ``NaN`` and ``Infinity`` parse); never a boolean."""
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, int) or (isinstance(value, float) and math.isfinite(value))
 
 
 def _markup_messages(text: str) -> list[Message] | None:

@@ -217,7 +217,9 @@ def derive_columns(
         for name, text in texts.items():
             record[name], record[f"{name}_visible"] = _safe(text), _safe(visible_text(text or ""))
             record[f"{name}_tokens"] = len(encode_text(tokenizer, text)) if text and record["utf8_ok"] else 0
-            record[f"{name}_role_marker"] = bool(ROLE_MARKER.search(text or ""))
+            # a speaker tag in the text, or a user turn between its first and last turn: HH's "\n\nHuman:" inside an
+            # answer parses as one, and is the same rule broken
+            record[f"{name}_role_marker"] = bool(ROLE_MARKER.search(text or "")) or "user" in roles[name][1:-1]
             if encodable:
                 encoded[name] = encode_chat(tokenizer, row["prompt"], row[name], 10**9).input_ids
                 expected = control.expected("chat", roles["prompt"], roles[name])
