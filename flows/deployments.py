@@ -18,15 +18,19 @@ the request and the result.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from typing import Any
 
+import psutil
 import yaml
 from prefect import flow, get_run_logger
 
 from flows.pools import PoolLimits, check_live_worker, wait_for_stage
-from flows.stages import DVC, checkout_lock, run_stage, stage_graph
+from flows.stages import DVC, checkout_lock, run_stage, stage_graph, stop_tree
 from tasks.kit.params import load_yaml
 
 LOCK = "dvc.lock"
@@ -112,6 +116,26 @@ def clean_revision() -> str:
     return _run("git", "rev-parse", "HEAD").strip()
 
 
+def stop_with_worker(interval_s: float = 1.0) -> None:
+    """Stop this process, and the stage it runs, as soon as the worker that started it is gone.
+
+    A worker runs each flow run as a child process; killed (SIGKILL: no chance to clean up), it left that child
+    running, which finished the stage and wrote its outputs into the checkout after the pipeline had failed. A
+    daemon thread watches the parent: once this process is re-parented, it stops every process under this one
+    (:func:`flows.stages.stop_tree`: the stage stops without putting outputs in place) and then this one.
+    """
+    worker = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == worker:
+            time.sleep(interval_s)
+        for child in psutil.Process().children():
+            stop_tree(child.pid)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="stop-with-worker", daemon=True).start()
+
+
 @flow(name="run-stage", persist_result=True, log_prints=True)
 def run_stage_flow(
     stage: str, pipeline_run_id: str, revision: str, lock: dict[str, Any], files: dict[str, str]
@@ -126,6 +150,7 @@ def run_stage_flow(
         RuntimeError: git, ``dvc pull``/``push`` or the stage failed (the output's tail in the message).
     """
     logger = get_run_logger()
+    stop_with_worker()
     with checkout_lock():
         if _run("git", "rev-parse", "HEAD").strip() != revision:
             _run("git", "fetch", "--quiet", "origin")

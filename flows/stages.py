@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable, Iterator
 
 import networkx as nx
+import psutil
 from filelock import FileLock, Timeout
 from prefect import task
 
@@ -205,6 +206,24 @@ def checkout_lock(say: Callable[[str], None] = print) -> Iterator[None]:
         lock.release()
 
 
+def stop_tree(pid: int, grace_s: float = 10.0) -> None:
+    """Stop process ``pid`` and every process under it (DVC and the stage command it runs): SIGTERM, which a stage
+    answers by stopping without putting any output in place (:class:`tasks.kit.outputs.StagedOutputs`), then
+    SIGKILL for whatever still runs after ``grace_s``. A process already gone is skipped."""
+    try:
+        top = psutil.Process(pid)
+        family = [*top.children(recursive=True), top]
+    except psutil.NoSuchProcess:
+        return
+    for process in family:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.terminate()
+    _, alive = psutil.wait_procs(family, timeout=grace_s)
+    for process in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+
+
 @task(retries=1, retry_delay_seconds=5, retry_condition_fn=retry_unless_refused, task_run_name="{stage}")
 def run_stage(stage: str, pipeline_run_id: str) -> None:
     """Run one DVC stage (skipped by DVC when it is up to date); a retry resumes from the stage's checkpoint.
@@ -234,8 +253,12 @@ def run_stage(stage: str, pipeline_run_id: str) -> None:
         process = subprocess.Popen(
             [*DVC, "repro", "--single-item", stage], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
         )
-        lines = relay(process.stdout, log, show, bar)
-        process.wait()
+        try:
+            lines = relay(process.stdout, log, show, bar)
+            process.wait()
+        except BaseException:  # this process stops (Ctrl-C, a cancelled or crashed flow run): so does the stage
+            stop_tree(process.pid)
+            raise
     if process.returncode != 0:
         refused = [line for line in lines[-20:] if STAGE_ERROR.match(line)]
         if refused:

@@ -295,6 +295,36 @@ def test_stages_that_start_together_against_a_tracking_server_with_two_workers_a
         start_together(registry_project, {"MLFLOW_TRACKING_URI": uri})
 
 
+def test_a_tracking_server_that_died_fails_a_download_in_seconds_with_the_cause_in_its_line(
+    registry_project, monkeypatch
+):
+    from servers import free_port, quiet_env, serving
+
+    from tasks.kit.runs import SERVER_PATIENCE
+
+    for name in SERVER_PATIENCE:  # the product's defaults, not this machine's: removed again after the test
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    port, folder = free_port(), str(registry_project)
+    uri = f"http://127.0.0.1:{port}"
+    args = [f"{os.path.dirname(sys.executable)}/mlflow", "server", "--host", "127.0.0.1", "--port", str(port)]
+    args += ["--backend-store-uri", f"sqlite:///{folder}/server.db", "--artifacts-destination", f"{folder}/art"]
+    with serving(args, quiet_env(folder), os.path.join(folder, "mlflow-server.log"), f"{uri}/health"):
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+        new_candidate(GOOD, 1)
+        run_gate()
+        store = client()
+        found = registry.version(store, NAME, 1)
+    os.makedirs("fetched")  # the server is gone: MLflow's own defaults retried for 272 s
+    started = time.monotonic()
+    with pytest.raises(registry.RegistryError) as failure:
+        registry.download(store, found, "fetched")
+    assert time.monotonic() - started < 30
+    message = str(failure.value)
+    assert "\n" not in message and message.startswith(f"registry: download {NAME} version 1: ")
+    assert "Connection refused" in message or "Max retries exceeded" in message, message  # the cause, not cut
+
+
 def test_a_damaged_champion_in_the_store_is_refused_before_it_is_rescored_and_a_damaged_folder_in_one_line(
     registry_project,
 ):

@@ -1,9 +1,14 @@
 """Waiting on a work pool (flows/pools.py) against a stand-in for the Prefect client: the live-worker check, the
-start limit and the lost worker. tests/test_pool_limits.py runs the same against a real server and workers."""
+start limit and the lost worker. tests/test_pool_limits.py runs the same against a real server and workers. And
+a worker killed mid-stage: its flow run's process stops, and the stage with it (flows/deployments.py)."""
 
 from __future__ import annotations
 
 import datetime
+import os
+import subprocess
+import sys
+import time
 import types
 import uuid
 
@@ -130,3 +135,41 @@ def test_a_worker_refuses_an_uncommitted_tree_naming_the_whole_path(tmp_path, mo
     (tmp_path / "params.yaml").write_text("a: 2\n")  # git status: " M params.yaml", a leading space
     with pytest.raises(RuntimeError, match=r"runs the committed tree, and params\.yaml differs$"):
         clean_revision()
+
+
+STAGE_UNDER_A_WORKER = """
+import subprocess, sys
+from flows.deployments import stop_with_worker
+stop_with_worker(0.1)
+stage = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+print("stage", stage.pid, flush=True)
+stage.wait()
+"""
+
+
+A_WORKER = (
+    f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {STAGE_UNDER_A_WORKER!r}]); time.sleep(120)"
+)
+
+
+def test_a_flow_run_whose_worker_is_killed_stops_with_the_stage_it_runs():
+    import psutil
+
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    # a worker starts a flow run's process, which runs a stage; then the worker is killed (SIGKILL)
+    lost = subprocess.Popen([sys.executable, "-c", A_WORKER], env=env, stdout=subprocess.PIPE, text=True)
+    stage = int(lost.stdout.readline().split()[1])
+    flow_run = psutil.Process(stage).ppid()
+    lost.kill()
+    lost.wait()
+
+    def gone(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    deadline = time.monotonic() + 15
+    while not (gone(stage) and gone(flow_run)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert gone(stage) and gone(flow_run)

@@ -88,10 +88,16 @@ def terminal_text(text: Any) -> str:
 
 
 def one_line(message: str) -> str:
-    """The first line of ``message``, at most :data:`MAX_LINE` characters, with the ``user:password@`` of any
-    URL in it cut out."""
-    lines = message.strip().splitlines()
-    line = USERINFO.sub(r"\1", lines[0] if lines else "")
+    """The first line of ``message`` (joined with the next while it ends with ``:``, which announces the cause:
+    ``Failed to download artifacts:`` then why), at most :data:`MAX_LINE` characters, with the ``user:password@``
+    of any URL in it cut out."""
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    line = lines[0] if lines else ""
+    for following in lines[1:]:
+        if not line.endswith(":"):
+            break
+        line = f"{line} {following}"
+    line = USERINFO.sub(r"\1", line)
     return line if len(line) <= MAX_LINE else line[: MAX_LINE - 3] + "..."
 
 

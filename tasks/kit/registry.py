@@ -116,7 +116,8 @@ def _guard(what: str, call, *args, **kwargs):
     except MlflowException as err:
         raise RegistryError(f"registry: {what}: {one_line(str(err.message))}") from None
     except OSError as err:  # requests' ConnectionError is an OSError
-        raise RegistryError(f"registry: {what}: tracking server unreachable ({type(err).__name__})") from None
+        cause = f"{type(err).__name__}: {one_line(str(err))}"
+        raise RegistryError(f"registry: {what}: tracking server unreachable ({cause})") from None
 
 
 def register(client, name: str, folder: str, run_id: str, tags: dict[str, str], params: dict[str, Any] | None = None):

@@ -63,6 +63,15 @@ def tracking_uri() -> str:
     return uri
 
 
+SERVER_PATIENCE = {
+    # MLflow's defaults (7 retries, backoff factor 2) spent 272 s on a tracking server that had died: with these
+    # a stage fails within seconds of it (a refused or reset connection), retried twice, 1 then 2 s apart; the
+    # timeout (MLflow's 120 s between bytes) stays, so a healthy slow download or upload is never cut
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+}
+
+
 def tracking_client():
     """``(MlflowClient, experiment id)`` of :func:`tracking_uri` and params.yaml's ``mlflow.experiment``.
 
@@ -73,6 +82,8 @@ def tracking_client():
     """
     import mlflow  # noqa: PLC0415 (MLflow: seconds to import)
 
+    for name, value in SERVER_PATIENCE.items():  # the environment's own settings win
+        os.environ.setdefault(name, value)
     uri = tracking_uri()
     mlflow.set_tracking_uri(uri)
     settings = read_params().get("mlflow", {})
