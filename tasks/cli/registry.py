@@ -132,19 +132,22 @@ def rollback(
 @app.command(name="restore")
 def restore_command(
     model: str = typer.Argument("reward", help="reward or policy"),
-    version_: str = typer.Option(..., "--version", help="the deleted version whose content may be registered again"),
+    version_: str = typer.Option(
+        None, "--version", help="the deleted version whose content may be registered again (default: every one)"
+    ),
     reason: str = typer.Option(..., help="why (recorded)"),
     project: str = typer.Option(None, help="the project folder (default: found from here)"),
 ) -> None:
-    """Let the content of a version deleted from the registry be registered again by the next gate run."""
+    """Let the content of a version deleted from the registry, or of every version of a model deleted whole, be
+    registered again by the next gate run."""
 
     def action() -> None:
         client, name, where = _open(model, project)
-        restore(client, name, version_, reason)
+        numbers = restore(client, name, version_, reason)
         typer.echo(where)
         typer.echo(
-            f"{name}: the content of deleted version {version_} may be registered again; the next gate run "
-            "(dvc repro) registers it as a new version and gates it like any candidate"
+            f"{name}: the content of deleted version {', '.join(numbers)} may be registered again; the next gate "
+            "run (dvc repro) registers it as a new version and gates it like any candidate"
         )
 
     _command(action)

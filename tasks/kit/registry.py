@@ -228,25 +228,30 @@ def model_exists(client, name: str) -> bool:
         return False
 
 
-def restore(client, name: str, number: str, reason: str) -> None:
+def restore(client, name: str, number: str | None, reason: str) -> list[str]:
     """Let the content of deleted version ``number`` (a version deleted, or the whole registered model) be
-    registered again: the next gate run registers and gates it anew.
+    registered again, or with ``number`` None that of every deleted version not restored yet (a model deleted
+    whole comes back): the next gate run registers and gates it anew. Returns the versions restored.
 
     Raises:
-        RegistryError: no such version was recorded, it still exists, it was restored already, or no reason.
+        RegistryError: no such version was recorded, it still exists, it was restored already, nothing deleted
+            is left to restore, or no reason.
     """
-    if str(number) not in _recorded(client, name).values():
-        raise RegistryError(f"registry: {name} has no record of a version {number}; nothing to restore")
-    deleted = [record for record in _deleted(client, name) if record["version"] == str(number)]
-    if not deleted:
-        raise RegistryError(f"registry: {name} version {number} exists; nothing to restore")
-    if all(record["restored"] for record in deleted):
-        raise RegistryError(f"registry: {name} version {number} was restored already; run the gate (dvc repro)")
     if not reason.strip() or len(reason.strip()) > MAX_REASON:
         raise RegistryError(f"registry: --reason must say why, in at most {MAX_REASON:,} characters; nothing done")
-    for record in deleted:
-        entry = {"version": str(number), "reason": reason.strip(), "at": ledger.now()}
+    if number is not None and str(number) not in _recorded(client, name).values():
+        raise RegistryError(f"registry: {name} has no record of a version {number}; nothing to restore")
+    deleted = [r for r in _deleted(client, name) if number is None or r["version"] == str(number)]
+    if number is not None and not deleted:
+        raise RegistryError(f"registry: {name} version {number} exists; nothing to restore")
+    if not [r for r in deleted if not r["restored"]]:
+        what = f"version {number} was restored already" if number is not None else "has no deleted version left"
+        raise RegistryError(f"registry: {name} {what}; run the gate (dvc repro)")
+    restored = sorted({r["version"] for r in deleted if not r["restored"]}, key=int)
+    for record in [r for r in deleted if not r["restored"]]:
+        entry = {"version": record["version"], "reason": reason.strip(), "at": ledger.now()}
         _guard("record the restore", ledger.write, client, f"restored.{name}.{record['sha']}", entry)
+    return restored
 
 
 def find_by_sha(client, name: str, sha: str):
