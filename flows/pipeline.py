@@ -151,6 +151,13 @@ def approve_policy(report_path: str = paths.POLICY_GATE) -> str | None:
     return await_approval(report, int(approval["timeout_s"]))
 
 
+def without_traceback(record: logging.LogRecord) -> bool:
+    """A logging filter that keeps a record's message and drops its traceback: a stage that fails says why in its
+    own line (and ``logs/<stage>.log`` holds its whole output); Prefect's engine adds 40 lines of its own frames."""
+    record.exc_info, record.exc_text = None, None
+    return True
+
+
 def main(stage: list[str] = typer.Option(None, help="run only these stages (repeatable)")) -> None:
     """Run the pipeline flow and print ``dvc status`` (stale stages with why; ``up to date``), then the verdict.
 
@@ -161,6 +168,8 @@ def main(stage: list[str] = typer.Option(None, help="run only these stages (repe
     logging.getLogger("prefect").setLevel(logging.WARNING)  # the temporary server's start and stop notes
     logging.getLogger("prefect.flow_runs").setLevel(logging.INFO)  # "Beginning flow run", its final state
     logging.getLogger("prefect.task_runs").setLevel(logging.WARNING)  # a stage's own end line says it finished
+    for name in ("prefect.flow_runs", "prefect.task_runs"):  # a failed stage: its line, not the engine's traceback
+        logging.getLogger(name).addFilter(without_traceback)
     try:
         metrics = rlhf_pipeline(stages=stage or None)
     except (StageRefused, ValueError, RuntimeError) as err:

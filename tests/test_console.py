@@ -117,3 +117,23 @@ def test_a_stages_warnings_print_once_on_one_line(capsys, monkeypatch):
     finally:
         warnings.showwarning = before
     assert capsys.readouterr().err == "[evaluate] warning: UserWarning: 12 of 32 comparisons tied\n"
+
+
+def test_a_failed_stage_reaches_the_console_as_prefect_s_line_without_the_engine_s_traceback():
+    import io
+    import logging
+
+    from flows.pipeline import without_traceback
+
+    logger, out = logging.getLogger("test.flow_runs"), io.StringIO()  # not under "prefect": no API handler
+    handler = logging.StreamHandler(out)
+    logger.addHandler(handler)
+    logger.addFilter(without_traceback)
+    logger.propagate = False
+    try:
+        raise RuntimeError("[ppo] error: ValueError: models/reward_champion: no reward model holds the champion")
+    except RuntimeError:
+        logger.error("Encountered exception during execution: %s", "StageRefused(...)", exc_info=True)
+    finally:
+        logger.removeHandler(handler)
+    assert out.getvalue() == "Encountered exception during execution: StageRefused(...)\n"
