@@ -136,9 +136,12 @@ def test_the_gate_registers_through_the_server_with_artifacts_on_s3(project):
     client = mlflow.MlflowClient(tracking_uri=project.server)
     champion = client.get_model_version_by_alias(REGISTERED, "champion")
     assert champion.version == "1" and champion.tags["rlhf.gate.decision"] == "pass"
-    assert champion.source.startswith("mlflow-artifacts:/")  # proxied: the server writes S3, not the client
+    assert champion.source == f"runs:/{champion.run_id}/model"  # an MLflow Model logged to its run
+    # proxied: the server writes S3, not the client
+    assert client.get_run(champion.run_id).info.artifact_uri.startswith("mlflow-artifacts:/")
     keys = project.s3.keys("mlflow/")
-    assert any(key.endswith("/artifacts/model/model.safetensors") for key in keys), keys
+    assert any(key.endswith("/artifacts/model/MLmodel") for key in keys), keys
+    assert any("/artifacts/model/artifacts/" in key and key.endswith("/model.safetensors") for key in keys), keys
     with open(os.path.join(project.folder, "models/reward_champion/registry_version.json")) as handle:
         assert json.load(handle)["version"] == "1"
     status = project.run("tasks.cli.registry", "status", "reward")  # the command people run, against the server
@@ -150,8 +153,9 @@ def test_evaluate_registers_the_policy_through_the_server_and_the_parent_run_has
 
     client = mlflow.MlflowClient(tracking_uri=project.server)
     (version,) = client.search_model_versions("name = 'rlhf-policy'")
-    assert version.source.startswith("mlflow-artifacts:/") and "rlhf.gate.decision" in version.tags
-    assert any(key.endswith("/artifacts/model/model.safetensors") and version.run_id in key
+    assert version.source == f"runs:/{version.run_id}/model" and "rlhf.gate.decision" in version.tags
+    assert client.get_run(version.run_id).info.artifact_uri.startswith("mlflow-artifacts:/")
+    assert any(key.endswith("/model.safetensors") and f"{version.run_id}/artifacts/model/artifacts/" in key
                for key in project.s3.keys("mlflow/"))  # fmt: skip
     experiment = client.get_experiment_by_name("rlhf").experiment_id
     (parent,) = client.search_runs(experiment, "tags.`rlhf.kind` = 'pipeline'")

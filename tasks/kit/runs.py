@@ -128,9 +128,13 @@ EXPERIMENT_KIND_TAG = (
 
 def pipeline_params() -> dict[str, str]:
     """Every section of params.yaml as this run reads it (the preset and profile applied), as MLflow params of the
-    pipeline's parent run (``ppo.clip``, ``data.more_sources.0.name``, ...; each stage's run holds its own too)."""
+    pipeline's parent run (``ppo.clip``, ``data.more_sources.0.name``, ...; each stage's run holds its own too).
+    A params file whose profile no section defines (a stage's own params do not need one) is logged as written."""
     params = read_params()
-    sections = {name: stage_params(name, params) for name, value in params.items() if isinstance(value, dict)}
+    try:
+        sections = {name: stage_params(name, params) for name, value in params.items() if isinstance(value, dict)}
+    except ValueError:
+        sections = {name: value for name, value in params.items() if name != "profile"}
     return mlflow_params({"profile": params.get("profile", DEFAULT_PROFILE), **sections})
 
 
