@@ -25,7 +25,7 @@ from rlhf.validation import ValidationConfig, split_kind, validate_split
 from tasks.kit import paths
 from tasks.kit.common import cli
 from tasks.kit.configs import config_from_params, derived_values
-from tasks.kit.outputs import StagedOutputs, write_headline, write_metrics
+from tasks.kit.outputs import StagedOutputs, write_metrics
 from tasks.kit.params import stage_params
 from tasks.kit.runs import StageRun
 
@@ -110,7 +110,6 @@ def main() -> None:
         totals = {key: sum(s[key] for s in summary.values()) for key in ("rows_in", "valid", "quarantined")}
         stage.log({f"validate/{k}": float(v) for k, v in totals.items()}, 0)
         write_metrics(outputs.file(paths.metrics("validate")), {f"validate/{k}": v for k, v in totals.items()}, stage)
-        write_headline(outputs, "validate", {f"validate/{k}": v for k, v in totals.items()})
     for split, s in summary.items():
         broken = {rule: n for rule, n in s["rules"].items() if n}
         print(

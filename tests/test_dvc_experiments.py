@@ -97,7 +97,8 @@ def test_an_experiment_compares_with_the_committed_baseline_in_dvc_exp_show_and_
     assert "metrics/ppo_curves.json" in git(project, "ls-files", "metrics")
     baseline = git(project, "rev-parse", "HEAD").strip()
     env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
-    table = subprocess.run([sys.executable, "-m", "dvc", "metrics", "show"], cwd=project, env=env, capture_output=True)
+    wide = {**env, "COLUMNS": "1000"}  # DVC wraps its table to the terminal: here, never
+    table = subprocess.run([sys.executable, "-m", "dvc", "metrics", "show"], cwd=project, env=wide, capture_output=True)
     lines = table.stdout.decode().splitlines()  # one row a stage, numbers only, within 120 columns
     assert sorted(line.split()[0] for line in lines[1:]) == sorted(paths.headline(stage) for stage in HEADLINE)
     assert max(len(line) for line in lines) <= 120, lines

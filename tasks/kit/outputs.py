@@ -250,14 +250,13 @@ def stage_metrics(stage: str) -> dict[str, Any]:
 
 HEADLINE = {  # each stage's row of the one table `dvc metrics show` prints (metrics/headline/<stage>.json): a short
     # name means the same in every row, so the table stays within 120 columns; {kind}: a column per kind of data
-    "validate": {"pairs": "validate/valid"},
     "sft": {"loss": "sft/loss_last"},
     "reward": {"bal_acc": "rm/balanced_accuracy", "{kind}": "rm/kind/{kind}/balanced_accuracy"},
     "gate": {"passed": "gate/passed"},
     "judge": {"bal_acc": "judge/balanced_accuracy", "{kind}": "judge/kind/{kind}/balanced_accuracy"},
     "ppo": {"kl": "ppo/last/kl"},
     "evaluate": {
-        "win_rate": "eval/judge/win_rate",
+        "win": "eval/judge/win_rate",
         "lc_win": "eval/judge/lc_win_rate",
         "kl": "eval/policy/kl",
         "refusals": "eval/policy/refusal_rate",
@@ -267,7 +266,7 @@ HEADLINE = {  # each stage's row of the one table `dvc metrics show` prints (met
 """Stage -> {column: metric key}: balanced accuracies (overall and per kind) of the reward model and the judge,
 ``passed`` 1/0 for the reward and the policy gate, the KL to SFT (PPO's last rollout, evaluation's prompts),
 the judge's win rate and length-controlled win rate over SFT, the policy's refusal rate. Every figure of a stage is
-in its own files (``dvc metrics show metrics/reward.json``)."""
+in its own files (``dvc metrics show metrics/reward.json``); validate's counts are in the console and the report."""
 
 
 def write_headline(outputs, stage: str, values: dict[str, Any]) -> None:
