@@ -393,10 +393,16 @@ def test_turn_rules(tokenizer, field, messages, rule):
         assert result.quarantined[0]["reasons"] == [rule]
 
 
-def test_an_hh_response_holding_a_human_turn_is_quarantined_as_the_same_text_is_in_pairs(tokenizer):
+@pytest.mark.parametrize(
+    "answer, roles",
+    [
+        ("Sure.\n\nHuman: and then?\n\nAssistant: Then Rome.", ["assistant", "user", "assistant"]),
+        ("Sure.\n\nAssistant: Rome.", ["assistant", "assistant"]),
+    ],
+)
+def test_an_hh_response_holding_a_speaker_tag_is_quarantined_as_the_same_text_is_in_pairs(tokenizer, answer, roles):
     from rlhf.formats import to_examples
 
-    answer = "Sure.\n\nHuman: and then?\n\nAssistant: Then Rome."
     (hh,) = to_examples(
         {
             "chosen": f"\n\nHuman: Capital of Italy?\n\nAssistant: {answer}",
@@ -404,7 +410,7 @@ def test_an_hh_response_holding_a_human_turn_is_quarantined_as_the_same_text_is_
         },  # fmt: skip
         "hh",
     )
-    assert [m["role"] for m in hh["chosen"]] == ["assistant", "user", "assistant"]  # what the markup parses to
+    assert [m["role"] for m in hh["chosen"]] == roles  # what the markup parses to
     plain = pair(prompt="Capital of Italy?", chosen=answer)
     for row in (hh, plain):
         result = validate_split("f.jsonl", [good(0), {**row, "id": "x"}], "pairs", tokenizer, LENIENT)

@@ -217,9 +217,12 @@ def derive_columns(
         for name, text in texts.items():
             record[name], record[f"{name}_visible"] = _safe(text), _safe(visible_text(text or ""))
             record[f"{name}_tokens"] = len(encode_text(tokenizer, text)) if text and record["utf8_ok"] else 0
-            # a speaker tag in the text, or a user turn between its first and last turn: HH's "\n\nHuman:" inside an
-            # answer parses as one, and is the same rule broken
-            record[f"{name}_role_marker"] = bool(ROLE_MARKER.search(text or "")) or "user" in roles[name][1:-1]
+            # a speaker tag in the text, or an answer of several turns: HH's "\n\nHuman:" or "\n\nAssistant:"
+            # written inside an answer parses as another turn, and is the same rule broken (a response that starts
+            # or ends with a turn not the assistant's breaks response_first_turn or response_last_turn instead)
+            turns = roles[name]
+            several = len(turns) > 1 and turns[0] == turns[-1] == "assistant"
+            record[f"{name}_role_marker"] = bool(ROLE_MARKER.search(text or "")) or several
             if encodable:
                 encoded[name] = encode_chat(tokenizer, row["prompt"], row[name], 10**9).input_ids
                 expected = control.expected("chat", roles["prompt"], roles[name])
