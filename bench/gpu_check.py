@@ -26,11 +26,19 @@ from typing import Any
 
 import typer
 
-from bench import gpu_stages, gpu_steps
+from bench import gpu_speed, gpu_stages, gpu_steps
 
-STEPS = {**gpu_steps.STEPS, **gpu_stages.STAGES}
+STEPS = {**gpu_steps.STEPS, **gpu_stages.STAGES, **gpu_speed.STEPS}
 """Every step, in the order the check runs them."""
-STEP_TIMEOUT_S = {"env": 60, "smoke": 240, "decode": 120, "stage_sft": 90, "stage_reward": 90, "stage_ppo": 180}
+STEP_TIMEOUT_S = {
+    "env": 60,
+    "smoke": 240,
+    "decode": 120,
+    "stage_sft": 90,
+    "stage_reward": 90,
+    "stage_ppo": 180,
+    "speed": 300,
+}
 """Each step's own limit, seconds (the total budget may cut it shorter)."""
 
 
@@ -38,6 +46,7 @@ def main(
     assets: str = typer.Option(..., help="folder with the tokenizer and config.json (weights optional)"),
     out: str = typer.Option("bench/out/gpu_check", help="where the results go"),
     budget_s: float = typer.Option(360.0, help="total seconds for every step together"),
+    only: str = typer.Option("", help="these steps only, comma-separated (default: every step)"),
     step: str = typer.Option("", help="run only this step, in this process (what each step's process does)"),
 ) -> None:
     """Run the steps, write the results and the table."""
@@ -51,7 +60,11 @@ def main(
             raise typer.Exit(1) from None
         return
     deadline, results = time.monotonic() + budget_s, {}
-    for name in STEPS:
+    names = [name.strip() for name in only.split(",") if name.strip()] or list(STEPS)
+    unknown = sorted(set(names) - set(STEPS))
+    if unknown:
+        raise typer.BadParameter(f"no step {', '.join(unknown)}; the steps: {', '.join(STEPS)}", param_hint="--only")
+    for name in names:
         results[name] = _run(name, assets, min(STEP_TIMEOUT_S[name], deadline - time.monotonic()))
         with open(os.path.join(out, f"{name}.json"), "w") as handle:
             json.dump(results[name], handle, indent=2)

@@ -2,7 +2,8 @@
 
 Writes ``<folder>/``:
 
-- ``assets/``: ``params.yaml``, the default base model's tokenizer and ``config.json``, no weights
+- ``assets/``: ``params.yaml``, the speed rows' ``inputs.json``, the default base model's tokenizer and
+  ``config.json``, no weights
   (SmolLM2-135M-Instruct's GGUF is 98 MB; the check builds a seeded random model of that shape,
   :func:`bench.gpu_steps.model_folder`);
 - ``wheels/``: for the target Python and platform, the product's own wheel and every wheel the check imports
@@ -29,13 +30,18 @@ import typer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NEEDS = ("transformers", "accelerate", "peft", "safetensors", "numpy", "tqdm", "typer", "zstandard", "fsspec")
+NEEDS += ("trl==1.12.0", "datasets")  # the speed rows (bench.gpu_speed)
 """What the check imports, by name (the core's imports on the check's path); their own needs follow."""
+THERE = ("pyarrow", "pandas")
+"""Compiled requirements of ``datasets`` (TRL's) a GPU image carries, 55 MB together: not carried, or the folder
+would pass :data:`LIMIT_MIB`; without them only the speed step fails."""
 TORCH_BRINGS = ("torch", "triton", "sympy", "mpmath", "networkx", "jinja2", "markupsafe", "filelock", "setuptools")
 """A CUDA torch's own requirements (and ``nvidia-*``): there already, so not carried."""
 PROJECT = ("pyproject.toml", "README.md", "src", "tasks", "flows")
 """What the product's wheel is built from (pyproject.toml's packages)."""
 LIMIT_MIB = 60
-CODE = ("bench/__init__.py", "bench/gpu_check.py", "bench/gpu_steps.py", "bench/gpu_stages.py")
+CODE = ("bench/__init__.py", "bench/gpu_check.py", "bench/gpu_steps.py", "bench/gpu_stages.py", "bench/gpu_speed.py")
+CODE += tuple(f"bench/speed{part}.py" for part in ("", "_report", "_setup", "_worker", "_ours", "_trl"))
 README = """The GPU check (docs/gpu.md). On the GPU machine, from this folder, with the Python that holds CUDA torch:
 
     python3 -m pip install -q --no-index --no-deps --target site wheels/*.whl
@@ -83,6 +89,9 @@ def _assets(folder: str) -> None:
     config.save_pretrained(folder)
     load_tokenizer(folder)  # reads back
     shutil.copy(os.path.join(ROOT, "params.yaml"), folder)  # the gpu profile's sizes (bench.gpu_stages)
+    from bench.speed_setup import ensure_inputs
+
+    shutil.copy(ensure_inputs(), folder)  # the speed rows' tokenised HH-RLHF inputs (bench.gpu_speed)
 
 
 def _wheels(folder: str, python: str, platform: str) -> None:
@@ -116,7 +125,7 @@ def _wheels(folder: str, python: str, platform: str) -> None:
 
 def _brought_by_torch(pin: str) -> bool:
     name = pin.split("==", 1)[0].strip().lower()
-    return name in TORCH_BRINGS or name.startswith(("nvidia-", "cuda-"))
+    return name in TORCH_BRINGS + THERE or name.startswith(("nvidia-", "cuda-"))
 
 
 if __name__ == "__main__":

