@@ -260,43 +260,34 @@ def _ppo(folder, tokenizer, prompts, ptx, root, runtime, iterations=2, stop_at=N
 
 
 def decode(assets: str, work: str) -> dict[str, Any]:
-    """Sampling through ``generate`` with the dynamic KV cache (what rollouts and evaluation use) and a static one.
+    """The product's sampling (:func:`rlhf.models.sample`, as rollouts and evaluation call it, one seed per prompt)
+    with the dynamic KV cache (the default) and the static one (``generation.cache``).
 
-    Both sample ``decode_batch`` prompts for exactly ``decode_tokens`` new tokens (EOS suppressed) with the same
-    seed in float32 on the CPU, bf16 on a GPU; ``same_tokens`` says whether the sampled ids are equal.
+    Both sample ``decode_batch`` prompts for up to ``decode_tokens`` new tokens in float32 on the CPU, bf16 on a GPU
+    (tokens/s count the response tokens sampled, a response that ends stopping early); ``same_tokens`` says whether
+    both sampled the same ids.
     """
     from rlhf.chat import encode_prompt
-    from rlhf.models import load_causal_lm, load_tokenizer
+    from rlhf.models import load_causal_lm, load_tokenizer, sample
 
     size, folder = SIZES[DEVICE_KIND], model_folder(assets, work)
     tokenizer, runtime = load_tokenizer(folder), step_runtime()
     model = runtime.place(load_causal_lm(folder))
     if DEVICE_KIND == "gpu":
         model = model.to(torch.bfloat16)
-    prompt = encode_prompt(tokenizer, _examples(1)[0]["prompt"], 64)
-    ids = torch.tensor([prompt] * size["decode_batch"], device=runtime.device)
-    figures, tokens = {}, {}
+    prompts = [encode_prompt(tokenizer, _examples(1)[0]["prompt"], 64)] * size["decode_batch"]
+    seeds = list(range(len(prompts)))
+    figures, rollouts = {}, {}
     for cache in ("dynamic", "static"):
         for _repeat in range(2):  # the first builds the cache (and compiles a static one): not timed
-            torch.manual_seed(0)
             _sync()
             started = time.perf_counter()
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=True,
-                temperature=0.7,
-                top_k=0,
-                max_new_tokens=size["decode_tokens"],
-                min_new_tokens=size["decode_tokens"],
-                pad_token_id=tokenizer.pad_token_id,
-                cache_implementation=None if cache == "dynamic" else "static",
-            )
+            rollout = sample(model, tokenizer, prompts, size["decode_tokens"], 0.7, seeds=seeds, cache=cache)
             _sync()
             seconds = time.perf_counter() - started
-        figures[f"{cache}_tokens_per_s"] = out[:, ids.shape[1] :].numel() / seconds
-        tokens[cache] = out
-    figures["same_tokens"] = bool(torch.equal(tokens["dynamic"], tokens["static"]))
+        figures[f"{cache}_tokens_per_s"] = float(rollout.response_mask.sum()) / seconds
+        rollouts[cache] = rollout.input_ids
+    figures["same_tokens"] = bool(torch.equal(rollouts["dynamic"], rollouts["static"]))
     figures["static_speedup"] = figures["static_tokens_per_s"] / figures["dynamic_tokens_per_s"]
     return figures
 

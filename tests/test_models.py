@@ -238,6 +238,21 @@ def test_sampling_under_autocast_casts_frozen_weights_once_and_samples_the_same_
     assert {name for name, p in model.named_parameters() if p.requires_grad} == trainable
 
 
+@pytest.mark.parametrize("how", ["per-prompt seeds", "global generator", "greedy"])
+def test_a_static_kv_cache_samples_exactly_the_tokens_of_the_dynamic_one_in_float32(tiny_dir, tokenizer, how):
+    model = load_causal_lm(tiny_dir).eval()
+    texts = ("Hi", "Tell me more about the garden")  # different lengths: left padding in the cache
+    prompts = [encode_prompt(tokenizer, [{"role": "user", "content": text}], 64) for text in texts]
+    seeds, greedy = ([5, 6] if how == "per-prompt seeds" else None), how == "greedy"
+    rollouts = []
+    for cache in ("dynamic", "static"):
+        torch.manual_seed(0)
+        rollouts.append(sample(model, tokenizer, prompts, 16, 0.7, greedy=greedy, seeds=seeds, cache=cache))
+    dynamic, static = rollouts
+    assert torch.equal(dynamic.input_ids, static.input_ids) and torch.equal(dynamic.response_mask, static.response_mask)
+    assert dynamic.input_ids.shape[1] - dynamic.response_start == 16  # a random tiny model never stops: all compared
+
+
 def test_a_folder_that_is_not_a_model_folder_is_named_as_such(tmp_path):
     from rlhf.models import resolve_model_source
 

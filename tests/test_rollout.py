@@ -72,6 +72,7 @@ def test_whitespace_only_response_counts_as_empty(tokenizer):
         ({"no_eos": "score", "no_eos_value": -1.0}, "null for score"),
         ({"no_eos": "penalty", "no_eos_value": None}, "must be set for no_eos penalty"),
         ({"empty_response": "ignore"}, "generation.empty_response"),
+        ({"cache": "offloaded"}, r"generation.cache must be dynamic or static, got 'offloaded'"),
     ],
 )
 def test_generation_settings_refuse_contradictions(kwargs, message):

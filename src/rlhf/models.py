@@ -447,6 +447,7 @@ def sample(
     temperature: float,
     greedy: bool = False,
     seeds: list[int] | None = None,
+    cache: str = "dynamic",
 ) -> Rollout:
     """Sample one response per prompt from the policy: temperature only (no top-k, top-p or min length).
 
@@ -460,6 +461,9 @@ def sample(
         seeds: one per prompt: each prompt's tokens come from its own generator
             (:class:`rlhf.sampling.PerPromptSampling`), whatever batch or process it is in; None: torch's
             global generator.
+        cache: the KV cache ``generate`` keeps: ``dynamic`` (grows each step) or ``static`` (preallocated for the
+            longest sequence; transformers compiles its decode step on CUDA). Both sample the same tokens
+            (``tests/test_rollout.py``, float32); which is faster depends on the device (``bench.gpu_check``).
 
     Returns:
         :class:`Rollout`.
@@ -477,6 +481,7 @@ def sample(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
+        cache_implementation=None if cache == "dynamic" else cache,
     )
     processors = LogitsProcessorList([PerPromptSampling(seeds, temperature, model.device)] if per_prompt else [])
     with cast_once(model):

@@ -44,6 +44,7 @@ class GenerationSettings:
     no_eos: str = "constant"
     no_eos_value: float | None = -1.0
     empty_response: str = "no_eos"  # no_eos (an EOS-first or blank response counts as unfinished) | score
+    cache: str = "dynamic"  # the KV cache of sampling: dynamic | static (rlhf.models.sample): the same tokens
 
     def __post_init__(self) -> None:
         """Refuse unknown choices and a value that the choice would not use.
@@ -61,6 +62,8 @@ class GenerationSettings:
             )
         if self.empty_response not in ("no_eos", "score"):
             raise ValueError(f"generation.empty_response must be no_eos or score, got {self.empty_response!r}")
+        if self.cache not in ("dynamic", "static"):
+            raise ValueError(f"generation.cache must be dynamic or static, got {self.cache!r}")
         check_ranges("generation", self, at_least_1=("max_new_tokens",), positive=("temperature",))
 
 
@@ -142,7 +145,14 @@ def sample_and_score(
     phase = timer if timer is not None else (lambda name: contextlib.nullcontext())
     with phase("generation"):
         rollout = sample(
-            policy, tokenizer, prompts, settings.max_new_tokens, settings.temperature, greedy=greedy, seeds=seeds
+            policy,
+            tokenizer,
+            prompts,
+            settings.max_new_tokens,
+            settings.temperature,
+            greedy=greedy,
+            seeds=seeds,
+            cache=settings.cache,
         )
     ids, attn = rollout.input_ids, rollout.attention_mask
     trunk = SharedTrunk(policy, ids, attn, position_ids_from_mask(attn))
