@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import sys
+import threading
 from typing import Any
 
 import networkx as nx
@@ -158,6 +161,37 @@ def without_traceback(record: logging.LogRecord) -> bool:
     return True
 
 
+STOPPED = "[flow] stopped by Ctrl-C; `make pipeline` resumes (DVC reruns what is stale, PPO from its checkpoint)"
+CTRL_C_GRACE_S = 10.0
+
+
+def leave_soon_after_ctrl_c(grace_s: float = CTRL_C_GRACE_S) -> None:
+    """On Ctrl-C, raise KeyboardInterrupt as Python does, and leave ``grace_s`` seconds later whatever is still
+    running (exit 130, :data:`STOPPED` printed); a second Ctrl-C is Python's own.
+
+    Ctrl-C reaches the whole process group: the stage stops without putting outputs in place and the flow ends
+    its MLflow run as KILLED, but Prefect's temporary server stops too, and Prefect then retried recording the
+    crash on it, and sending its events, for minutes. Everything worth doing after a Ctrl-C is done in seconds.
+    """
+    previous = signal.getsignal(signal.SIGINT)
+
+    def leave() -> None:
+        print(STOPPED, flush=True)
+        sys.stderr.flush()
+        os._exit(130)
+
+    def on_ctrl_c(signum: int, frame: Any) -> None:
+        for name in ("prefect.events.clients", "prefect._internal.concurrency"):  # the stopped server's socket
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+        timer = threading.Timer(grace_s, leave)
+        timer.daemon = True
+        timer.start()
+        signal.signal(signal.SIGINT, previous)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_ctrl_c)
+
+
 def main(stage: list[str] = typer.Option(None, help="run only these stages (repeatable)")) -> None:
     """Run the pipeline flow and print ``dvc status`` (stale stages with why; ``up to date``), then the verdict.
 
@@ -170,11 +204,15 @@ def main(stage: list[str] = typer.Option(None, help="run only these stages (repe
     logging.getLogger("prefect.task_runs").setLevel(logging.WARNING)  # a stage's own end line says it finished
     for name in ("prefect.flow_runs", "prefect.task_runs"):  # a failed stage: its line, not the engine's traceback
         logging.getLogger(name).addFilter(without_traceback)
+    leave_soon_after_ctrl_c()
     try:
         metrics = rlhf_pipeline(stages=stage or None)
     except (StageRefused, ValueError, RuntimeError) as err:
         print(f"[flow] FAILED: {first_line(err)}")
         raise SystemExit(1) from None
+    except KeyboardInterrupt:
+        print(STOPPED)
+        raise SystemExit(130) from None
     status = dvc_status()
     stale = stale_stages(status)
     always = sorted(set(status) - set(stale))

@@ -800,3 +800,28 @@ def test_reward_stage_failing_after_training_keeps_its_previous_outputs(tmp_path
     after = kept(project, outputs)
     assert all(after[p] != before[p] for p in outputs) and not glob.glob(checkpoints)
     assert runs(project)[-1] == ("reward", "FINISHED") and ("pipeline", "FINISHED") in runs(project)
+
+
+def test_ctrl_c_leaves_the_flow_within_its_grace_even_when_prefect_would_wait_on_its_stopped_server():
+    # a stand-in for Prefect's engine after Ctrl-C: it swallows the KeyboardInterrupt and keeps retrying a server
+    # the same Ctrl-C stopped (as it did for minutes); the pipeline must still leave, saying so, with exit 130
+    code = (
+        "import sys, time\n"
+        "from flows.pipeline import leave_soon_after_ctrl_c\n"
+        "leave_soon_after_ctrl_c(grace_s=1.0)\n"
+        "print('ready', flush=True)\n"
+        "while True:\n"
+        "    try:\n"
+        "        time.sleep(60)\n"
+        "    except KeyboardInterrupt:\n"
+        "        print('interrupted', flush=True)\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    process = subprocess.Popen([sys.executable, "-c", code], cwd=root, stdout=subprocess.PIPE, text=True)
+    assert process.stdout.readline().strip() == "ready"
+    process.send_signal(signal.SIGINT)
+    started = time.monotonic()
+    assert process.wait(timeout=30) == 130
+    assert time.monotonic() - started < 10
+    assert process.stdout.read().splitlines() == ["interrupted", "[flow] stopped by Ctrl-C; `make pipeline` resumes "
+                                                  "(DVC reruns what is stale, PPO from its checkpoint)"]  # fmt: skip
