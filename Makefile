@@ -72,7 +72,7 @@ gpu-check-folder: setup
 	$(BIN)/python -m bench.gpu_prepare --folder dist/gpu-check --python $(GPU_PYTHON) --platform $(GPU_PLATFORM)
 
 # The floors of pyproject's ranges: a throwaway venv at the lowest versions they allow, beside a GPU image's torch
-# (PyPI's CUDA build: ~3 GB), and the unit tests there (~6 min here).
+# (PyPI's CUDA build: ~3 GB), and the unit tests there (~8 min here, not alone).
 FLOORS_PYTHON ?= python3.12
 FLOORS_TORCH ?= torch==2.11.0
 FLOORS_UV := .venv-floors/bin/uv pip install -q --compile-bytecode --python .venv-floors/bin/python

@@ -463,7 +463,7 @@ def sample(
             global generator.
         cache: the KV cache ``generate`` keeps: ``dynamic`` (grows each step) or ``static`` (preallocated for the
             longest sequence; transformers compiles its decode step on CUDA). Both sample the same tokens
-            (``tests/test_rollout.py``, float32); which is faster depends on the device (``bench.gpu_check``).
+            (``tests/test_models.py``, float32); which is faster depends on the device (``bench.gpu_check``).
 
     Returns:
         :class:`Rollout`.
