@@ -5,13 +5,13 @@ that fails or runs out of time is recorded and the next one runs. Without CUDA i
 sizes on the CPU (the test suite does, so the check cannot rot). Writes ``<out>/<step>.json`` per step and
 ``<out>/table.md``, and prints the table. Exits 1 when a step failed.
 
-Prepare on a machine with the package registries (``make gpu-check-folder``, docs/gpu.md), carry the folder to
-the GPU machine, and there::
+Prepare the folder to carry on a machine with the package registries (``make gpu-check-folder``), then on the GPU
+machine, from that folder (docs/gpu.md)::
 
-    python -m pip install --no-index --find-links <folder>/wheels rlhf-pipeline[gpu-check]   # keeps its torch
-    python -m bench.gpu_check --assets <folder>/assets --out <folder>/results
+    python3 -m pip install -q --no-index --no-deps --target site wheels/*.whl   # the image's torch is kept
+    PYTHONPATH=site:. python3 -m bench.gpu_check --assets assets --out results
 
-Usage (here): ``python -m bench.gpu_check --assets tests-tiny-model --budget-s 120``.
+Here, on the CPU: ``make gpu-check-folder`` then ``make gpu-check`` (its assets), ``--only smoke,decode`` for some.
 """
 
 from __future__ import annotations

@@ -3,13 +3,12 @@
 Writes ``<folder>/``:
 
 - ``assets/``: ``params.yaml``, the speed rows' ``inputs.json``, the default base model's tokenizer and
-  ``config.json``, no weights
-  (SmolLM2-135M-Instruct's GGUF is 98 MB; the check builds a seeded random model of that shape,
-  :func:`bench.gpu_steps.model_folder`);
+  ``config.json``, no weights (SmolLM2-135M-Instruct's GGUF is 98 MB; the check builds a seeded random model of
+  that shape, :func:`bench.gpu_steps.model_folder`);
 - ``wheels/``: for the target Python and platform, the product's own wheel and every wheel the check imports
-  besides torch and what a CUDA build of torch brings with it (:data:`TORCH_BRINGS`), at the versions of
-  ``infra/constraints.txt`` (resolved by ``uv pip compile`` from :data:`NEEDS`);
-- ``bench/``: the check's code (:mod:`bench.gpu_check`, :mod:`bench.gpu_steps`, :mod:`bench.gpu_stages`);
+  besides torch and what a CUDA build of torch brings with it (:data:`TORCH_BRINGS`) and what an image carries
+  (:data:`THERE`), at the versions of ``infra/constraints.txt`` (resolved by ``uv pip compile`` from :data:`NEEDS`);
+- ``bench/``: the check's code (:data:`CODE`: :mod:`bench.gpu_check`, its steps, the speed benchmark's workers);
 - ``README.txt``: the two commands to run there.
 
 It refuses a folder over :data:`LIMIT_MIB` (what a lent GPU machine takes from here). docs/gpu.md says how to use it.
@@ -75,9 +74,10 @@ def main(
 
 
 def _assets(folder: str) -> None:
-    """The default base model's tokenizer (as the pipeline prepares it) and its config."""
+    """The default base model's tokenizer (as the pipeline prepares it) and its config, params.yaml, inputs.json."""
     from transformers import AutoConfig, AutoTokenizer
 
+    from bench.speed_setup import ensure_inputs
     from rlhf.models import load_tokenizer, prepare_tokenizer, resolve_model_source, save_tokenizer
     from tasks.kit.params import stage_params
 
@@ -89,13 +89,11 @@ def _assets(folder: str) -> None:
     config.save_pretrained(folder)
     load_tokenizer(folder)  # reads back
     shutil.copy(os.path.join(ROOT, "params.yaml"), folder)  # the gpu profile's sizes (bench.gpu_stages)
-    from bench.speed_setup import ensure_inputs
-
     shutil.copy(ensure_inputs(), folder)  # the speed rows' tokenised HH-RLHF inputs (bench.gpu_speed)
 
 
 def _wheels(folder: str, python: str, platform: str) -> None:
-    """The product's wheel, and :data:`NEEDS` with their requirements (less :data:`TORCH_BRINGS`) for the target."""
+    """The product's wheel, and :data:`NEEDS` with their requirements (less :func:`_left_out`) for the target."""
     bin_dir = os.path.dirname(sys.executable)
     uv = os.path.join(bin_dir, "uv")
     needs = os.path.join(folder, "needs.in")
@@ -109,7 +107,7 @@ def _wheels(folder: str, python: str, platform: str) -> None:
         capture_output=True,
         text=True,
     ).stdout.splitlines()
-    pins = [line for line in compiled if line and not _brought_by_torch(line)]
+    pins = [line for line in compiled if line and not _left_out(line)]
     os.remove(needs)
     pip_platform = platform.split("-", 1)[1] + "_" + platform.split("-", 1)[0]  # x86_64-manylinux_2_28 -> ..._x86_64
     download = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d", folder]
@@ -123,7 +121,8 @@ def _wheels(folder: str, python: str, platform: str) -> None:
         subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", folder, source], check=True)
 
 
-def _brought_by_torch(pin: str) -> bool:
+def _left_out(pin: str) -> bool:
+    """A pin of what a CUDA torch brings (:data:`TORCH_BRINGS`, ``nvidia-*``, ``cuda-*``) or an image carries."""
     name = pin.split("==", 1)[0].strip().lower()
     return name in TORCH_BRINGS + THERE or name.startswith(("nvidia-", "cuda-"))
 
