@@ -3,7 +3,7 @@
 Trains the policy twice from ``models/sft`` against ``models/reward_champion`` with the pipeline's ppo params,
 once as they are (``ptx_coef`` of the preset, 0.5 for ppo_max) and once with ``ptx_coef: 0``, the same seed
 and iterations, then measures the perplexity of the SFT model and of both policies on
-``data/validated/ptx_heldout.jsonl`` (:func:`rlhf.evaluation.ptx_perplexity`; InstructGPT section 3.5: PPO-ptx
+``data/validated/ptx_heldout.jsonl`` (:func:`rlhf.evaluation.evaluator.ptx_perplexity`; InstructGPT section 3.5: PPO-ptx
 exists to pay less of this tax). Needs a pipeline run first (``make pipeline``). Writes
 ``reports/alignment_tax.json`` and an MLflow run "alignment-tax", and prints the table.
 
@@ -18,10 +18,10 @@ import os
 import typer
 
 from bench.ablation import overrides
-from rlhf.checkpoint import write_json
-from rlhf.data import load_jsonl
-from rlhf.evaluation import EvalConfig, ptx_perplexity
-from rlhf.models import load_causal_lm, load_tokenizer
+from rlhf.data.reading import load_jsonl
+from rlhf.evaluation.evaluator import EvalConfig, ptx_perplexity
+from rlhf.models.loading import load_causal_lm, load_tokenizer
+from rlhf.training.checkpoint import write_json
 from tasks import ppo
 from tasks.evaluate import PTX_HELDOUT, SFT
 from tasks.kit.common import stage_runtime

@@ -78,7 +78,7 @@ def _assets(folder: str) -> None:
     from transformers import AutoConfig, AutoTokenizer
 
     from bench.speed_setup import ensure_inputs
-    from rlhf.models import load_tokenizer, prepare_tokenizer, resolve_model_source, save_tokenizer
+    from rlhf.models.loading import load_tokenizer, prepare_tokenizer, resolve_model_source, save_tokenizer
     from tasks.kit.params import stage_params
 
     path, gguf_file = resolve_model_source(stage_params("model")["source"])

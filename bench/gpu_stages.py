@@ -68,9 +68,9 @@ def _peak(started: float) -> dict[str, Any]:
 
 def _supervised(assets: str, work: str, section: str, changes: dict[str, Any]) -> dict[str, Any]:
     """Two optimiser steps of the SFT or reward-model trainer at the profile's batch and ``max_length``."""
-    from rlhf.models import load_causal_lm, load_scalar_model, load_tokenizer
-    from rlhf.reward import RewardConfig, train_reward_model
-    from rlhf.sft import SFTConfig, train_sft
+    from rlhf.models.loading import load_causal_lm, load_scalar_model, load_tokenizer
+    from rlhf.reward.trainer import RewardConfig, train_reward_model
+    from rlhf.training.sft import SFTConfig, train_sft
 
     cls, load, train = {
         "sft": (SFTConfig, load_causal_lm, train_sft),
@@ -97,12 +97,12 @@ def stage_reward(assets: str, work: str) -> dict[str, Any]:
 
 def stage_ppo(assets: str, work: str) -> dict[str, Any]:
     """One PPO-max iteration at the profile's rollouts, minibatches, epochs and new tokens, four models."""
-    from rlhf.chat import encode_prompt, encode_text
-    from rlhf.checkpoint import Checkpointer
-    from rlhf.models import load_tokenizer
-    from rlhf.ppo import train_ppo
-    from rlhf.ppo_config import PPOConfig
-    from rlhf.rollout import GenerationSettings
+    from rlhf.data.chat import encode_prompt, encode_text
+    from rlhf.models.generation import GenerationSettings
+    from rlhf.models.loading import load_tokenizer
+    from rlhf.ppo.config import PPOConfig
+    from rlhf.ppo.loop import train_ppo
+    from rlhf.training.checkpoint import Checkpointer
 
     folder, runtime, params = model_folder(assets, work), step_runtime(), _params(assets)
     changes = {"iterations": 1, "value_pretrain_iterations": 0, "validate_every": 0, "validation_prompts": None}

@@ -11,7 +11,7 @@ weights where present (the real SmolLM2-135M, or the tests' tiny model), else a 
   validation, a checkpoint each), one iteration with the frozen models in bf16; every loss finite, every
   model and experience tensor on the device; a run stopped after its first iteration and resumed from that
   checkpoint gives the uninterrupted run's second iteration within :data:`RESUME_TOLERANCE`.
-- ``decode``: :func:`rlhf.models.sample`'s decoding (transformers' ``generate``, a dynamic KV cache) against a
+- ``decode``: :func:`rlhf.models.sampling.sample`'s decoding (transformers' ``generate``, a dynamic KV cache) against a
   static cache (compiled by transformers on CUDA), tokens per second and whether both sampled the same tokens.
 """
 
@@ -54,15 +54,16 @@ def model_folder(assets: str, work: str) -> str:
         shape = {} if DEVICE_KIND == "gpu" else CPU_SHAPE
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(assets, **shape))
         model.save_pretrained(folder)
-        from rlhf.models import load_tokenizer, save_tokenizer
+        from rlhf.models.loading import load_tokenizer, save_tokenizer
 
         save_tokenizer(load_tokenizer(assets), folder)
     return folder
 
 
 def step_runtime(frozen_bf16: bool = False):
-    """The steps' device and precision: bf16 on CUDA, fp32 on the CPU (:func:`rlhf.device.runtime_from_params`)."""
-    from rlhf.device import runtime_from_params
+    """The steps' device and precision: bf16 on CUDA, fp32 on the CPU
+    (:func:`rlhf.runtime.device.runtime_from_params`)."""
+    from rlhf.runtime.device import runtime_from_params
 
     precision = "bf16" if DEVICE_KIND == "gpu" else "no"
     return runtime_from_params({"mixed_precision": precision, "cpu": DEVICE_KIND == "cpu", "frozen_bf16": frozen_bf16})
@@ -133,10 +134,10 @@ def _on_device(tensors: dict[str, Any], device: torch.device) -> list[str]:
 
 def smoke(assets: str, work: str) -> dict[str, Any]:
     """The core trainers on the device (see the module's docstring); raises on the first broken promise."""
-    from rlhf.chat import encode_prompt, encode_text
-    from rlhf.models import load_causal_lm, load_scalar_model, load_tokenizer
-    from rlhf.reward import RewardConfig, train_reward_model
-    from rlhf.sft import SFTConfig, train_sft
+    from rlhf.data.chat import encode_prompt, encode_text
+    from rlhf.models.loading import load_causal_lm, load_scalar_model, load_tokenizer
+    from rlhf.reward.trainer import RewardConfig, train_reward_model
+    from rlhf.training.sft import SFTConfig, train_sft
 
     size, folder = SIZES[DEVICE_KIND], model_folder(assets, work)
     runtime, tokenizer = step_runtime(), load_tokenizer(folder)
@@ -179,8 +180,8 @@ def smoke(assets: str, work: str) -> dict[str, Any]:
 
 def four_models(folder: str, runtime):
     """PPO's policy, reference, reward and value model, all from ``folder``, placed as tasks/ppo.py places them."""
-    from rlhf.models import load_causal_lm, load_scalar_model
-    from rlhf.ppo import PPOModels
+    from rlhf.models.loading import load_causal_lm, load_scalar_model
+    from rlhf.ppo.types import PPOModels
 
     return PPOModels(
         runtime.place(load_causal_lm(folder)),
@@ -216,10 +217,11 @@ def _ppo(folder, tokenizer, prompts, ptx, root, runtime, iterations=2, stop_at=N
     """``iterations`` PPO-max iterations from ``folder`` as all four models (checkpoint every iteration, PPO-ptx,
     validation); also the device of one experience buffer's tensors. ``stop_at``: raise :class:`_Stop` once that
     step has been logged (its checkpoint written first)."""
-    from rlhf.checkpoint import Checkpointer
-    from rlhf.ppo import train_ppo
-    from rlhf.ppo_config import PPOConfig
-    from rlhf.rollout import GenerationSettings, RunningMoments, make_experience
+    from rlhf.models.generation import GenerationSettings
+    from rlhf.ppo.config import PPOConfig
+    from rlhf.ppo.loop import train_ppo
+    from rlhf.ppo.rollout import RunningMoments, make_experience
+    from rlhf.training.checkpoint import Checkpointer
 
     size = SIZES[DEVICE_KIND]
     torch.manual_seed(0)
@@ -252,7 +254,7 @@ def _ppo(folder, tokenizer, prompts, ptx, root, runtime, iterations=2, stop_at=N
     )
     seconds = time.perf_counter() - started
     experience, _ = make_experience(
-        models.as_tuple(), tokenizer, prompts[: size["rollouts"]], config, settings, RunningMoments(), 0.05, runtime
+        models, tokenizer, prompts[: size["rollouts"]], config, settings, RunningMoments(), 0.05, runtime
     )
     tensors = {f"experience.{f.name}": getattr(experience, f.name) for f in dataclasses.fields(experience)}
     tensors |= {"policy": models.policy, "value model": models.value_model}
@@ -260,15 +262,17 @@ def _ppo(folder, tokenizer, prompts, ptx, root, runtime, iterations=2, stop_at=N
 
 
 def decode(assets: str, work: str) -> dict[str, Any]:
-    """The product's sampling (:func:`rlhf.models.sample`, as rollouts and evaluation call it, one seed per prompt)
+    """The product's sampling (:func:`rlhf.models.sampling.sample`, as rollouts and evaluation call it, one seed per
+    prompt)
     with the dynamic KV cache (the default) and the static one (``generation.cache``).
 
     Both sample ``decode_batch`` prompts for up to ``decode_tokens`` new tokens in float32 on the CPU, bf16 on a GPU
     (tokens/s count the response tokens sampled, a response that ends stopping early); ``same_tokens`` says whether
     both sampled the same ids.
     """
-    from rlhf.chat import encode_prompt
-    from rlhf.models import load_causal_lm, load_tokenizer, sample
+    from rlhf.data.chat import encode_prompt
+    from rlhf.models.loading import load_causal_lm, load_tokenizer
+    from rlhf.models.sampling import sample
 
     size, folder = SIZES[DEVICE_KIND], model_folder(assets, work)
     tokenizer, runtime = load_tokenizer(folder), step_runtime()

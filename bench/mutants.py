@@ -52,11 +52,13 @@ class Mutant:
     what: str
 
 
-LOSSES, MODELS, ROLLOUT, UPDATE = (
+LOSSES, FORWARD, SAMPLING, GENERATION, ROLLOUT, UPDATE = (
     "src/rlhf/losses.py",
-    "src/rlhf/models.py",
-    "src/rlhf/rollout.py",
-    "src/rlhf/update.py",
+    "src/rlhf/models/forward.py",
+    "src/rlhf/models/sampling.py",
+    "src/rlhf/models/generation.py",
+    "src/rlhf/ppo/rollout.py",
+    "src/rlhf/ppo/update.py",
 )
 
 MUTANTS: list[Mutant] = [
@@ -132,28 +134,28 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "logits-one-late",
-        MODELS,
+        FORWARD,
         ").logits[:, :-1]",
         ").logits[:, 1:]",
         "response logprobs read the logits one position late",
     ),
     Mutant(
         "eos-mask-off-by-one",
-        MODELS,
+        SAMPLING,
         "eos_before = torch.cumsum(is_eos.long(), dim=-1) - is_eos.long()",
         "eos_before = torch.cumsum(is_eos.long(), dim=-1)",
         "response mask stops before the EOS instead of through it",
     ),
     Mutant(
         "score-one-early",
-        MODELS,
+        FORWARD,
         "device=scores.device), last] - offset",
         "device=scores.device), last - 1] - offset",
         "reward score read one token before the last real token",
     ),
     Mutant(
         "reward-offset-ignored",
-        MODELS,
+        FORWARD,
         "device=scores.device), last] - offset",
         "device=scores.device), last]",
         "reward model's centring offset not subtracted",
@@ -188,7 +190,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "no-eos-constant-ignored",
-        ROLLOUT,
+        GENERATION,
         "return torch.where(unfinished, torch.full_like(scores, settings.no_eos_value), scores)",
         "return scores",
         "treat_unfinished 'constant' leaves unfinished responses their score",

@@ -20,15 +20,16 @@ import torch
 import typer
 
 from bench.speed_setup import BASE, load_inputs
-from rlhf.chat import encode_chat, pad, pad_masks
-from rlhf.device import Runtime
+from rlhf.data.chat import encode_chat, pad, pad_masks
 from rlhf.losses import language_model_loss
-from rlhf.models import load_causal_lm, load_tokenizer, position_ids_from_mask
-from rlhf.training import minibatch_indices
+from rlhf.models.forward import position_ids_from_mask
+from rlhf.models.loading import load_causal_lm, load_tokenizer
+from rlhf.runtime.device import Runtime
+from rlhf.training.supervised import minibatch_indices
 
 
 def padded_loss(model, tokenizer, batch, runtime: Runtime) -> tuple[torch.Tensor, int]:
-    """The product's SFT step (rlhf.sft): right-padded batch; returns ``(loss, positions computed)``."""
+    """The product's SFT step (rlhf.training.sft): right-padded batch; returns ``(loss, positions computed)``."""
     ids, attn = pad(tokenizer, [e.input_ids for e in batch], "right", runtime.device)
     target = pad_masks([e.response_mask for e in batch], ids.shape[1], "right", runtime.device)
     with runtime.autocast():

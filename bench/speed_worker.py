@@ -141,7 +141,7 @@ class StepClock:
 class TokenCounter:
     """Counts the real and padded tokens of every forward of a backbone (a forward pre-hook).
 
-    A packed batch (:mod:`rlhf.shared_prompt`: a 4D block mask) counts the tokens of the sequences it holds, as
+    A packed batch (:mod:`rlhf.models.shared_prompt`: a 4D block mask) counts the tokens of the sequences it holds, as
     a plain batch of them would (a shared prompt once per sequence), so tokens/s compares the same data: a
     real position attends to its row's first token (a pad does not), and each sequence ends where the position
     ids stop counting up, its length the last position id + 1. ``computed`` counts the positions computed.

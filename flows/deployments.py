@@ -100,7 +100,7 @@ def read_files(paths: list[str]) -> dict[str, str]:
 
 def write_files(files: dict[str, str]) -> None:
     """Write each ``{path: text}`` atomically (a folder is made where needed)."""
-    from rlhf.checkpoint import atomic_write_text  # noqa: PLC0415 (imports torch and transformers)
+    from rlhf.training.checkpoint import atomic_write_text  # noqa: PLC0415 (imports torch and transformers)
 
     for path, text in files.items():
         atomic_write_text(path, text)

@@ -10,8 +10,8 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from rlhf.gate_rules import decision_sentence
-from rlhf.kinds import kinds_in
+from rlhf.data.kinds import kinds_in
+from rlhf.evaluation.gate_rules import decision_sentence
 from rlhf.stats import chance_warning
 from tasks.kit.outputs import timing_path
 from tasks.kit.paths import POLICY_GATE, REWARD_GATE
@@ -78,7 +78,7 @@ def figure(values: dict, key: str) -> str | None:
     return f"{key}={value:.0f}" if float(value).is_integer() else f"{key}={value:.3f}"
 
 
-KIND_SUMMARY = {  # per kind of data (rlhf.kinds): prefix -> the figures the summary shows for each kind
+KIND_SUMMARY = {  # per kind of data (rlhf.data.kinds): prefix -> the figures the summary shows for each kind
     "rm": ("balanced_accuracy", "empty_beats_chosen"),
     "judge": ("balanced_accuracy",),
     "eval": ("judge_win_rate", "judge_lc_win_rate", "refusal_increase"),
@@ -218,7 +218,8 @@ def summary_markdown(metrics: dict[str, dict], timings: dict[str, float | None] 
 
 def verdict(metrics: dict[str, dict]) -> tuple[str, str]:
     """What the run decided, as ``(state name, one sentence)``: the policy gate's decision when evaluate ran, else
-    the reward gate's (:func:`rlhf.gate_rules.decision_sentence`, with the report that holds its figures); the
+    the reward gate's (:func:`rlhf.evaluation.gate_rules.decision_sentence`, with the report that holds its figures);
+    the
     flow's final state is named after it (Prefect's run list shows it), and the console's last line says it.
 
     e.g. ``("Gate failed", "policy gate failed 2 of 9 checks: EOS rate of the policy's responses; helpful

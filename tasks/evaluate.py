@@ -4,7 +4,7 @@ Also the alignment tax (perplexity on held-out ptx text, distinct-n, refusals, l
 over-optimisation curve: each policy PPO kept (``models/policy_kept``), scored by the proxy and the judge
 on a fixed set of prompts against its KL to the SFT model (Gao et al. 2023).
 
-The prompts are a fair share of each kind of data (:func:`rlhf.evaluation_kinds.stratified`), and the base model
+The prompts are a fair share of each kind of data (:func:`rlhf.evaluation.by_kind.stratified`), and the base model
 (``models/base``) is a third contestant, sampled and scored as SFT is, so SFT's own effect shows; every verdict is
 also taken per kind (``eval/kind/<kind>/...`` in ``metrics/eval_kinds.json``, apart so that ``dvc metrics show``
 stays readable).
@@ -29,16 +29,16 @@ import torch
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from rlhf.chat import check_reads_whole
-from rlhf.checkpoint import load_kept_policy, write_json
-from rlhf.comparison import best_of_n, best_of_n_kl, paired_difference
-from rlhf.data import load_jsonl
-from rlhf.evaluation import EvalConfig, Scorers, evaluate_policy, generate_and_score, sample_rows
-from rlhf.evaluation_kinds import KIND_PREFIX, kind_figures, stratified
-from rlhf.gate_rules import PolicyCriteria, judge_doubts, policy_gate
-from rlhf.kinds import kind_of, kinds_in
-from rlhf.models import load_causal_lm, load_scalar_model, load_tokenizer
-from rlhf.rollout import GenerationSettings
+from rlhf.data.chat import check_reads_whole
+from rlhf.data.kinds import kind_of, kinds_in
+from rlhf.data.reading import load_jsonl
+from rlhf.evaluation.by_kind import KIND_PREFIX, kind_figures, stratified
+from rlhf.evaluation.comparison import best_of_n, best_of_n_kl, paired_difference
+from rlhf.evaluation.evaluator import EvalConfig, Scorers, evaluate_policy, generate_and_score, sample_rows
+from rlhf.evaluation.gate_rules import PolicyCriteria, judge_doubts, policy_gate
+from rlhf.models.generation import GenerationSettings
+from rlhf.models.loading import load_causal_lm, load_scalar_model, load_tokenizer
+from rlhf.training.checkpoint import load_kept_policy, write_json
 from tasks.kit import paths
 from tasks.kit.champion import is_champion, require_champion
 from tasks.kit.common import cli, setup_torch, stage_runtime
@@ -82,14 +82,15 @@ def judge_figures(
 
     Args:
         judge: the judge stage's metrics; min_length_accuracy: the length floor
-            (:func:`rlhf.gate_rules.judge_doubts`); kinds: the evaluated prompts' kinds, each of which needs a
+            (:func:`rlhf.evaluation.gate_rules.judge_doubts`); kinds: the evaluated prompts' kinds, each of which
+            needs a
             judge above chance on its own judge_eval pairs.
 
     Returns:
         ``(metrics, doubts)``: ``eval/judge/accuracy`` with ``_low``/``_high`` (Wilson 95%),
         ``eval/judge/balanced_accuracy`` with ``_low``/``_high`` (stratified bootstrap 95%),
         ``eval/judge/length_accuracy`` (the smaller of its chosen-shorter and chosen-longer accuracies),
-        ``eval/judge/meaningful`` (1.0 when :func:`rlhf.gate_rules.judge_doubts` finds nothing, per kind
+        ``eval/judge/meaningful`` (1.0 when :func:`rlhf.evaluation.gate_rules.judge_doubts` finds nothing, per kind
         included) and per kind ``eval/kind/<kind>/judge_balanced_accuracy`` with ``_low``/``_high`` (NaN where
         the judge has no figure for it); ``doubts``: its reasons.
     """
@@ -128,7 +129,8 @@ def curve(
     samples can come out below 0), ``kl_k3`` (never negative) and ``sqrt_kl`` = sqrt(``kl_k3``), the axis of
     Gao et al. 2023. ``sampled``: the evaluation's own runs by iteration (SFT at 0, the shipped policy at its
     iteration), whose first sample of those prompts is that point's: they are not drawn again. ``kinds``: each
-    prompt's kind of data, its responses read with that kind's score (:func:`rlhf.evaluation.generate_and_score`)."""
+    prompt's kind of data, its responses read with that kind's score
+    (:func:`rlhf.evaluation.evaluator.generate_and_score`)."""
 
     def row(iteration: int, run: dict[str, Any]) -> dict[str, float]:
         kl, kl_k3 = float(run["kl"][:, 0].mean()), float(run["kl_k3"][:, 0].mean())
@@ -182,9 +184,10 @@ def best_of_n_figures(
 
     ``config.best_of_n`` samples of each of the first ``curve_prompts`` prompts (the first of each is the
     evaluation's own, taken from ``sampled``, its SFT run, not drawn again); for N = 1, 4, 16, ... up to it,
-    the proxy keeps each prompt's best of the first N (:func:`rlhf.comparison.best_of_n`), and the judge scores
+    the proxy keeps each prompt's best of the first N (:func:`rlhf.evaluation.comparison.best_of_n`), and the judge
+    scores
     it (``kinds``: each prompt's kind of data, as :func:`curve`). KL to SFT is the analytic ``log N - (N-1)/N``
-    (:func:`rlhf.comparison.best_of_n_kl`): what the reward
+    (:func:`rlhf.evaluation.comparison.best_of_n_kl`): what the reward
     model can deliver at each KL without training, to read PPO's kept policies against.
 
     Returns:
@@ -237,7 +240,7 @@ def run(
 ) -> tuple[dict[str, float], list[dict[str, Any]], list[dict[str, float]], EvalConfig, list[str]]:
     """Evaluate with the ``generation`` section PPO used; returns ``(metrics, samples, curve rows, config, doubts)``
     (doubts: why the judge's verdicts mean nothing, :func:`judge_figures`). ``metrics`` holds the per-kind
-    figures too (``eval/kind/...``: :func:`rlhf.evaluation_kinds.kind_figures`, the judge's own per kind).
+    figures too (``eval/kind/...``: :func:`rlhf.evaluation.by_kind.kind_figures`, the judge's own per kind).
 
     ``device``: the params.yaml ``device`` section (None: read from params.yaml). The SFT model (the
     reference of the KL) and the policy are placed alike, so identical weights give identical logprobs.
@@ -250,7 +253,7 @@ def run(
     prompts, kinds = [row["prompt"] for row in rows], [kind_of(row) for row in rows]
     tokenizer = load_tokenizer(SFT)
     runtime = stage_runtime("evaluate", device)
-    # never trained here: requires_grad off, so models that share frozen blocks run them once (rlhf.trunk)
+    # never trained here: requires_grad off, so models that share frozen blocks run them once (rlhf.models.trunk)
     sft, policy, base = (runtime.place(load_causal_lm(path)).requires_grad_(False) for path in (SFT, POLICY, BASE))
     scorers = Scorers(
         runtime.frozen(load_scalar_model(REWARD)), runtime.frozen(load_scalar_model(JUDGE)), load_tokenizer(JUDGE)
@@ -360,7 +363,8 @@ def scores_figure(samples: list[dict[str, Any]], folder: str) -> None:
 
 
 def policy_criteria() -> Any:
-    """``registry.policy_gate`` as :class:`rlhf.gate_rules.PolicyCriteria`; raises ValueError on a bad bound or
+    """``registry.policy_gate`` as :class:`rlhf.evaluation.gate_rules.PolicyCriteria`; raises ValueError on a bad
+    bound or
     verdict (the stage asks first, before any model is loaded)."""
     return config_from_params(PolicyCriteria, stage_params("registry")["policy_gate"], "registry.policy_gate")
 

@@ -16,7 +16,7 @@ import os
 import tempfile
 from typing import Any
 
-from rlhf.gate_rules import GateCriteria, reward_gate
+from rlhf.evaluation.gate_rules import GateCriteria, reward_gate
 from tasks.kit import paths
 from tasks.kit.champion import MARKER, OUT_DIR, VERSION_FILE, held_version, promote_command
 from tasks.kit.common import stage_runtime
@@ -43,9 +43,9 @@ REPORT = paths.REWARD_GATE
 
 def rescore(client, found, reward: dict[str, Any], device: dict[str, Any] | None) -> dict[str, float]:
     """The champion's preference metrics on the current rm_eval split (a figure from other data is not comparable)."""
-    from rlhf.data import load_jsonl  # noqa: PLC0415 (imports torch and transformers)
-    from rlhf.models import load_scalar_model, load_tokenizer  # noqa: PLC0415 (imports torch and transformers)
-    from rlhf.reward_metrics import evaluate_reward_model  # noqa: PLC0415 (imports torch and transformers)
+    from rlhf.data.reading import load_jsonl  # noqa: PLC0415 (imports torch and transformers)
+    from rlhf.models.loading import load_scalar_model, load_tokenizer  # noqa: PLC0415 (imports torch and transformers)
+    from rlhf.reward.metrics import evaluate_reward_model  # noqa: PLC0415 (imports torch and transformers)
 
     runtime = stage_runtime("gate", device)
     with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(OUT_DIR))) as folder:

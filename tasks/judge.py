@@ -3,12 +3,12 @@
 The judge scores the policy against the SFT model in evaluate, beside the reward model PPO optimised
 (the proxy): a win rate judged by the proxy rises exactly when the policy learns to fool it (reward
 hacking, Gao et al. 2023). So no conversation of judge_train reaches any other split, and judge_eval's reach
-no split that trains (``rlhf.data.assign_split``; judge_eval also holds the eval_prompts conversations' pairs,
-whose prompts alone evaluation reads: ``rlhf.data.HELD_OUT_PAIRS``), the judge has its own seed and may
+no split that trains (``rlhf.data.splitting.assign_split``; judge_eval also holds the eval_prompts conversations' pairs,
+whose prompts alone evaluation reads: ``rlhf.data.splitting.HELD_OUT_PAIRS``), the judge has its own seed and may
 start from another backbone (``judge.source``), and nothing in training reads it: ppo does not depend on this stage.
 
 Writes ``models/judge/``, ``metrics/judge.json`` (the ``judge/`` figures of
-:func:`rlhf.reward_metrics.preference_metrics` on judge_eval) and ``reports/judge_margins.png`` together, after
+:func:`rlhf.reward.metrics.preference_metrics` on judge_eval) and ``reports/judge_margins.png`` together, after
 everything that can fail: a failed or stopped run leaves the previous ones as they were.
 """
 
@@ -17,8 +17,8 @@ from __future__ import annotations
 import tempfile
 from typing import Any
 
-from rlhf.chat import check_reads_whole
-from rlhf.reward import JudgeConfig
+from rlhf.data.chat import check_reads_whole
+from rlhf.reward.trainer import JudgeConfig
 from tasks.kit import paths
 from tasks.kit.backbones import save_source
 from tasks.kit.common import cli

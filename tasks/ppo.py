@@ -17,16 +17,18 @@ import os
 import shutil
 from typing import Any
 
-from rlhf.chat import check_reads_whole, encode_prompt
-from rlhf.data import load_jsonl, ptx_token_ids
-from rlhf.kinds import kind_of
-from rlhf.lora import AdapterDisabledReference, add_lora, merged_copy
-from rlhf.models import load_causal_lm, load_scalar_model, load_tokenizer, save_tokenizer
-from rlhf.plots import reward_histograms, signal_figures
-from rlhf.ppo import PPOModels, train_ppo
-from rlhf.ppo_config import PPOConfig, check_processes
-from rlhf.rollout import GenerationSettings
-from rlhf.sharding import whole_model
+from rlhf.data.chat import check_reads_whole, encode_prompt
+from rlhf.data.kinds import kind_of
+from rlhf.data.ptx import ptx_token_ids
+from rlhf.data.reading import load_jsonl
+from rlhf.models.generation import GenerationSettings
+from rlhf.models.loading import load_causal_lm, load_scalar_model, load_tokenizer, save_tokenizer
+from rlhf.models.lora import AdapterDisabledReference, add_lora, merged_copy
+from rlhf.ppo.config import PPOConfig, check_processes
+from rlhf.ppo.loop import train_ppo
+from rlhf.ppo.types import PPOModels
+from rlhf.report.plots import reward_histograms, signal_figures
+from rlhf.runtime.sharding import whole_model
 from tasks.kit import paths
 from tasks.kit.champion import is_champion, require_champion
 from tasks.kit.common import cli, setup_torch, stage_runtime
@@ -40,7 +42,9 @@ from tasks.kit.stage import training_stage
 
 PROMPTS, PTX, SFT, REWARD = paths.split("ppo_prompts"), paths.split("ptx_text"), paths.SFT, paths.CHAMPION
 OUT_DIR, REPORTS, METRICS, CURVES = paths.POLICY, paths.PPO_REPORTS, paths.metrics("ppo"), paths.PPO_CURVES
-KEPT_SUFFIX = "_kept"  # models/policy_kept: every ppo.keep_every-th policy as what it adds to SFT (rlhf.checkpoint)
+KEPT_SUFFIX = (
+    "_kept"  # models/policy_kept: every ppo.keep_every-th policy as what it adds to SFT (rlhf.training.checkpoint)
+)
 
 
 def run(
@@ -66,7 +70,7 @@ def run(
 
     Raises:
         ValueError: a bad setting; fewer prompts than the validation set needs; no reward-model champion.
-        FloatingPointError: training diverged (:func:`rlhf.ppo.train_ppo`).
+        FloatingPointError: training diverged (:func:`rlhf.ppo.loop.train_ppo`).
     """
     config = config_from_params(PPOConfig, params, "ppo")
     settings = config_from_params(GenerationSettings, generation, "generation")
@@ -138,7 +142,7 @@ def policy_and_reference(sft: str, config: PPOConfig, runtime) -> tuple[Any, Any
     """The policy (trained in float32 on ``runtime``'s device) and its reference, both the SFT model at the start.
 
     With ``ppo.lora_rank`` the policy is a LoRA model and the reference is that model with its adapters
-    disabled (:mod:`rlhf.lora`): the SFT weights are loaded once. Otherwise the reference is a second,
+    disabled (:mod:`rlhf.models.lora`): the SFT weights are loaded once. Otherwise the reference is a second,
     frozen copy (bf16 under ``device.frozen_bf16``).
     """
     policy = runtime.place(load_causal_lm(sft))

@@ -1,6 +1,6 @@
 """Stage prepare: read ``data.source`` (and ``data.ptx_source``), parse it, split by conversation root.
 
-Writes ``data/processed/{split}.jsonl`` for every split (``rlhf.data.SPLITS``, ``ptx_heldout``
+Writes ``data/processed/{split}.jsonl`` for every split (``rlhf.data.splitting.SPLITS``, ``ptx_heldout``
 included), ``data/processed/quarantine.jsonl`` (rows that do not parse, with the reason) and
 ``metrics/prepare.json`` (counts).
 """
@@ -13,7 +13,10 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any
 
-from rlhf.data import PTX_KIND, SPLITS, Source, prepare_rows, read_jsonl, write_jsonl
+from rlhf.data.ptx import PTX_KIND
+from rlhf.data.reading import read_jsonl, write_jsonl
+from rlhf.data.sources import Source, prepare_rows
+from rlhf.data.splitting import SPLITS
 from tasks.kit import paths
 from tasks.kit.common import cli
 from tasks.kit.configs import config_from_params
@@ -27,7 +30,7 @@ OUT_DIR = paths.PROCESSED
 @dataclass
 class SourceConfig:
     """One input: ``data.source`` itself or an entry of ``data.more_sources``. ``name`` (default: the file's,
-    ``rlhf.data.source_name``) and ``kind`` (e.g. ``helpful``, ``harmless``) travel with each of its rows."""
+    ``rlhf.data.sources.source_name``) and ``kind`` (e.g. ``helpful``, ``harmless``) travel with each of its rows."""
 
     source: str
     format: str = "auto"
@@ -60,7 +63,7 @@ def run(params: dict[str, Any], outputs: StagedOutputs) -> dict[str, Any]:
     ``data.ptx_source`` when set (rows ``{"messages"}`` or ``{"text"}``, read with
     ``data.storage_options``; ``max_rows`` does not apply to it).
 
-    Every source is read whatever its name says about compression (``rlhf.data.read_jsonl``
+    Every source is read whatever its name says about compression (``rlhf.data.reading.read_jsonl``
     sniffs gzip, bz2, xz and zstd from the first bytes).
 
     Raises:

@@ -2,7 +2,7 @@
 
 Reads what the stages wrote (:data:`tasks.kit.paths.REPORT_INPUTS`; a missing one makes its part of the page say
 so, and the stage fails with one line only when none exists), draws the PPO curves and the over-optimisation
-figure (matplotlib, Agg), builds the page (:func:`rlhf.report.render_report`) and writes it after everything that
+figure (matplotlib, Agg), builds the page (:func:`rlhf.report.render.render_report`) and writes it after everything that
 can fail (:class:`tasks.kit.outputs.StagedOutputs`). The page is an MLflow artifact of the stage run and of the parent
 pipeline run, which also gets the headline figures (:func:`headline`), so pipeline runs compare side by side
 in the MLflow UI.
@@ -22,7 +22,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from rlhf.report import OVEROPTIMISATION, PPO_FIGURES, check_inputs, headline, render_report
+from rlhf.report.inputs import OVEROPTIMISATION, PPO_FIGURES, check_inputs, headline
+from rlhf.report.render import render_report
 from tasks.kit.common import cli
 from tasks.kit.outputs import StagedOutputs
 from tasks.kit.params import read_params, stage_params
@@ -108,8 +109,10 @@ def best_of_n_rows(evaluation: dict[str, Any]) -> list[dict[str, float]]:
 
 
 def draw_figures(loaded: dict[str, Any]) -> dict[str, bytes | None]:
-    """The PNG figures of :data:`rlhf.report.PPO_FIGURES` (from metrics/ppo_curves.json, x = PPO iteration) and of
-    :data:`rlhf.report.OVEROPTIMISATION` (proxy and judge mean scores against sqrt(KL), one point per kept policy).
+    """The PNG figures of :data:`rlhf.report.inputs.PPO_FIGURES` (from metrics/ppo_curves.json, x = PPO iteration)
+    and of
+    :data:`rlhf.report.inputs.OVEROPTIMISATION` (proxy and judge mean scores against sqrt(KL), one point per kept
+    policy).
 
     Returns:
         figure name -> PNG bytes; None for a figure with no value to draw; absent when its file is missing.

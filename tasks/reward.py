@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlhf.chat import check_reads_whole
-from rlhf.reward import RewardConfig
+from rlhf.data.chat import check_reads_whole
+from rlhf.reward.trainer import RewardConfig
 from tasks.kit import paths
 from tasks.kit.common import cli
 from tasks.kit.configs import config_from_params, longest_response

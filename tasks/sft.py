@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlhf.data import load_jsonl
-from rlhf.models import load_causal_lm, load_tokenizer, save_tokenizer
-from rlhf.sft import SFTConfig, train_sft
-from rlhf.sharding import whole_model
+from rlhf.data.reading import load_jsonl
+from rlhf.models.loading import load_causal_lm, load_tokenizer, save_tokenizer
+from rlhf.runtime.sharding import whole_model
+from rlhf.training.sft import SFTConfig, train_sft
 from tasks.kit import paths
 from tasks.kit.common import cli, setup_torch, stage_runtime
 from tasks.kit.configs import config_from_params
@@ -38,7 +38,7 @@ def run(
         The summary metrics.
 
     Raises:
-        FloatingPointError: training diverged (:func:`rlhf.training.supervised_loop`).
+        FloatingPointError: training diverged (:func:`rlhf.training.supervised.supervised_loop`).
     """
     config = config_from_params(SFTConfig, params, "sft")
     setup_torch(config.seed)  # before the model is built: the seed owns any new head's initialisation

@@ -126,7 +126,8 @@ def run(params: dict[str, Any]) -> dict[str, Any]:
             for param, url, options in sources(params)
         ]
     }
-    # written aside, then renamed; not rlhf.checkpoint.atomic_write_text, whose import (torch, transformers) would
+    # written aside, then renamed; not rlhf.training.checkpoint.atomic_write_text, whose import (torch, transformers)
+    # would
     # cost every `dvc repro` seconds
     os.makedirs(os.path.dirname(OUT), exist_ok=True)
     with open(f"{OUT}.tmp", "w", encoding="utf-8") as handle:

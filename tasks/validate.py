@@ -1,7 +1,7 @@
 """Stage validate: the Great Expectations suite over the processed splits; writes the splits the trainers read.
 
 Reads ``data/processed/`` and the base tokenizer (``models/base``); writes
-``data/validated/{split}.jsonl`` for every split of ``rlhf.data.SPLITS`` (the PPO-ptx
+``data/validated/{split}.jsonl`` for every split of ``rlhf.data.splitting.SPLITS`` (the PPO-ptx
 ``ptx_text`` and its held-out ``ptx_heldout`` included, both checked message by message),
 ``data/validated/quarantine.jsonl`` (rows with
 the rules they broke), ``reports/validation.json`` (summary) and
@@ -18,10 +18,11 @@ import os
 import sys
 from typing import Any
 
-from rlhf.checkpoint import write_json
-from rlhf.data import SPLITS, load_jsonl, write_jsonl
-from rlhf.models import load_tokenizer
-from rlhf.validation import ValidationConfig, split_kind, validate_split
+from rlhf.data.reading import load_jsonl, write_jsonl
+from rlhf.data.splitting import SPLITS
+from rlhf.data.validation import ValidationConfig, split_kind, validate_split
+from rlhf.models.loading import load_tokenizer
+from rlhf.training.checkpoint import write_json
 from tasks.kit import paths
 from tasks.kit.common import cli
 from tasks.kit.configs import config_from_params, derived_values

@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 
-from rlhf.models import load_base_model, save_tokenizer
+from rlhf.models.loading import load_base_model, save_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAIR = {"prompt": [{"role": "user", "content": "Is it safe?"}], "chosen": [{"role": "assistant", "content": "Yes."}],
@@ -72,7 +72,7 @@ def tiny_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tokenizer(tiny_dir):
     """The prepared tokenizer (pad <|endoftext|> = 0, EOS <|im_end|> = 2)."""
-    from rlhf.models import load_tokenizer
+    from rlhf.models.loading import load_tokenizer
 
     return load_tokenizer(tiny_dir)
 
@@ -80,7 +80,7 @@ def tokenizer(tiny_dir):
 @pytest.fixture(scope="module")
 def reward_model(tiny_dir):
     """The tiny model with a scalar head of N(0, 1) weights (seed 0), dropout off: a reward model to score with."""
-    from rlhf.models import load_scalar_model
+    from rlhf.models.loading import load_scalar_model
 
     torch.manual_seed(0)
     model = load_scalar_model(tiny_dir)

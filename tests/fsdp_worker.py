@@ -4,14 +4,14 @@ tests/test_distributed.py calls :func:`measure` in its own process (one process,
 file under ``accelerate launch --config_file infra/accelerate/fsdp.yaml --num_processes 2`` (gloo on CPU):
 ``python fsdp_worker.py <tiny model folder> <work folder> <out.pt>``. What is measured:
 
-- ``uninterrupted/*``: the weights after 4 AdamW steps of :func:`rlhf.sft.train_sft` (batch 3 in passes of 1,
+- ``uninterrupted/*``: the weights after 4 AdamW steps of :func:`rlhf.training.sft.train_sft` (batch 3 in passes of 1,
   a resume checkpoint after step 2 by every process, rank 0 writing), gathered by
-  :func:`rlhf.sharding.whole_model`;
+  :func:`rlhf.runtime.sharding.whole_model`;
 - ``resumed/*``: the same run started again from that checkpoint (model, optimiser state, schedule);
-- ``kept/*``: the trained weights :func:`rlhf.checkpoint.save_kept_policy` wrote, read back by
-  :func:`rlhf.checkpoint.load_kept_policy`;
+- ``kept/*``: the trained weights :func:`rlhf.training.checkpoint.save_kept_policy` wrote, read back by
+  :func:`rlhf.training.checkpoint.load_kept_policy`;
 - ``ppo/uninterrupted/*`` and ``ppo/resumed/*``: the policy after a critic pre-training iteration and 2 policy
-  iterations of :func:`rlhf.ppo.train_ppo` (policy and value model sharded, a checkpoint after each rollout
+  iterations of :func:`rlhf.ppo.loop.train_ppo` (policy and value model sharded, a checkpoint after each rollout
   with both optimisers' states, the first while the policy's has none), and after the same run resumed from
   its last checkpoint (after rollout 2).
 
@@ -26,16 +26,17 @@ import sys
 import torch
 from split_worker import EXAMPLES, SETTINGS, TEXTS
 
-from rlhf.chat import encode_prompt
-from rlhf.checkpoint import Checkpointer, load_kept_policy, save_kept_policy
-from rlhf.device import Runtime
-from rlhf.distributed import Ranks
-from rlhf.models import load_causal_lm, load_scalar_model, load_tokenizer
-from rlhf.ppo import PPOModels, train_ppo
-from rlhf.ppo_config import PPOConfig
-from rlhf.sft import SFTConfig, train_sft
-from rlhf.sharding import sharding_from_environ, whole_model
-from rlhf.training import no_log
+from rlhf.data.chat import encode_prompt
+from rlhf.models.loading import load_causal_lm, load_scalar_model, load_tokenizer
+from rlhf.ppo.config import PPOConfig
+from rlhf.ppo.loop import train_ppo
+from rlhf.ppo.types import PPOModels
+from rlhf.runtime.device import Runtime
+from rlhf.runtime.distributed import Ranks
+from rlhf.runtime.sharding import sharding_from_environ, whole_model
+from rlhf.training.checkpoint import Checkpointer, load_kept_policy, save_kept_policy
+from rlhf.training.sft import SFTConfig, train_sft
+from rlhf.training.supervised import no_log
 
 CONFIG = SFTConfig(steps=4, batch_size=3, micro_batch_size=1, lr=1e-3, warmup_steps=0, checkpoint_every=2)
 PPO = {"iterations": 2, "rollout_batch_size": 3, "minibatch_size": 2, "value_pretrain_iterations": 1,

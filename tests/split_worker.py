@@ -2,7 +2,7 @@
 
 tests/test_distributed.py calls :func:`measure` in its own process (the whole batch in one pass, and in
 micro-batches) and runs this file under ``accelerate launch --multi_gpu --num_processes 2`` (gloo on CPU),
-and under ``--config_file infra/accelerate/fsdp.yaml`` (the trained models sharded, :mod:`rlhf.sharding`):
+and under ``--config_file infra/accelerate/fsdp.yaml`` (the trained models sharded, :mod:`rlhf.runtime.sharding`):
 ``python split_worker.py <tiny model folder> <micro_batch_size or none> <out.pt>``. Rank 0 writes what it
 measured; every tensor is keyed so that the runs can be compared key by key.
 
@@ -17,18 +17,20 @@ import sys
 import torch
 from torch.distributed.tensor import DTensor
 
-from rlhf.chat import encode_chat, encode_prompt, pad
-from rlhf.device import Runtime
-from rlhf.distributed import Ranks
-from rlhf.models import load_causal_lm, load_scalar_model, load_tokenizer
-from rlhf.ppo_config import PPOConfig
-from rlhf.reward import RewardConfig, encode_pairs, reward_step
-from rlhf.rollout import GenerationSettings, RunningMoments, make_experience
-from rlhf.sampling import prompt_seed
-from rlhf.sft import sft_step
-from rlhf.sharding import shard, sharding_from_environ
-from rlhf.training import batch_gradients, freeze_lower_layers, make_optimizer
-from rlhf.update import Optimisers, make_optimisers, ppo_update
+from rlhf.data.chat import encode_chat, encode_prompt, pad
+from rlhf.models.generation import GenerationSettings
+from rlhf.models.loading import load_causal_lm, load_scalar_model, load_tokenizer
+from rlhf.models.sampling import prompt_seed
+from rlhf.ppo.config import PPOConfig
+from rlhf.ppo.rollout import RunningMoments, make_experience
+from rlhf.ppo.types import PPOModels
+from rlhf.ppo.update import Optimisers, make_optimisers, ppo_update
+from rlhf.reward.trainer import RewardConfig, encode_pairs, reward_step
+from rlhf.runtime.device import Runtime
+from rlhf.runtime.distributed import Ranks
+from rlhf.runtime.sharding import shard, sharding_from_environ
+from rlhf.training.sft import sft_step
+from rlhf.training.supervised import batch_gradients, freeze_lower_layers, make_optimizer
 
 TEXTS = [
     ("Is it safe?", "Yes.", "No, never do that at all."),
@@ -100,7 +102,7 @@ def rollout_and_update(
     the policy and value model from it, with SGD (lr 1: the change is minus the gradient) and with AdamW.
 
     ``trainable_layers: 1`` freezes block 0 of policy and value model: all four models then share it, computed
-    once (rlhf.trunk) on one process and under DDP, while FSDP's sharded models take the plain path; ``name``
+    once (rlhf.models.trunk) on one process and under DDP, while FSDP's sharded models take the plain path; ``name``
     marks those keys."""
     ranks = runtime.ranks
     config = PPOConfig(**PPO, micro_batch_size=micro)
@@ -108,7 +110,7 @@ def rollout_and_update(
     policy, reference = load_causal_lm(folder), load_causal_lm(folder)
     reward_model, value_model = load_scalar_model(folder), load_scalar_model(folder)
     torch.nn.init.normal_(reward_model.score.weight, std=1.0)
-    models = [m.eval() for m in (policy, reference, reward_model, value_model)]
+    models = PPOModels(*(m.eval() for m in (policy, reference, reward_model, value_model)))
     reference.requires_grad_(False)
     reward_model.requires_grad_(False)
     for model in (policy, value_model):
@@ -117,7 +119,7 @@ def rollout_and_update(
     prompts = [encode_prompt(tokenizer, e["prompt"], 32) for e in EXAMPLES]
     seeds = [prompt_seed(0, 0, j) for j in range(len(prompts))]
     experience, stats = make_experience(
-        tuple(models), tokenizer, ranks.shard(prompts), config, SETTINGS, RunningMoments(), 0.05, runtime,
+        models, tokenizer, ranks.shard(prompts), config, SETTINGS, RunningMoments(), 0.05, runtime,
         seeds=ranks.shard(seeds),
     )  # fmt: skip
     out = {f"stats/{name}{key}": torch.tensor(value, dtype=torch.float64) for key, value in stats.items()}
@@ -172,7 +174,7 @@ def measure(folder: str, micro: int | None, runtime: Runtime) -> dict[str, torch
     out = supervised("sft", lambda: load_causal_lm(folder).eval(),
                      lambda model: sft_step(model, tokenizer, encoded, runtime), micro, runtime)  # fmt: skip
     # the length expert's term is a sum over pairs and splits like the rest; the preference term is a function of
-    # each pass (rlhf.length_bias.debiased_pair_loss), so it is off here
+    # each pass (rlhf.reward.length_bias.debiased_pair_loss), so it is off here
     config = RewardConfig(lm_coef=0.5, length_decorrelation=0.0)
     out |= supervised("rm", scalar_model,
                       lambda model: reward_step(model, tokenizer, pairs, config, runtime, expert_weight=-0.7),

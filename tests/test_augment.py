@@ -1,11 +1,12 @@
-"""Short replies of the data as extra rejected responses (rlhf.augment), and how the reward trainer reads them."""
+"""Short replies of the data as extra rejected responses (rlhf.reward.augment), and how the reward trainer reads
+them."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from rlhf.augment import AUGMENTED, short_rejections, short_replies
+from rlhf.reward.augment import AUGMENTED, short_rejections, short_replies
 
 LONG = "Take the wheel off, find the hole with soapy water, roughen it, glue the patch and pump the tyre back up."
 
@@ -55,10 +56,10 @@ def test_extra_pairs_by_hand_the_share_kinds_and_substantive_chosen_responses():
 
 
 def test_the_trainer_adds_the_extra_pairs_outside_the_length_expert(tiny_dir, tokenizer):
-    from rlhf.device import Runtime
-    from rlhf.length_bias import fit_length_expert
-    from rlhf.models import load_scalar_model
-    from rlhf.reward import RewardConfig, encode_pairs, response_lengths, train_reward_model
+    from rlhf.models.loading import load_scalar_model
+    from rlhf.reward.length_bias import fit_length_expert
+    from rlhf.reward.trainer import RewardConfig, encode_pairs, response_lengths, train_reward_model
+    from rlhf.runtime.device import Runtime
 
     examples = [pair("a", LONG, "Yes."), pair("c", LONG + " " + LONG, "It depends, really."), pair("f", "Ok.", LONG)]
     torch.manual_seed(0)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from rlhf.comparison import (
+from rlhf.evaluation.comparison import (
     LC_L2,
     Difference,
     LengthControlledRate,
@@ -182,7 +182,7 @@ def test_best_of_n_kl_by_hand():
 
 
 def test_best_of_n_keeps_the_selectors_best_of_the_first_n_and_returns_its_score_by_hand():
-    from rlhf.comparison import best_of_n
+    from rlhf.evaluation.comparison import best_of_n
 
     proxy = np.array([[0.1, 0.9, 0.5, 2.0], [1.0, 1.0, 0.2, 0.0]])
     judge = np.array([[10.0, 20.0, 30.0, 40.0], [1.0, 2.0, 3.0, 4.0]])

@@ -17,19 +17,13 @@ import pytest
 import yaml
 import zstandard
 
-import rlhf.data
+import rlhf.data.sources
 import tasks.prepare
-from rlhf.data import (
-    Source,
-    assign_split,
-    conversation_root,
-    prepare_rows,
-    prompt_key,
-    ptx_token_ids,
-    read_jsonl,
-    unit_point,
-)
-from rlhf.formats import RowError, to_examples
+from rlhf.data.formats import RowError, to_examples
+from rlhf.data.ptx import ptx_token_ids
+from rlhf.data.reading import read_jsonl
+from rlhf.data.sources import Source, prepare_rows
+from rlhf.data.splitting import assign_split, conversation_root, prompt_key, unit_point
 from tasks.kit.outputs import StagedOutputs
 
 SHARED = "../shared/data/hh-rlhf/harmless-base/pairs.jsonl.gz"
@@ -273,7 +267,7 @@ def test_eval_prompts_pairs_also_go_whole_to_rm_eval_and_judge_eval_and_nothing_
     rows += rows  # each row twice: one eval_prompts row per prompt, one judge_eval row per pair
     numbered = list(enumerate(rows, start=1))
     after = prepare_rows([Source("mem", iter(numbered))], FRACTIONS)
-    monkeypatch.setattr(rlhf.data, "HELD_OUT_PAIRS", {})  # the split as it was before
+    monkeypatch.setattr(rlhf.data.sources, "HELD_OUT_PAIRS", {})  # the split as it was before
     before = prepare_rows([Source("mem", iter(numbered))], FRACTIONS)
     eval_pairs = [
         (line, example)
@@ -321,7 +315,7 @@ def test_real_data_no_conversation_in_two_splits():
         if split_a != split_b and b[: len(a)] == a
     }
     # on purpose: rm_eval and judge_eval also hold the eval_prompts conversations' pairs (neither model trains
-    # on them, evaluation reads only the prompts; rlhf.data.HELD_OUT_PAIRS)
+    # on them, evaluation reads only the prompts; rlhf.data.splitting.HELD_OUT_PAIRS)
     held_out = ("eval_prompts", "rm_eval", "judge_eval")
     assert relations == {(a, b) for a in held_out for b in held_out if a != b}
     ids = [row["id"] for rows in prepared.splits.values() for row in rows]

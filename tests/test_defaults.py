@@ -12,13 +12,13 @@ import re
 
 import pytest
 
-from rlhf.evaluation import EvalConfig
-from rlhf.gate_rules import GateCriteria, PolicyCriteria
-from rlhf.ppo_config import PPOConfig
-from rlhf.reward import JudgeConfig, RewardConfig
-from rlhf.rollout import GenerationSettings
-from rlhf.sft import SFTConfig
-from rlhf.validation import ValidationConfig
+from rlhf.data.validation import ValidationConfig
+from rlhf.evaluation.evaluator import EvalConfig
+from rlhf.evaluation.gate_rules import GateCriteria, PolicyCriteria
+from rlhf.models.generation import GenerationSettings
+from rlhf.ppo.config import PPOConfig
+from rlhf.reward.trainer import JudgeConfig, RewardConfig
+from rlhf.training.sft import SFTConfig
 from tasks.kit.configs import derived_values
 from tasks.kit.params import read_params, stage_params
 from tasks.prepare import DataConfig, SourceConfig

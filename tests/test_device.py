@@ -19,18 +19,19 @@ from device_check import SRC_RLHF, SYNCS, DeviceCheck
 from test_ppo import PROMPTS, four_models, small_config
 from torch.overrides import TorchFunctionMode
 
-from rlhf.chat import encode_chat, encode_prompt
-from rlhf.checkpoint import Checkpointer
-from rlhf.device import Runtime
-from rlhf.evaluation import EvalConfig, Scorers, evaluate_policy
-from rlhf.finite import to_host
-from rlhf.models import load_causal_lm, load_scalar_model
-from rlhf.ppo import train_ppo
-from rlhf.reward import RewardConfig, train_reward_model
-from rlhf.reward_metrics import evaluate_reward_model
-from rlhf.rollout import GenerationSettings, RunningMoments, make_experience
-from rlhf.sft import SFTConfig, train_sft
-from rlhf.shared_prompt import score_sequences
+from rlhf.data.chat import encode_chat, encode_prompt
+from rlhf.evaluation.evaluator import EvalConfig, Scorers, evaluate_policy
+from rlhf.models.generation import GenerationSettings
+from rlhf.models.loading import load_causal_lm, load_scalar_model
+from rlhf.models.shared_prompt import score_sequences
+from rlhf.ppo.loop import train_ppo
+from rlhf.ppo.rollout import RunningMoments, make_experience
+from rlhf.reward.metrics import evaluate_reward_model
+from rlhf.reward.trainer import RewardConfig, train_reward_model
+from rlhf.runtime.device import Runtime
+from rlhf.runtime.finite import to_host
+from rlhf.training.checkpoint import Checkpointer
+from rlhf.training.sft import SFTConfig, train_sft
 
 CPU = torch.device("cpu")
 HERE = os.path.abspath(__file__)
@@ -176,7 +177,9 @@ def test_to_host_is_one_round_trip_and_equals_item():
     }
     with DeviceCheck(CPU) as check:
         host = to_host(values)
-    assert [s.func for s in check.syncs] == ["tolist"] and check.syncs[0].where.startswith("src/rlhf/finite.py:")
+    assert [s.func for s in check.syncs] == ["tolist"] and check.syncs[0].where.startswith(
+        "src/rlhf/runtime/finite.py:"
+    )
     for key, value in values.items():
         expected = value.item() if isinstance(value, torch.Tensor) else value
         # bf16, fp16 and int64 (below 2**24) are exact in float32, which to_host stacks them in
@@ -262,7 +265,7 @@ def test_rollout_host_round_trips_do_not_grow_with_the_batch(tiny_dir, tokenizer
         prompts = [encode_prompt(tokenizer, p, 24) for p in PROMPTS[:rows]]
         config = small_config(rollout_batch_size=rows, minibatch_size=rows)
         with DeviceCheck(runtime.device) as check:
-            make_experience(models.as_tuple(), tokenizer, prompts, config, SETTINGS, RunningMoments(), 0.05, runtime)
+            make_experience(models, tokenizer, prompts, config, SETTINGS, RunningMoments(), 0.05, runtime)
         assert check.violations == [], check.report()
         counts.append(Counter(e.where for e in check.syncs + check.implicit_syncs))
     # the same host round trips for 1 and 2 responses (none per response)
@@ -303,5 +306,5 @@ def test_reward_model_evaluation_stays_on_device(tiny_dir, tokenizer):
 
 def test_src_rlhf_is_where_the_check_looks():
     # the default "our code" is the library: a typo here would make every trainer test pass vacuously
-    assert os.path.isfile(os.path.join(SRC_RLHF, "training.py"))
-    assert os.path.isfile(os.path.join(SRC_RLHF, "finite.py"))
+    assert os.path.isfile(os.path.join(SRC_RLHF, "training", "supervised.py"))
+    assert os.path.isfile(os.path.join(SRC_RLHF, "runtime", "finite.py"))

@@ -23,11 +23,11 @@ import pytest
 import split_worker
 import torch
 
-from rlhf.device import Runtime
-from rlhf.distributed import Ranks, micro_batches
 from rlhf.losses import bradley_terry_loss, masked_mean
-from rlhf.sampling import PerPromptSampling
-from rlhf.sharding import Sharding, sharding_from_environ
+from rlhf.models.sampling import PerPromptSampling
+from rlhf.runtime.device import Runtime
+from rlhf.runtime.distributed import Ranks, micro_batches
+from rlhf.runtime.sharding import Sharding, sharding_from_environ
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 INFRA = os.path.join(os.path.dirname(HERE), "infra", "accelerate")
@@ -90,7 +90,7 @@ def launch(worker: str, config: str, *args: str, reshard: bool = True) -> dict[s
 @pytest.mark.integration
 @pytest.mark.parametrize(
     "config, micro, reshard",
-    # FSDP in passes of 1: the ranks hold 4 and 3 rows, so one runs a pass that counts zero (rlhf.sharding);
+    # FSDP in passes of 1: the ranks hold 4 and 3 rows, so one runs a pass that counts zero (rlhf.runtime.sharding);
     # reshard False: each block keeps its gathered weights from the forward to the backward pass
     [("ddp.yaml", "none", True), ("fsdp.yaml", "1", True), ("fsdp.yaml", "none", False)],
 )
@@ -145,7 +145,7 @@ def test_target_tokens_counts_the_masked_tokens_after_the_first():
 
 
 def test_a_launch_done_by_hand_is_checked_too(monkeypatch):
-    from rlhf.device import runtime_from_params
+    from rlhf.runtime.device import runtime_from_params
 
     device = {"mixed_precision": "no", "cpu": True, "frozen_bf16": False}
     for name in ("DEEPSPEED", "MEGATRON_LM"):
@@ -204,7 +204,7 @@ def test_auto_precision_is_bf16_only_where_the_cpu_computes_it_natively(
 ):
     from accelerate.state import AcceleratorState
 
-    from rlhf.device import mixed_precision
+    from rlhf.runtime.device import mixed_precision
     from tasks.kit.common import stage_runtime
 
     def fresh_accelerator() -> None:  # a stage process builds one; reset as accelerate's own tests do
@@ -226,8 +226,8 @@ def test_auto_precision_is_bf16_only_where_the_cpu_computes_it_natively(
 
 
 def test_what_a_launch_cannot_run_is_refused_before_it_starts(tmp_path):
-    from rlhf.device import mixed_precision
-    from rlhf.ppo_config import PPOConfig, check_processes
+    from rlhf.ppo.config import PPOConfig, check_processes
+    from rlhf.runtime.device import mixed_precision
     from tasks.kit.launch import distributed_type
 
     assert mixed_precision({"mixed_precision": False}) == "no"  # YAML reads an unquoted no as false
@@ -273,8 +273,8 @@ def test_gumbel_max_sampling_draws_from_the_softmax():
 
 
 def test_bad_process_and_pass_sizes_are_refused_with_one_line(tmp_path):
-    from rlhf.ppo_config import PPOConfig
-    from rlhf.sft import SFTConfig
+    from rlhf.ppo.config import PPOConfig
+    from rlhf.training.sft import SFTConfig
     from tasks.kit.launch import other_rank
 
     with pytest.raises(ValueError, match=r"sft.micro_batch_size must be at least 1, got 0"):

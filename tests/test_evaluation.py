@@ -6,10 +6,9 @@ import warnings
 import pytest
 import torch
 
-from rlhf.chat import encode_chat
-from rlhf.checkpoint import load_kept_policy, save_kept_policy
-from rlhf.device import Runtime
-from rlhf.evaluation import (
+from rlhf.data.chat import encode_chat
+from rlhf.evaluation.by_kind import compare_runs, kind_figures, stratified
+from rlhf.evaluation.evaluator import (
     EvalConfig,
     Scorers,
     evaluate_policy,
@@ -19,13 +18,14 @@ from rlhf.evaluation import (
     sample_rows,
     tie_identical_responses,
 )
-from rlhf.evaluation_kinds import compare_runs, kind_figures, stratified
-from rlhf.lora import add_lora
-from rlhf.models import load_causal_lm, load_scalar_model
-from rlhf.rollout import GenerationSettings
-from rlhf.shared_prompt import score_sequences
-from rlhf.text_stats import distinct_n, is_refusal, refusal_rate
-from rlhf.training import freeze_lower_layers
+from rlhf.evaluation.text_measures import distinct_n, is_refusal, refusal_rate
+from rlhf.models.generation import GenerationSettings
+from rlhf.models.loading import load_causal_lm, load_scalar_model
+from rlhf.models.lora import add_lora
+from rlhf.models.shared_prompt import score_sequences
+from rlhf.runtime.device import Runtime
+from rlhf.training.checkpoint import load_kept_policy, save_kept_policy
+from rlhf.training.supervised import freeze_lower_layers
 from tasks.evaluate import judge_figures, kind_lines, sampling_settings, summary_lines
 
 CPU = Runtime(torch.device("cpu"), "no")
@@ -156,7 +156,7 @@ def test_evaluation_takes_a_fair_share_of_each_kind_by_id():
     assert [(r["id"], r["kind"]) for r in stratified(rows, 5)][-1] == ("07", "harmless")
     # 8: harmless has only 3, so helpful fills the place: 3 + 5
     assert sorted(r["kind"] for r in stratified(rows, 8)) == ["harmless"] * 3 + ["helpful"] * 5
-    # rows without a kind are one kind ("general", rlhf.kinds.kind_of), in id order
+    # rows without a kind are one kind ("general", rlhf.data.kinds.kind_of), in id order
     assert [r["id"] for r in stratified([{"id": "b"}, {"id": "a"}, {"id": "c"}], 2)] == ["a", "b"]
     assert stratified([], 4) == []
 
@@ -375,7 +375,7 @@ def test_a_sample_depends_on_its_prompt_and_index_not_on_the_batch_or_the_sample
 
 
 def test_best_of_n_of_sft_keeps_the_proxys_pick_scored_by_the_judge_at_its_analytic_kl(tiny_dir, tokenizer):
-    from rlhf.comparison import best_of_n
+    from rlhf.evaluation.comparison import best_of_n
     from tasks.evaluate import best_of_n_figures
 
     sft, proxy = load_causal_lm(tiny_dir), load_scalar_model(tiny_dir)

@@ -28,20 +28,21 @@ import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tasks/ (pytest without -m)
 
-import rlhf.finite as finite_module
-import rlhf.ppo as ppo_module
-import rlhf.update as update_module
-from rlhf.chat import encode_prompt
-from rlhf.checkpoint import Checkpointer
-from rlhf.device import Runtime
-from rlhf.finite import non_finite_weights
-from rlhf.models import load_causal_lm, load_scalar_model
-from rlhf.ppo import PPOModels, train_ppo
-from rlhf.ppo_config import PPOConfig
-from rlhf.reward import RewardConfig, train_reward_model
-from rlhf.rollout import GenerationSettings
-from rlhf.sft import SFTConfig, train_sft
-from rlhf.training import LoopConfig, supervised_loop
+import rlhf.ppo.loop as ppo_module
+import rlhf.ppo.update as update_module
+import rlhf.runtime.finite as finite_module
+from rlhf.data.chat import encode_prompt
+from rlhf.models.generation import GenerationSettings
+from rlhf.models.loading import load_causal_lm, load_scalar_model
+from rlhf.ppo.config import PPOConfig
+from rlhf.ppo.loop import train_ppo
+from rlhf.ppo.types import PPOModels
+from rlhf.reward.trainer import RewardConfig, train_reward_model
+from rlhf.runtime.device import Runtime
+from rlhf.runtime.finite import non_finite_weights
+from rlhf.training.checkpoint import Checkpointer
+from rlhf.training.sft import SFTConfig, train_sft
+from rlhf.training.supervised import LoopConfig, supervised_loop
 from tasks.kit.outputs import StagedOutputs
 from tasks.kit.runs import BOOT_TAG, HOST_TAG, PID_TAG, START_TAG, StageRun, Stopped, owner_gone, owner_tags
 

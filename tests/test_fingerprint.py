@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from rlhf.checkpoint import Checkpointer, atomic_write_text
+from rlhf.training.checkpoint import Checkpointer, atomic_write_text
 from tasks.kit.outputs import load_json
 from tasks.kit.resume import MANIFEST, file_sha256, fingerprint_manifest, input_hashes, run_checkpointer
 

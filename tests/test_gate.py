@@ -20,7 +20,7 @@ import torch
 from conftest import PAIR, files_as_model
 from typer.testing import CliRunner
 
-from rlhf.models import load_scalar_model
+from rlhf.models.loading import load_scalar_model
 from tasks import gate
 from tasks.cli import registry as registry_cli
 from tasks.kit import registry, served
@@ -89,10 +89,10 @@ def test_a_version_is_an_mlflow_model_pyfunc_loads_and_its_decision_reads_as_a_s
     import mlflow
     import pandas as pd
 
-    from rlhf.chat import encode_chat
-    from rlhf.device import Runtime
-    from rlhf.models import load_tokenizer
-    from rlhf.shared_prompt import score_sequences
+    from rlhf.data.chat import encode_chat
+    from rlhf.models.loading import load_tokenizer
+    from rlhf.models.shared_prompt import score_sequences
+    from rlhf.runtime.device import Runtime
 
     new_candidate(BAD, 2)
     run_gate()
@@ -521,8 +521,8 @@ def test_evaluate_registers_the_policy_once_and_promotes_it_only_through_its_gat
     import mlflow
     import pandas as pd
 
-    from rlhf.chat import encode_prompt
-    from rlhf.models import load_causal_lm, load_tokenizer
+    from rlhf.data.chat import encode_prompt
+    from rlhf.models.loading import load_causal_lm, load_tokenizer
     from tasks.kit.served import respond
 
     policy = mlflow.pyfunc.load_model("models:/rlhf-policy/1")

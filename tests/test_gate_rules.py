@@ -1,4 +1,4 @@
-"""The reward-model gate's pure decision (rlhf.gate_rules) on hand-made metrics."""
+"""The reward-model gate's pure decision (rlhf.evaluation.gate_rules) on hand-made metrics."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from rlhf.gate_rules import (
+from rlhf.evaluation.gate_rules import (
     GateCriteria,
     PolicyCriteria,
     decision_sentence,
@@ -33,7 +33,7 @@ def metrics(correct=120, pairs=196, ece=0.05, shorter=0.62, longer=0.6, low=0.54
         "rm/accuracy_chosen_longer": longer,
         "rm/pairs_chosen_shorter": 100.0,
         "rm/pairs_chosen_longer": 90.0,
-        "rm/balanced_accuracy": (shorter + longer) / 2,  # rlhf.length_bias.length_figures (tested there)
+        "rm/balanced_accuracy": (shorter + longer) / 2,  # rlhf.reward.length_bias.length_figures (tested there)
         "rm/balanced_accuracy_low": low if pairs else math.nan,
         "rm/length_baseline_accuracy": 0.55,
     }
@@ -136,7 +136,7 @@ EVAL = {"eval/judge/win_rate": 0.75, "eval/judge/win_rate_low": 0.56, "eval/judg
         "eval/judge/length_accuracy": 0.41, "eval/judge/meaningful": 1.0,
         "eval/proxy/win_rate": 0.9, "eval/proxy/win_rate_low": 0.4, "eval/proxy/decisive": 24.0,
         "eval/proxy/ties": 0.0, "eval/policy/kl": 3.0, "eval/policy/eos_rate": 0.9}  # fmt: skip
-KINDS = {  # eval/kind/<kind>/... as rlhf.evaluation_kinds.kind_figures names them: both kinds pass
+KINDS = {  # eval/kind/<kind>/... as rlhf.evaluation.by_kind.kind_figures names them: both kinds pass
     "eval/kind/harmless/prompts": 16.0, "eval/kind/harmless/judge_lc_win_rate": 0.44,
     "eval/kind/harmless/judge_lc_win_rate_low": 0.2, "eval/kind/harmless/judge_lc_win_rate_high": 0.68,
     "eval/kind/harmless/judge_decisive": 14.0, "eval/kind/harmless/judge_ties": 2.0,
@@ -244,7 +244,7 @@ def test_the_gate_says_why_the_judge_means_nothing():
 
 
 def test_the_refusal_bound_reads_the_product_s_interval_at_its_edge():
-    from rlhf.comparison import rate_difference
+    from rlhf.evaluation.comparison import rate_difference
 
     # 150 helpful prompts, the policy refuses 7 more than SFT: increase 7/150 = 0.047, its upper bound 0.093
     # (the Newcombe floor: p1 = 7/150, Wilson(7 of 150) upper 0.093186; p2 = 0, lower 0) -> passes 0.1; 8 more:
@@ -322,7 +322,7 @@ def test_a_judge_below_chance_on_one_kind_makes_its_verdicts_meaningless():
 
 
 def test_a_policy_trained_against_a_candidate_that_failed_its_gate_fails_the_policy_gate():
-    from rlhf.gate_rules import policy_gate
+    from rlhf.evaluation.gate_rules import policy_gate
 
     good = {**EVAL, "eval/reward_model_version": 3.0}
     assert not any("champion alias" in c.criterion for c in policy_gate(good, {}, POLICY))

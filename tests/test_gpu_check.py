@@ -19,7 +19,7 @@ def assets_like_the_folder(tiny_dir, folder) -> str:
     """What bench.gpu_prepare writes, from the tiny model: its config and tokenizer (no weights, so a random model
     of the config's shape), params.yaml, and the speed rows' inputs.json, made by the benchmark's own code."""
     from bench.speed_setup import inputs_from
-    from rlhf.models import load_tokenizer
+    from rlhf.models.loading import load_tokenizer
 
     shutil.copytree(tiny_dir, folder, ignore=shutil.ignore_patterns("*.safetensors"))
     shutil.copy(os.path.join(ROOT, "params.yaml"), folder)

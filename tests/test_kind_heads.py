@@ -1,4 +1,4 @@
-"""Kind heads (rlhf.kind_heads): a score per kind of data mixed by a learned kind gate; by hand, then through
+"""Kind heads (rlhf.models.kind_heads): a score per kind of data mixed by a learned kind gate; by hand, then through
 the loader, the scorers and the reward model's trainer."""
 
 import dataclasses
@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 
-from rlhf.device import Runtime
-from rlhf.kind_heads import head_kinds, mix, output_count, own_kind_scores, read_scores
-from rlhf.kinds import training_kinds
-from rlhf.models import load_scalar_model
-from rlhf.reward import RewardConfig, encode_pairs, train_reward_model
-from rlhf.shared_prompt import score_groups, score_sequences
+from rlhf.data.kinds import training_kinds
+from rlhf.models.kind_heads import head_kinds, mix, output_count, own_kind_scores, read_scores
+from rlhf.models.loading import load_scalar_model
+from rlhf.models.shared_prompt import score_groups, score_sequences
+from rlhf.reward.trainer import RewardConfig, encode_pairs, train_reward_model
+from rlhf.runtime.device import Runtime
 
 KINDS = ["harmless", "helpful"]
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from rlhf.device import Runtime
-from rlhf.length_bias import (
+from rlhf.models.loading import load_scalar_model
+from rlhf.reward.length_bias import (
     balanced_accuracy,
     debiased_pair_loss,
     fit_length_expert,
@@ -17,9 +17,9 @@ from rlhf.length_bias import (
     length_figures,
     length_preference,
 )
-from rlhf.models import load_scalar_model
-from rlhf.reward import RewardConfig, train_reward_model
-from rlhf.reward_metrics import evaluate_reward_model
+from rlhf.reward.metrics import evaluate_reward_model
+from rlhf.reward.trainer import RewardConfig, train_reward_model
+from rlhf.runtime.device import Runtime
 
 
 def test_length_expert_is_zero_on_symmetric_pairs_and_solves_its_optimality_condition():
@@ -94,7 +94,7 @@ def test_the_length_term_per_kind_by_hand_kinds_that_prefer_opposite_lengths_do_
     groups = torch.tensor([[1, 0], [0, 1]])  # pair 0 in kind 0, pair 1 in kind 1
     by_kind, _ = debiased_pair_loss(chosen, rejected, *lengths, 0.0, 1.0, 0.0, count=2, groups=groups)
     assert float(by_kind) == pytest.approx(bt / 2 + math.tanh(1.0), abs=1e-6)
-    # a pair in no group (an extra pair of rlhf.augment) adds to no term: pair 1 alone is left, tanh(1) / 2
+    # a pair in no group (an extra pair of rlhf.reward.augment) adds to no term: pair 1 alone is left, tanh(1) / 2
     lone, _ = debiased_pair_loss(chosen, rejected, *lengths, 0.0, 1.0, 0.0, count=2, groups=torch.tensor([[0, 1]]))
     assert float(lone) == pytest.approx(bt / 2 + math.tanh(1.0) / 2, abs=1e-6)
     # each pair its own expert weight: w = 1 for kind 0 (log-odds 1 + log 2), w = -1 for kind 1 (1 + log 2 too)

@@ -21,14 +21,17 @@ import torch
 from test_ppo import PROMPTS, four_models
 
 from rlhf import losses
-from rlhf.chat import encode_prompt, pad
-from rlhf.device import Runtime
-from rlhf.models import load_causal_lm, position_ids_from_mask, response_logprobs, sequence_scores
-from rlhf.ppo_config import PPOConfig
-from rlhf.rollout import GenerationSettings, RunningMoments, make_experience, value_predictions
-from rlhf.sft import SFTConfig, train_sft
-from rlhf.training import make_optimizer
-from rlhf.update import make_optimisers, ppo_update
+from rlhf.data.chat import encode_prompt, pad
+from rlhf.models.forward import position_ids_from_mask, response_logprobs, sequence_scores
+from rlhf.models.generation import GenerationSettings
+from rlhf.models.loading import load_causal_lm
+from rlhf.ppo.config import PPOConfig
+from rlhf.ppo.rollout import RunningMoments, make_experience, value_predictions
+from rlhf.ppo.types import PPOModels
+from rlhf.ppo.update import make_optimisers, ppo_update
+from rlhf.runtime.device import Runtime
+from rlhf.training.sft import SFTConfig, train_sft
+from rlhf.training.supervised import make_optimizer
 
 FP32, BF16 = Runtime(torch.device("cpu"), "no"), Runtime(torch.device("cpu"), "bf16")
 TEMPERATURE = 0.7
@@ -158,9 +161,7 @@ def rollout(tiny_dir, tokenizer):
     models = four_models(tiny_dir)
     prompts = [encode_prompt(tokenizer, p, 32) for p in PROMPTS[:4]]
     settings = GenerationSettings(max_new_tokens=6, temperature=TEMPERATURE)
-    experience, _ = make_experience(
-        models.as_tuple(), tokenizer, prompts, CONFIG, settings, RunningMoments(), 0.05, BF16
-    )
+    experience, _ = make_experience(models, tokenizer, prompts, CONFIG, settings, RunningMoments(), 0.05, BF16)
     return models, experience
 
 
@@ -216,7 +217,7 @@ def test_frozen_bf16_reference_costs_a_small_kl_at_the_start(tiny_dir, tokenizer
     torch.manual_seed(0)
     prompts = [encode_prompt(tokenizer, p, 32) for p in PROMPTS[:2]]
     settings = GenerationSettings(max_new_tokens=4, temperature=TEMPERATURE)
-    models = (policy, reference, runtime.frozen(models.reward_model), runtime.place(models.value_model))
+    models = PPOModels(policy, reference, runtime.frozen(models.reward_model), runtime.place(models.value_model))
     _, stats = make_experience(models, tokenizer, prompts, CONFIG, settings, RunningMoments(), 0.05, runtime)
     if not frozen_bf16:
         # the same weights, dtype and autocast: the reference computes exactly as the policy

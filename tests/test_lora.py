@@ -15,14 +15,16 @@ import torch
 from test_levers import CONFIG, TEMPERATURE
 from test_ppo import PROMPTS, SETTINGS, four_models, small_config
 
-from rlhf.chat import encode_prompt
-from rlhf.checkpoint import Checkpointer
-from rlhf.device import Runtime
-from rlhf.lora import ADAPTER_FILE, AdapterDisabledReference, add_lora, is_lora, merged_copy
-from rlhf.ppo import PPOModels, train_ppo
-from rlhf.ppo_config import PPOConfig
-from rlhf.rollout import GenerationSettings, RunningMoments, make_experience
-from rlhf.update import make_optimisers, ppo_update
+from rlhf.data.chat import encode_prompt
+from rlhf.models.generation import GenerationSettings
+from rlhf.models.lora import ADAPTER_FILE, AdapterDisabledReference, add_lora, is_lora, merged_copy
+from rlhf.ppo.config import PPOConfig
+from rlhf.ppo.loop import train_ppo
+from rlhf.ppo.rollout import RunningMoments, make_experience
+from rlhf.ppo.types import PPOModels
+from rlhf.ppo.update import make_optimisers, ppo_update
+from rlhf.runtime.device import Runtime
+from rlhf.training.checkpoint import Checkpointer
 
 RANK, ALPHA = 4, 8.0
 
@@ -66,9 +68,7 @@ def test_lora_policy_and_its_reference_start_exactly_as_sft_and_the_reference_st
     prompts = [encode_prompt(tokenizer, p, 32) for p in PROMPTS[:4]]
     settings = GenerationSettings(max_new_tokens=6, temperature=TEMPERATURE)
     runtime = Runtime()
-    experience, stats = make_experience(
-        models.as_tuple(), tokenizer, prompts, CONFIG, settings, RunningMoments(), 0.05, runtime
-    )
+    experience, stats = make_experience(models, tokenizer, prompts, CONFIG, settings, RunningMoments(), 0.05, runtime)
     assert stats["ppo/kl"] == 0.0 and stats["ppo/kl_k3"] == 0.0
     # one PPO step at a large learning rate moves the adapters, never the base weights
     before = base_weights(models.policy)

@@ -16,7 +16,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
-from rlhf.chat import encode_prompt
+from rlhf.data.chat import encode_prompt
 from tasks.cli import model as model_cli
 from tasks.kit import served
 from tasks.kit.model_card import card_facts, render_card, sha256_file
@@ -300,7 +300,7 @@ def test_a_bad_model_argument_is_one_line(model, registry_project):
 
 
 def test_export_refuses_a_reward_model_and_gives_another_folder_no_metrics_of_the_policy(registry_project, tiny_dir):
-    from rlhf.models import load_causal_lm, load_scalar_model, load_tokenizer
+    from rlhf.models.loading import load_causal_lm, load_scalar_model, load_tokenizer
 
     project_files(registry_project)
     shutil.copytree(tiny_dir, registry_project / "models" / "policy")

@@ -9,7 +9,7 @@ import re
 
 import yaml
 
-from rlhf.data import SPLITS
+from rlhf.data.splitting import SPLITS
 from tasks.kit import paths
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

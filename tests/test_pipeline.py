@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf.device import mixed_precision
+from rlhf.runtime.device import mixed_precision
 
 pytestmark = pytest.mark.integration
 

@@ -12,11 +12,13 @@ import pytest
 import torch
 
 from rlhf import losses
-from rlhf.device import Runtime
-from rlhf.models import load_causal_lm, load_scalar_model, response_logprobs, response_mask_from_tokens, sequence_scores
-from rlhf.ppo_config import PPOConfig
-from rlhf.rollout import Experience, value_predictions
-from rlhf.update import Optimisers, policy_step
+from rlhf.models.forward import response_logprobs, sequence_scores
+from rlhf.models.loading import load_causal_lm, load_scalar_model
+from rlhf.models.sampling import response_mask_from_tokens
+from rlhf.ppo.config import PPOConfig
+from rlhf.ppo.rollout import Experience, value_predictions
+from rlhf.ppo.update import Optimisers, policy_step
+from rlhf.runtime.device import Runtime
 
 PAD, EOS = 0, 2  # the prepared SmolLM2 tokenizer (checked in test_models.py)
 

@@ -11,15 +11,17 @@ import pytest
 import torch
 from conftest import Killed
 
-import rlhf.ppo as ppo_module
-from rlhf.chat import encode_prompt
-from rlhf.checkpoint import Checkpointer
-from rlhf.device import Runtime
-from rlhf.models import load_causal_lm, load_scalar_model
-from rlhf.ppo import PPOModels, train_ppo
-from rlhf.ppo_config import PPOConfig
-from rlhf.rollout import GenerationSettings, RunningMoments, make_experience
-from rlhf.update import make_optimisers, ppo_update
+import rlhf.ppo.loop as ppo_module
+from rlhf.data.chat import encode_prompt
+from rlhf.models.generation import GenerationSettings
+from rlhf.models.loading import load_causal_lm, load_scalar_model
+from rlhf.ppo.config import PPOConfig
+from rlhf.ppo.loop import train_ppo
+from rlhf.ppo.rollout import RunningMoments, make_experience
+from rlhf.ppo.types import PPOModels
+from rlhf.ppo.update import make_optimisers, ppo_update
+from rlhf.runtime.device import Runtime
+from rlhf.training.checkpoint import Checkpointer
 
 PROMPTS = [
     [{"role": "user", "content": text}]
@@ -101,7 +103,7 @@ def test_ppo_ratio_is_one_on_first_minibatch_with_dropout_in_config(dropout_dir,
     prompts = [encode_prompt(tokenizer, p, 32) for p in PROMPTS[:4]]
     settings = GenerationSettings(max_new_tokens=6)
     moments, runtime = RunningMoments(), Runtime()
-    experience, _ = make_experience(models.as_tuple(), tokenizer, prompts, config, settings, moments, 0.05, runtime)
+    experience, _ = make_experience(models, tokenizer, prompts, config, settings, moments, 0.05, runtime)
     opt = make_optimisers(models.policy, models.value_model, config)
     stats = ppo_update(models.policy, models.value_model, opt, experience, config, 0.7, 0, None, True, runtime)
     assert stats["ppo/policy/ratio"] == pytest.approx(1.0, abs=1e-5)
@@ -185,7 +187,7 @@ def test_collapse_is_caught_before_the_update_and_the_sft_policy_is_the_first_fa
 def test_summary_reports_the_shipped_policy_and_the_last_rollout_apart(tiny_dir, tokenizer, tmp_path, monkeypatch):
     # validation rewards planted: SFT (step 0) 0.5, policy after rollout 3 (its 2nd policy iteration) 0.9,
     # after rollout 4 (the last) 0.1: the policy of rollout 3 is shipped and reported
-    import rlhf.ppo as module
+    import rlhf.ppo.loop as module
 
     real = module.validation_stats
     planted = iter([0.5, 0.9, 0.1])
@@ -232,7 +234,7 @@ def test_resume_after_kill_matches_uninterrupted_run(tiny_dir, tokenizer, tmp_pa
 
 
 def test_every_keep_every_th_policy_and_the_last_are_kept_as_they_were(tiny_dir, tokenizer, tmp_path):
-    from rlhf.checkpoint import load_kept_policy
+    from rlhf.training.checkpoint import load_kept_policy
 
     config = small_config(iterations=3, validate_every=0, validation_prompts=None, keep_every=2)
     result, _, models = train(tiny_dir, tokenizer, tmp_path / "run", config)

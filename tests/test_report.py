@@ -1,4 +1,4 @@
-"""The pipeline run's report: one self-contained HTML page (tasks/report.py, rlhf/report.py)."""
+"""The pipeline run's report: one self-contained HTML page (tasks/report.py, rlhf/report/render.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from PIL import Image
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from rlhf.report import JUDGE_AT_CHANCE, JUDGE_MEANINGLESS, render_report
+from rlhf.report.render import render_report
+from rlhf.report.sections import JUDGE_AT_CHANCE, JUDGE_MEANINGLESS
 from tasks import report
 from tasks.kit.common import cli
 from tasks.kit.paths import REPORT_INPUTS

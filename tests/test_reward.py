@@ -5,12 +5,12 @@ import math
 import pytest
 import torch
 
-from rlhf.chat import encode_chat
-from rlhf.device import Runtime
-from rlhf.models import load_scalar_model
-from rlhf.reward import center_rewards
-from rlhf.reward_metrics import expected_calibration_error, pearson, preference_metrics
-from rlhf.shared_prompt import score_sequences
+from rlhf.data.chat import encode_chat
+from rlhf.models.loading import load_scalar_model
+from rlhf.models.shared_prompt import score_sequences
+from rlhf.reward.metrics import expected_calibration_error, pearson, preference_metrics
+from rlhf.reward.trainer import center_rewards
+from rlhf.runtime.device import Runtime
 
 
 def test_preference_metrics_by_hand():
@@ -86,7 +86,7 @@ def test_score_sequences_keeps_input_order_despite_length_sorting(tiny_dir, toke
 
 def test_reward_loss_is_bradley_terry_plus_lm_coef_times_imitation_loss(tiny_dir, tokenizer):
     from rlhf.losses import bradley_terry_loss
-    from rlhf.reward import RewardConfig, encode_pairs, train_reward_model
+    from rlhf.reward.trainer import RewardConfig, encode_pairs, train_reward_model
 
     examples = [
         {
@@ -125,7 +125,7 @@ def test_reward_loss_is_bradley_terry_plus_lm_coef_times_imitation_loss(tiny_dir
 
 
 def test_empty_response_metrics_by_hand():
-    from rlhf.length_bias import empty_response_metrics
+    from rlhf.reward.length_bias import empty_response_metrics
 
     # empty [0.5, -1.0, 2.0] vs chosen [0.0, 0.0, 3.0]: means 0.5 and 1.0; empty wins on prompt 0 only -> 1/3
     # reply 1 [1, 1, 1] wins on prompts 0, 1 -> 2/3; reply 2 [-1, -1, 4] on prompt 2 -> 1/3: mean 1/2, max 2/3
@@ -231,10 +231,11 @@ def test_reward_stage_and_flow_summary_warn_loudly_when_accuracy_includes_chance
 
 
 def test_the_debiased_loss_adds_the_length_expert_and_the_preference_term(tiny_dir, tokenizer):
-    """The trainer's logged loss is :func:`rlhf.length_bias.debiased_pair_loss` of the model's own scores, with the
+    """The trainer's logged loss is :func:`rlhf.reward.length_bias.debiased_pair_loss` of the model's own scores,
+    with the
     length expert fitted on the training pairs (it goes through the product's step, not a copy of it)."""
-    from rlhf.length_bias import debiased_pair_loss, fit_length_expert
-    from rlhf.reward import RewardConfig, encode_pairs, response_lengths, train_reward_model
+    from rlhf.reward.length_bias import debiased_pair_loss, fit_length_expert
+    from rlhf.reward.trainer import RewardConfig, encode_pairs, response_lengths, train_reward_model
 
     examples = [
         {
@@ -265,7 +266,7 @@ def test_the_debiased_loss_adds_the_length_expert_and_the_preference_term(tiny_d
 
 
 def test_a_reader_shorter_than_the_prompt_and_response_it_scores_is_refused_in_one_line():
-    from rlhf.chat import check_reads_whole
+    from rlhf.data.chat import check_reads_whole
 
     check_reads_whole("reward.max_length", 320, ("ppo.max_prompt_length", 192), ("generation.max_new_tokens", 128))
     check_reads_whole("models/reward", None, ("ppo.max_prompt_length", 192), ("generation.max_new_tokens", 128))

@@ -6,18 +6,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rlhf.device import Runtime
-from rlhf.distributed import Ranks
-from rlhf.models import Rollout, load_scalar_model
-from rlhf.ppo_config import PPOConfig, max_skewness
-from rlhf.rollout import (
-    GenerationSettings,
-    RunningMoments,
-    calibrate_value_head,
-    treat_unfinished,
-    unfinished_responses,
-    value_predictions,
-)
+from rlhf.models.generation import GenerationSettings, treat_unfinished, unfinished_responses
+from rlhf.models.loading import load_scalar_model
+from rlhf.models.sampling import Rollout
+from rlhf.ppo.config import PPOConfig, max_skewness
+from rlhf.ppo.rollout import RunningMoments, calibrate_value_head, value_predictions
+from rlhf.ppo.types import PPOModels
+from rlhf.runtime.device import Runtime
+from rlhf.runtime.distributed import Ranks
 
 
 def hand_made_rollout(tokenizer) -> Rollout:
@@ -117,7 +113,7 @@ def test_max_skewness_by_hand():
     assert max_skewness(8) == pytest.approx(2.2678, abs=1e-4)
     assert max_skewness(32) == pytest.approx(5.3882, abs=1e-4)
     # reached by n - 1 equal values and one outlier
-    from rlhf.rollout_stats import skewness
+    from rlhf.ppo.monitoring import skewness
 
     assert skewness([0.0] * 7 + [1.0]) == pytest.approx(max_skewness(8), abs=1e-6)
 
@@ -175,9 +171,10 @@ def test_running_moments_population_stats_and_normalisation_by_running_not_batch
 def test_make_experience_penalises_each_token_by_k1_and_adds_the_score_once(tiny_dir, tokenizer):
     # gamma = lambda = 1: the return at the first response token is the sum of the token rewards (the values
     # cancel), i.e. by Eq. 11 score - beta * sum_t (log pi - log pi_ref) with k1, never k3
-    from rlhf.chat import encode_prompt
-    from rlhf.models import load_causal_lm, response_logprobs
-    from rlhf.rollout import make_experience
+    from rlhf.data.chat import encode_prompt
+    from rlhf.models.forward import response_logprobs
+    from rlhf.models.loading import load_causal_lm
+    from rlhf.ppo.rollout import make_experience
 
     torch.manual_seed(0)
     policy, reference = load_causal_lm(tiny_dir), load_causal_lm(tiny_dir)
@@ -189,7 +186,7 @@ def test_make_experience_penalises_each_token_by_k1_and_adds_the_score_once(tiny
     settings = GenerationSettings(max_new_tokens=5, no_eos="score", no_eos_value=None)
     prompts = [encode_prompt(tokenizer, [{"role": "user", "content": t}], 16) for t in ("Hi", "Tell me a joke")]
     beta = 0.3
-    models = (policy, reference, reward_model, value_model)
+    models = PPOModels(policy, reference, reward_model, value_model)
     experience, stats = make_experience(models, tokenizer, prompts, config, settings, RunningMoments(), beta, Runtime())
     ids, attn, start, mask = experience.input_ids, experience.attention_mask, experience.response_start, experience.mask
     logprobs, _ = response_logprobs(policy, ids, attn, start, 0.7)
@@ -205,9 +202,9 @@ def test_make_experience_penalises_each_token_by_k1_and_adds_the_score_once(tiny
 def test_make_experience_calibrates_the_value_model_on_the_first_rollouts_returns(tiny_dir, tokenizer):
     # after calibration the returns regressed on the values have slope 1 and intercept 0 (the fit is the identity),
     # and the values the experience holds are what the calibrated value model now predicts
-    from rlhf.chat import encode_prompt
-    from rlhf.models import load_causal_lm
-    from rlhf.rollout import make_experience
+    from rlhf.data.chat import encode_prompt
+    from rlhf.models.loading import load_causal_lm
+    from rlhf.ppo.rollout import make_experience
 
     torch.manual_seed(0)
     policy, reference = load_causal_lm(tiny_dir), load_causal_lm(tiny_dir)
@@ -217,7 +214,7 @@ def test_make_experience_calibrates_the_value_model_on_the_first_rollouts_return
     config = PPOConfig(gamma=1.0, lam=1.0, reward_normalize=False, reward_clip=None, value_init="sft")
     settings = GenerationSettings(max_new_tokens=5, no_eos="score", no_eos_value=None)
     prompts = [encode_prompt(tokenizer, [{"role": "user", "content": t}], 16) for t in ("Hi", "Tell me a joke")]
-    models = (policy, reference, reward_model, value_model)
+    models = PPOModels(policy, reference, reward_model, value_model)
     experience, _ = make_experience(
         models, tokenizer, prompts, config, settings, RunningMoments(), 0.1, Runtime(), calibrate_value=True
     )
@@ -230,7 +227,7 @@ def test_make_experience_calibrates_the_value_model_on_the_first_rollouts_return
 
 
 def test_rollout_stats_explained_variance_and_token_means_by_hand():
-    from rlhf.rollout_stats import COLUMNS, rollout_stats
+    from rlhf.ppo.monitoring import COLUMNS, rollout_stats
 
     def table(values):  # two one-token responses with returns 1 and 3 and these values
         rows = []
@@ -251,7 +248,7 @@ def test_rollout_stats_explained_variance_and_token_means_by_hand():
 
 
 def test_the_collapse_guard_compares_with_the_mean_of_the_starting_policys_rollouts_by_hand():
-    from rlhf.guard import detect_collapse, pooled_baseline
+    from rlhf.ppo.guard import detect_collapse, pooled_baseline
 
     baseline = {}
     for length, perplexity in ((109.0, 4.0), (74.0, 5.0), (63.0, 3.0), (58.0, 4.0)):  # the long run's SFT rollouts

@@ -10,11 +10,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from rlhf.data import read_jsonl
-from rlhf.device import Runtime
-from rlhf.formats import to_examples
-from rlhf.models import load_scalar_model, load_tokenizer
-from rlhf.reward_metrics import evaluate_reward_model
+from rlhf.data.formats import to_examples
+from rlhf.data.reading import read_jsonl
+from rlhf.models.loading import load_scalar_model, load_tokenizer
+from rlhf.reward.metrics import evaluate_reward_model
+from rlhf.runtime.device import Runtime
 from tasks.cli import model as model_cli
 from tasks.cli import score_pairs
 from tasks.kit.registry import SHA_TAG, folder_sha256, register

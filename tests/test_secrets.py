@@ -8,16 +8,9 @@ import os
 import pytest
 import yaml
 
-from tasks.kit.params import (
-    MLFLOW_KEY_MAX,
-    MLFLOW_VALUE_MAX,
-    check_no_secrets,
-    find_secrets,
-    is_secret_key,
-    mlflow_params,
-    read_params,
-    stage_params,
-)
+from tasks.kit.mlflow_params import MLFLOW_KEY_MAX, MLFLOW_VALUE_MAX, mlflow_params
+from tasks.kit.params import read_params, stage_params
+from tasks.kit.secrets import check_no_secrets, find_secrets, is_secret_key
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECRET = "wJalrXUtnFEMI-K7MDENG-bPxRfiCYzz"  # looks like nothing in particular: only its key gives it away
@@ -41,7 +34,7 @@ def test_a_secret_looking_key_is_refused_anywhere_naming_the_place_and_where_cre
     assert is_secret_key(key)
     params = {"profile": "tiny", "data": {"source": "s3://b/f.jsonl", "storage_options": {key: SECRET}}}
     with pytest.raises(ValueError) as err:
-        check_no_secrets(params)
+        check_no_secrets(params, "params.yaml")
     message = str(err.value)
     assert f"params.yaml holds credentials at data.storage_options.{key} (a secret-looking key)" in message
     for where in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "~/.aws/credentials", "HF_TOKEN"):
@@ -52,7 +45,9 @@ def test_a_secret_looking_key_is_refused_anywhere_naming_the_place_and_where_cre
 @pytest.mark.parametrize("key", NOT_SECRET_KEYS)
 def test_settings_that_are_not_secrets_stay_allowed(key):
     assert not is_secret_key(key)
-    check_no_secrets({"data": {"storage_options": {key: "x", "client_kwargs": {"region_name": "eu-west-1"}}}})
+    check_no_secrets(
+        {"data": {"storage_options": {key: "x", "client_kwargs": {"region_name": "eu-west-1"}}}}, "params.yaml"
+    )
 
 
 def test_every_depth_and_section_is_read_lists_and_profiles_included():
@@ -88,7 +83,8 @@ def test_a_credential_key_that_holds_none_and_a_mappings_field_names_are_allowed
                 "more_sources": [{"source": "gs://b/f.jsonl", "storage_options": {"token": "anon"}}],
                 "mapping": {"key": "prompt", "token": "chosen", "password": "rejected"},  # a source's field names
             }
-        }
+        },
+        "params.yaml",
     )
     assert find_secrets({"data": {"mapping": {"q": "s3://u:p@b/x"}}}) == [
         "data.mapping.q (a URL with a user and password)"  # a mapping's values are still read
@@ -116,7 +112,7 @@ def test_a_value_that_carries_a_credential_is_refused_under_any_key(value, why):
     found = find_secrets({"mlflow": {"tracking_uri": value}})
     assert len(found) == 1 and found[0].startswith(f"mlflow.tracking_uri ({why}"), found
     with pytest.raises(ValueError, match=r"mlflow\.tracking_uri") as err:
-        check_no_secrets({"mlflow": {"tracking_uri": value}})
+        check_no_secrets({"mlflow": {"tracking_uri": value}}, "params.yaml")
     assert "hunter2" not in str(err.value) and "MLFLOW_TRACKING_PASSWORD" in str(err.value)
 
 

@@ -1,4 +1,4 @@
-"""One prompt, several responses (rlhf.shared_prompt): the packed layout by hand, and the packed path computes
+"""One prompt, several responses (rlhf.models.shared_prompt): the packed layout by hand, and the packed path computes
 what the plain path does, through the reward model's own trainer step and scoring.
 
 In float32 the packed rows run the same blocks over the same tokens at the same positions, but attention sums
@@ -12,12 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-import rlhf.reward as reward_module
-from rlhf.chat import encode_chat
-from rlhf.device import Runtime
-from rlhf.models import load_scalar_model
-from rlhf.reward import RewardConfig, encode_pairs, reward_step
-from rlhf.shared_prompt import common_prefix, pack, score_groups, score_sequences
+import rlhf.reward.trainer as reward_module
+from rlhf.data.chat import encode_chat
+from rlhf.models.loading import load_scalar_model
+from rlhf.models.shared_prompt import common_prefix, pack, score_groups, score_sequences
+from rlhf.reward.trainer import RewardConfig, encode_pairs, reward_step
+from rlhf.runtime.device import Runtime
 
 FP32, BF16 = Runtime(torch.device("cpu"), "no"), Runtime(torch.device("cpu"), "bf16")
 LONG = "Tell me, slowly and in detail, everything you know about the history of the bicycle in Europe. " * 3

@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 
-from rlhf.evaluation import win_rate
+from rlhf.evaluation.evaluator import win_rate
 from rlhf.stats import (
     Z95,
     PairedRate,

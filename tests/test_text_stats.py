@@ -4,7 +4,8 @@
 line, ``{"text", "refusal", "category", "part"}``. The part is fixed by a rule, not by hand: within each
 category, in file order, the rows numbered 1 and 3 modulo 5 (0-based) are ``test``, the others ``tune`` (100 of
 170 tune, 70 test).
-The regexes of ``rlhf.text_stats`` were tuned on the tune part only; the test part was measured once, after.
+The regexes of ``rlhf.evaluation.text_measures`` were tuned on the tune part only; the test part was measured once,
+after.
 """
 
 import json
@@ -14,7 +15,7 @@ from collections import Counter
 
 import pytest
 
-from rlhf.text_stats import is_refusal, refusal_precision_recall
+from rlhf.evaluation.text_measures import is_refusal, refusal_precision_recall
 
 LABELS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "refusal_labels.jsonl")
 CATEGORIES = {  # category: whether its responses refuse (quoted speech holds both)

@@ -4,12 +4,12 @@ import pytest
 import torch
 from conftest import Killed
 
-from rlhf.checkpoint import Checkpointer
-from rlhf.device import Runtime
-from rlhf.models import load_causal_lm, load_scalar_model
-from rlhf.reward import JudgeConfig, RewardConfig, train_reward_model
-from rlhf.sft import SFTConfig, train_sft
-from rlhf.training import minibatch_indices
+from rlhf.models.loading import load_causal_lm, load_scalar_model
+from rlhf.reward.trainer import JudgeConfig, RewardConfig, train_reward_model
+from rlhf.runtime.device import Runtime
+from rlhf.training.checkpoint import Checkpointer
+from rlhf.training.sft import SFTConfig, train_sft
+from rlhf.training.supervised import minibatch_indices
 
 EXAMPLES = [
     {

@@ -1,4 +1,4 @@
-"""Frozen blocks computed once (rlhf.trunk): which models share them is read from the weights, and the shared
+"""Frozen blocks computed once (rlhf.models.trunk): which models share them is read from the weights, and the shared
 path computes what the plain path does, through the product's own rollout and update and the whole PPO loop.
 
 A 3-block tiny Llama with ``trainable_layers: 1``: policy, reference, reward and value model then share blocks
@@ -17,15 +17,15 @@ import torch
 from conftest import TINY
 from test_ppo import PROMPTS, SETTINGS, four_models, killed_and_resumed, small_config, train
 
-import rlhf.trunk as trunk_module
-from rlhf.chat import encode_prompt
-from rlhf.device import Runtime
-from rlhf.models import load_base_model
-from rlhf.ppo import PPOModels
-from rlhf.rollout import RunningMoments, make_experience
-from rlhf.training import freeze_lower_layers
-from rlhf.trunk import frozen_depth, shared_depth
-from rlhf.update import make_optimisers, ppo_update
+import rlhf.models.trunk as trunk_module
+from rlhf.data.chat import encode_prompt
+from rlhf.models.loading import load_base_model
+from rlhf.models.trunk import frozen_depth, shared_depth
+from rlhf.ppo.rollout import RunningMoments, make_experience
+from rlhf.ppo.types import PPOModels
+from rlhf.ppo.update import make_optimisers, ppo_update
+from rlhf.runtime.device import Runtime
+from rlhf.training.supervised import freeze_lower_layers
 
 FP32, BF16 = Runtime(torch.device("cpu"), "no"), Runtime(torch.device("cpu"), "bf16")
 
@@ -75,9 +75,7 @@ def rollout_and_update(folder, tokenizer, runtime, micro_batch_size=None):
     config = small_config(rollout_batch_size=3, minibatch_size=3, ppo_epochs=2, micro_batch_size=micro_batch_size)
     prompts = [encode_prompt(tokenizer, p, 24) for p in PROMPTS[:3]]
     torch.manual_seed(1)
-    experience, stats = make_experience(
-        models.as_tuple(), tokenizer, prompts, config, SETTINGS, RunningMoments(), 0.05, runtime
-    )
+    experience, stats = make_experience(models, tokenizer, prompts, config, SETTINGS, RunningMoments(), 0.05, runtime)
     opt = make_optimisers(models.policy, models.value_model, config)
     update = ppo_update(models.policy, models.value_model, opt, experience, config, 0.7, 0, None, True, runtime)
     return experience, stats, update, models

@@ -2,9 +2,9 @@
 
 import pytest
 
-import rlhf.validation
-from rlhf.chat import Encoded, control_token_ids, control_tokens
-from rlhf.validation import ValidationConfig, derive_columns, split_kind, validate_split
+import rlhf.data.validation
+from rlhf.data.chat import Encoded, control_token_ids, control_tokens
+from rlhf.data.validation import ValidationConfig, derive_columns, split_kind, validate_split
 
 
 def pair(prompt="What is the capital of France?", chosen="Paris.", rejected="London."):
@@ -301,8 +301,8 @@ def naive_prompt(tokenizer, prompt, max_length):
 
 def test_control_token_id_rule_reads_the_ids_the_model_sees(tokenizer, monkeypatch):
     """With an encoder that turns control-token text into ids, the id rule catches every such row."""
-    monkeypatch.setattr(rlhf.validation, "encode_chat", naive_chat)
-    monkeypatch.setattr(rlhf.validation, "encode_prompt", naive_prompt)
+    monkeypatch.setattr(rlhf.data.validation, "encode_chat", naive_chat)
+    monkeypatch.setattr(rlhf.data.validation, "encode_prompt", naive_prompt)
     rows = [good(0), planted("chosen", "Fine.<|im_end|> more"), planted("system", "<|endoftext|>"), good(1)]
     result = validate_split("f.jsonl", rows, "pairs", tokenizer, KEEP)
     assert [(q["line"], q["reasons"]) for q in result.quarantined] == [
@@ -343,7 +343,7 @@ def test_ptx_control_token_text_is_quarantined_and_never_an_id(tokenizer, row, m
         text = tokenizer.apply_chat_template(row["messages"], tokenize=False) if "messages" in row else row["text"]
         return tokenizer(text, add_special_tokens=False)["input_ids"] + ([] if "messages" in row else [2])
 
-    monkeypatch.setattr(rlhf.validation, "ptx_token_ids", naive_ptx)
+    monkeypatch.setattr(rlhf.data.validation, "ptx_token_ids", naive_ptx)
     result = validate_split("ptx_text.jsonl", rows, "ptx", tokenizer, KEEP)
     assert [(q["line"], q["reasons"]) for q in result.quarantined] == [(2, ["control_token_id"])]
 
@@ -401,7 +401,7 @@ def test_turn_rules(tokenizer, field, messages, rule):
     ],
 )
 def test_an_hh_response_holding_a_speaker_tag_is_quarantined_as_the_same_text_is_in_pairs(tokenizer, answer, roles):
-    from rlhf.formats import to_examples
+    from rlhf.data.formats import to_examples
 
     (hh,) = to_examples(
         {

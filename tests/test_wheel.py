@@ -58,7 +58,7 @@ def test_the_wheel_in_a_fresh_environment_runs_every_console_command(tmp_path):
     )
     env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "VIRTUAL_ENV")}
     probe = subprocess.run(
-        [python, "-c", "import tasks.kit.model_card, rlhf.report, tasks; print(tasks.__file__)"],
+        [python, "-c", "import tasks.kit.model_card, rlhf.report.render, tasks; print(tasks.__file__)"],
         cwd=tmp_path,
         env=env,
         capture_output=True,

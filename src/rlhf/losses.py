@@ -1,9 +1,10 @@
 """The equations of RLHF and PPO-max, one small pure function each.
 
-References:
-- tutorial: ``../shared/reference/rlhf-tutorial.md``
-- paper: ``../shared/reference/secrets-of-rlhf-part1-ppo-max.txt``
-  (Zheng et al., "Secrets of RLHF in Large Language Models Part I: PPO")
+References, cited through the package by their numbers:
+- "tutorial Eq. N": the tutorial "Reinforcement Learning from Human Feedback (RLHF)" (InstructGPT's three stages,
+  the Bradley-Terry reward model, the KL-penalised PPO objective and PPO-ptx), its numbered equations;
+- "paper Eq. N" and "paper section N": Zheng et al., "Secrets of RLHF in Large Language Models Part I: PPO"
+  (arXiv:2307.04964), the PPO-max recipe of its section 5 and appendices B and C.
 
 Conventions: ``B`` is the batch, ``R`` the number of response tokens. Every
 ``mask`` is a ``(B, R)`` bool tensor that is ``True`` on real response tokens
@@ -29,7 +30,7 @@ def masked_mean(
         mask: bool tensor broadcastable to ``values``.
         dim: reduce along this dimension; ``None`` reduces over all elements.
         count: the number of masked elements of the *whole batch* these values are a part of (a micro-batch,
-            or one rank's rows: :mod:`rlhf.distributed`); the result is then this part's share of the whole
+            or one rank's rows: :mod:`rlhf.runtime.distributed`); the result is then this part's share of the whole
             batch's mean, and the shares of its parts sum to that mean. None: this tensor's own count.
 
     Returns:

@@ -267,7 +267,7 @@ def unresumable(folder: str, name: str, stages: set[str], stale: set[str]) -> st
 def remove_checkpoints(stages: set[str], stale: set[str], apply: bool, say) -> list[Removal]:
     """Remove the checkpoint folders under ``checkpoints/`` that :func:`unresumable` gives a reason for (with
     ``apply``); say why each other one stays."""
-    from rlhf.checkpoint import Checkpointer
+    from rlhf.training.checkpoint import Checkpointer
 
     removals = []
     for name in sorted(os.listdir(CHECKPOINTS)) if os.path.isdir(CHECKPOINTS) else []:

@@ -5,7 +5,7 @@ any pairs file (:mod:`tasks.cli.score_pairs`).
 A model is a folder (``save_pretrained`` safetensors and tokenizer) or a registered version, ``models:/<name>@<alias>``
 or ``models:/<name>/<version>``, downloaded from the project's MLflow registry and checked against its content hash.
 Models load with the project's loaders (safetensors only, no remote code); prompts are encoded with the chat
-template, with any control token written in a message kept as plain text (:func:`rlhf.chat.encode_messages`).
+template, with any control token written in a message kept as plain text (:func:`rlhf.data.chat.encode_messages`).
 """
 
 from __future__ import annotations
@@ -103,7 +103,8 @@ def model_folder(model: str, project: str | None) -> Iterator[str]:
 
 
 def load(folder: str, device: str = "auto"):
-    """``(model, tokenizer)`` of a folder (:func:`rlhf.models.load_causal_lm`, :func:`rlhf.models.load_tokenizer`),
+    """``(model, tokenizer)`` of a folder (:func:`rlhf.models.loading.load_causal_lm`,
+    :func:`rlhf.models.loading.load_tokenizer`),
     the model in eval mode on ``device`` (``auto``: CUDA when present).
 
     Raises:
@@ -112,7 +113,7 @@ def load(folder: str, device: str = "auto"):
     import torch
     from transformers import AutoConfig
 
-    from rlhf.models import load_causal_lm, load_tokenizer
+    from rlhf.models.loading import load_causal_lm, load_tokenizer
 
     architectures = AutoConfig.from_pretrained(folder, trust_remote_code=False).architectures or []
     if not any(name.endswith("ForCausalLM") for name in architectures):
@@ -143,7 +144,7 @@ def prompt_budget(model, max_new_tokens: int, max_prompt_tokens: int) -> int:
 def chat_prompt_ids(tokenizer, messages: list[dict[str, str]], budget: int) -> tuple[list[int], int]:
     """Token ids of a conversation with the generation header (the chat template), and how many of its oldest
     turns were dropped so it fits ``budget`` tokens; a system message stays. Returns ``(ids, dropped)``."""
-    from rlhf.chat import encode_prompt
+    from rlhf.data.chat import encode_prompt
 
     system = [m for m in messages[:1] if m["role"] == "system"]
     turns, dropped = messages[len(system) :], 0
@@ -163,8 +164,8 @@ def read_prompts(path: str) -> list[dict[str, Any]]:
     Raises:
         UserError: the first bad row, as ``FILE:LINE: rule``. FileNotFoundError: no such file.
     """
-    from rlhf.data import read_jsonl
-    from rlhf.formats import RowError, as_messages
+    from rlhf.data.formats import RowError, as_messages
+    from rlhf.data.reading import read_jsonl
 
     rows = []
     for line, row in read_jsonl(path):
@@ -271,7 +272,7 @@ def export(
             import torch  # here, after the checks, as load's own imports
             from transformers import GenerationConfig
 
-            from rlhf.models import save_tokenizer
+            from rlhf.models.loading import save_tokenizer
 
             staged = os.path.join(tmp, "export")
             generation = stage_params("generation")
@@ -390,8 +391,8 @@ def generate(
             policy, tokenizer = load(folder)
         import torch  # here, after the checks: a bad argument is reported in a second
 
-        from rlhf.chat import encode_prompt
-        from rlhf.checkpoint import atomic_write_text
+        from rlhf.data.chat import encode_prompt
+        from rlhf.training.checkpoint import atomic_write_text
         from tasks.kit.served import respond
 
         budget = prompt_budget(policy, max_new_tokens, max_prompt_tokens)
@@ -467,7 +468,7 @@ def score_pairs(
             reward_model, tokenizer, length = scoring.load_reward_model(folder, max_length)
         metrics = scoring.score(reward_model, tokenizer, examples, length, batch_size)
         if json_out is not None:
-            from rlhf.checkpoint import write_json  # imports torch: here, after the checks
+            from rlhf.training.checkpoint import write_json  # imports torch: here, after the checks
 
             write_json(json_out, scoring.json_metrics(metrics))
     typer.echo(f"{model} on {', '.join(pairs)}: {len(examples)} pairs from {rows} rows, max length {length} tokens")

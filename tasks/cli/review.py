@@ -20,7 +20,7 @@ from typing import Any
 
 import typer
 
-from rlhf.review import (
+from rlhf.evaluation.review_tally import (
     METRICS,
     Tally,
     assign_sides,
@@ -318,7 +318,7 @@ def export(
         table, key_content = build_review(content, sample, seed, samples)
     except ReviewError as err:
         raise _fail(err) from None
-    from rlhf.checkpoint import atomic_write_text, write_json  # imports torch: only when there is work to do
+    from rlhf.training.checkpoint import atomic_write_text, write_json  # imports torch: only when there is work to do
 
     key_content["samples_sha256"] = hashlib.sha256(raw).hexdigest()
     atomic_write_text(out, csv_text(table))

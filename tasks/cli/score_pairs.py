@@ -1,8 +1,8 @@
 """``rlhf-model score-pairs``: score any reward model on any file of preference pairs and print its figures.
 
-The pairs are read as the prepare stage reads ``data.source`` (:func:`rlhf.data.read_jsonl`, any fsspec path,
-compressed or not; each row parsed by :func:`rlhf.formats.to_examples`, so HH text rows, prompt/chosen/rejected,
-conversational and ranking rows all work), then scored by :func:`rlhf.reward_metrics.evaluate_reward_model`, the
+The pairs are read as the prepare stage reads ``data.source`` (:func:`rlhf.data.reading.read_jsonl`, any fsspec path,
+compressed or not; each row parsed by :func:`rlhf.data.formats.to_examples`, so HH text rows, prompt/chosen/rejected,
+conversational and ranking rows all work), then scored by :func:`rlhf.reward.metrics.evaluate_reward_model`, the
 function the reward and gate stages measure with, so the figures are the ones those stages report. Unlike
 prepare, a row that does not parse is not quarantined: it stops the command with one line naming the file, the
 line and the rule (:class:`PairsError`), unless ``--skip-bad-rows`` leaves it out (counted and named). The
@@ -16,9 +16,10 @@ import math
 from itertools import islice
 from typing import Any
 
-from rlhf.data import read_jsonl, source_name
-from rlhf.formats import FORMATS, RowError, to_examples
-from rlhf.kinds import DEFAULT_KIND
+from rlhf.data.formats import FORMATS, RowError, to_examples
+from rlhf.data.kinds import DEFAULT_KIND
+from rlhf.data.reading import read_jsonl
+from rlhf.data.sources import source_name
 
 DEFAULT_MAX_LENGTH = 1024
 """Tokens per prompt + response when the model's config holds no ``reward_max_length``."""
@@ -73,13 +74,14 @@ def read_pairs(
     kind_field: str = "kind",
 ) -> tuple[list[dict[str, Any]], int, list[str]]:
     """Preference examples ``{"prompt", "chosen", "rejected"}`` (message lists) of a pairs file, each with the
-    ``source`` it came from (:func:`rlhf.data.source_name` of the path) and, where known, its ``kind``: the row's
+    ``source`` it came from (:func:`rlhf.data.sources.source_name` of the path) and, where known, its ``kind``: the
+    row's
     ``kind_field`` (after ``mapping``), else ``kind``; the figures are then also given per kind
-    (:mod:`rlhf.kinds`).
+    (:mod:`rlhf.data.kinds`).
 
     Args:
-        path: any path :func:`rlhf.data.read_jsonl` reads (local, ``s3://``, ``hf://``; gzip, bz2, xz, zstd).
-        fmt: one of :data:`rlhf.formats.FORMATS` (``auto`` detects each row's format).
+        path: any path :func:`rlhf.data.reading.read_jsonl` reads (local, ``s3://``, ``hf://``; gzip, bz2, xz, zstd).
+        fmt: one of :data:`rlhf.data.formats.FORMATS` (``auto`` detects each row's format).
         mapping: renames each row's keys before parsing.
         max_rows: read at most this many rows (a ranking row gives several pairs); None reads all.
         skip_bad_rows: leave out a row that does not parse (as prepare quarantines it) instead of stopping.
@@ -91,7 +93,7 @@ def read_pairs(
 
     Raises:
         PairsError: an unknown format, the first row that does not parse (unless ``skip_bad_rows``), as
-            ``FILE:LINE: rule`` (the parser's :class:`rlhf.formats.RowError` message), or a file with no rows
+            ``FILE:LINE: rule`` (the parser's :class:`rlhf.data.formats.RowError` message), or a file with no rows
             (left).
         FileNotFoundError: no such file.
     """
@@ -121,7 +123,7 @@ def read_pairs(
 
 def file_kinds(paths: list[str], kinds: list[str] | None) -> list[str | None]:
     """The kind of each pairs file's rows that name none: ``kinds`` in order, else each file's name
-    (:func:`rlhf.data.source_name`) when there are several files, else None.
+    (:func:`rlhf.data.sources.source_name`) when there are several files, else None.
 
     Raises:
         PairsError: ``kinds`` given, but not one per file, or one is not a kind name.
@@ -137,21 +139,21 @@ def file_kinds(paths: list[str], kinds: list[str] | None) -> list[str | None]:
 
 
 def load_reward_model(folder: str, max_length: int | None = None):
-    """``(model, tokenizer, max_length)`` of a reward-model folder: :func:`rlhf.models.load_scalar_model`
-    (safetensors only; eval mode, CPU), :func:`rlhf.models.load_tokenizer` and the tokens per prompt + response
+    """``(model, tokenizer, max_length)`` of a reward-model folder: :func:`rlhf.models.loading.load_scalar_model`
+    (safetensors only; eval mode, CPU), :func:`rlhf.models.loading.load_tokenizer` and the tokens per prompt + response
     (:func:`max_length_for`). Everything is checked before the weights load.
 
     Raises:
         PairsError: the folder holds no sequence-classification model with one output, or kind heads
-            (:mod:`rlhf.kind_heads`) (a policy's folder would
+            (:mod:`rlhf.models.kind_heads`) (a policy's folder would
             get a new, random head and meaningless figures), its tokenizer has no chat template, or ``max_length``
             is more than the model's positions.
         ValueError: a weight is NaN or infinite, or the pad token equals EOS (the loaders' messages name the folder).
     """
     from transformers import AutoConfig
 
-    from rlhf.kind_heads import head_kinds, output_count
-    from rlhf.models import load_scalar_model, load_tokenizer
+    from rlhf.models.kind_heads import head_kinds, output_count
+    from rlhf.models.loading import load_scalar_model, load_tokenizer
 
     config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
     architectures = config.architectures or []
@@ -197,15 +199,15 @@ def max_length_for(config, tokenizer, given: int | None) -> int:
 
 
 def score(model, tokenizer, examples: list[dict[str, Any]], max_length: int, batch_size: int) -> dict[str, float]:
-    """The metrics of :func:`rlhf.reward_metrics.evaluate_reward_model` on ``examples`` (CPU, float32).
+    """The metrics of :func:`rlhf.reward.metrics.evaluate_reward_model` on ``examples`` (CPU, float32).
 
     Returns:
         ``rm/...`` name -> float (NaN where undefined, e.g. every pair tied), in the order returned.
     """
     import torch
 
-    from rlhf.device import Runtime
-    from rlhf.reward_metrics import evaluate_reward_model
+    from rlhf.reward.metrics import evaluate_reward_model
+    from rlhf.runtime.device import Runtime
 
     metrics, _ = evaluate_reward_model(model, tokenizer, examples, max_length, batch_size, Runtime(torch.device("cpu")))
     return {name: float(value) for name, value in metrics.items()}
@@ -220,7 +222,7 @@ def _interval(metrics: dict[str, float], name: str, kind: str) -> str:
 
 def metric_lines(metrics: dict[str, float]) -> list[str]:
     """The printed block: accuracy with its Wilson interval, decisive pairs and ties; balanced accuracy with its
-    interval (:func:`rlhf.length_bias.balanced_accuracy`) and the length baseline when present; the
+    interval (:func:`rlhf.reward.length_bias.balanced_accuracy`) and the length baseline when present; the
     chosen-shorter and chosen-longer accuracies with their counts; then every other figure, one per line, in
     the order given; last, when the balanced accuracy's interval (the accuracy's, without one) includes chance or
     lies below it, a ``WARNING:`` line (:func:`rlhf.stats.chance_warning`), as the reward gate reads it.
@@ -267,8 +269,8 @@ def metric_lines(metrics: dict[str, float]) -> list[str]:
 
 def part_blocks(metrics: dict[str, float]) -> list[str]:
     """One block per kind and per source of the metrics (``rm/kind/<kind>/...``, ``rm/source/<name>/...``,
-    :mod:`rlhf.kinds`): a ``kind <kind>:`` head line, then :func:`metric_lines` of its figures, indented; none
-    when the only kind is :data:`rlhf.kinds.DEFAULT_KIND` (no row named one)."""
+    :mod:`rlhf.data.kinds`): a ``kind <kind>:`` head line, then :func:`metric_lines` of its figures, indented; none
+    when the only kind is :data:`rlhf.data.kinds.DEFAULT_KIND` (no row named one)."""
     lines = []
     for part in ("kind", "source"):
         head = f"rm/{part}/"

@@ -3,7 +3,7 @@ the base_model stage's output, and the judge's own backbone (``judge.source``)."
 
 from __future__ import annotations
 
-from rlhf.models import load_base_model, save_tokenizer
+from rlhf.models.loading import load_base_model, save_tokenizer
 from tasks.kit.common import one_line
 
 

@@ -22,8 +22,9 @@ def setup_torch(seed: int) -> None:
 
 
 def stage_runtime(stage: str, device: dict[str, Any] | None = None):
-    """The stage's :class:`rlhf.device.Runtime` from accelerate and the ``device`` section; prints it in one line,
-    and a WARNING line when bf16 is asked of a device that only emulates it (:func:`rlhf.device.native_bf16`).
+    """The stage's :class:`rlhf.runtime.device.Runtime` from accelerate and the ``device`` section; prints it in one
+    line,
+    and a WARNING line when bf16 is asked of a device that only emulates it (:func:`rlhf.runtime.device.native_bf16`).
 
     Args:
         stage: named in the line, e.g. ``"sft"``.
@@ -32,7 +33,7 @@ def stage_runtime(stage: str, device: dict[str, Any] | None = None):
     Raises:
         ValueError: an unknown ``device.mixed_precision``.
     """
-    from rlhf.device import native_bf16, runtime_from_params  # noqa: PLC0415 (imports torch and transformers)
+    from rlhf.runtime.device import native_bf16, runtime_from_params  # noqa: PLC0415 (imports torch and transformers)
 
     params = device if device is not None else stage_params("device")
     runtime = runtime_from_params(params)

@@ -36,8 +36,8 @@ def quiet_libraries(stage: str) -> None:
     ``[<stage>] warning: TiesWarning: 12 of 32 comparisons ... tied``, to stderr.
 
     Great Expectations' "Calculating Metrics" bars are turned off where its context is made
-    (:func:`rlhf.validation.validate_split`); the expected load report of a new reward head is checked and
-    silenced where it is loaded (:func:`rlhf.models.load_scalar_model`).
+    (:func:`rlhf.data.validation.validate_split`); the expected load report of a new reward head is checked and
+    silenced where it is loaded (:func:`rlhf.models.loading.load_scalar_model`).
     """
     for name, value in QUIET_ENV.items():
         os.environ.setdefault(name, value)

@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from rlhf.device import mixed_precision
+from rlhf.runtime.device import mixed_precision
 
 
 def other_rank(device: dict[str, Any], module: str, train: Callable[[], object], check: Callable[[], object]) -> bool:
@@ -84,10 +84,11 @@ def check_accelerate_config(path: str) -> None:
         FileNotFoundError: no such file.
         ValueError: its ``distributed_type`` is DeepSpeed or Megatron-LM, or its ``fsdp_config`` lacks
             ``fsdp_version: 2`` or ``fsdp_cpu_ram_efficient_loading: false``, or sets anything else but
-            ``fsdp_reshard_after_forward`` (the trainers shard each decoder block themselves, :mod:`rlhf.sharding`;
+            ``fsdp_reshard_after_forward`` (the trainers shard each decoder block themselves,
+            :mod:`rlhf.runtime.sharding`;
             docs/scaling.md: running at scale).
     """
-    from rlhf.distributed import UNSUPPORTED  # noqa: PLC0415 (imports torch and transformers)
+    from rlhf.runtime.distributed import UNSUPPORTED  # noqa: PLC0415 (imports torch and transformers)
 
     if not os.path.isfile(path):
         raise FileNotFoundError(f"params.yaml: device.accelerate_config {path}: no such file (see infra/accelerate/)")
@@ -125,7 +126,8 @@ def _read(path: str) -> dict[str, Any]:
 
 
 FSDP_HINTS = {"fsdp_activation_checkpointing": "set <stage>.gradient_checkpointing in params.yaml instead"}
-# what rlhf.sharding reads; every process must load the weights (transformers loads them on rank 0 alone otherwise)
+# what rlhf.runtime.sharding reads; every process must load the weights (transformers loads them on rank 0 alone
+# otherwise)
 FSDP_KEYS = {
     "fsdp_version": (2,),
     "fsdp_reshard_after_forward": (True, False),

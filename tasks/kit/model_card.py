@@ -21,10 +21,10 @@ from typing import Any
 
 import yaml
 
-from rlhf.kinds import kinds_in
+from rlhf.data.kinds import kinds_in
 from tasks.kit import paths
 from tasks.kit.outputs import is_part_figure, load_json, stage_metrics
-from tasks.kit.params import find_secrets, load_yaml, read_params, stage_params
+from tasks.kit.params import load_yaml, read_params, stage_params
 from tasks.kit.registry import (
     COMMIT_TAG,
     DATA_TAG,
@@ -36,6 +36,7 @@ from tasks.kit.registry import (
     version,
 )
 from tasks.kit.runs import PIPELINE_RUN_TAG, git_commit
+from tasks.kit.secrets import find_secrets
 
 UNKNOWN = "unknown"
 PARAM_SECTIONS = ("sft", "reward", "ppo", "generation", "evaluate")
@@ -221,7 +222,7 @@ def scorer_kind_rows(metrics: dict[str, Any]) -> dict[str, str]:
 
 
 def kind_rows(metrics: dict[str, Any]) -> dict[str, str]:
-    """The card's rows per kind of prompt (``eval/kind/<kind>/...``, :func:`rlhf.evaluation_kinds.kind_figures`):
+    """The card's rows per kind of prompt (``eval/kind/<kind>/...``, :func:`rlhf.evaluation.by_kind.kind_figures`):
     row name -> metric, for each kind the metrics hold; the policy's verdicts against SFT, SFT's against the base
     model, the refusal rates and the policy's increase over SFT."""
     rows = {}
@@ -314,7 +315,7 @@ def card_facts(folder_sha: str, found=None, client=None, exported_from: str = ""
     Raises:
         FileNotFoundError: no params.yaml. ValueError: params.yaml holds a credential or a bad section.
     """
-    from rlhf.models import resolve_model_source  # noqa: PLC0415 (imports torch and transformers)
+    from rlhf.models.loading import resolve_model_source  # noqa: PLC0415 (imports torch and transformers)
 
     params = read_params()
     section = {name: stage_params(name, params) if name in params else None for name in PARAM_SECTIONS}

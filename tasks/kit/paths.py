@@ -9,7 +9,7 @@ VALIDATED = "data/validated"  # validate: the splits that passed the rules; quar
 
 
 def split(name: str) -> str:
-    """The validated file of split ``name`` (``rlhf.data.SPLITS``): ``data/validated/<name>.jsonl``."""
+    """The validated file of split ``name`` (``rlhf.data.splitting.SPLITS``): ``data/validated/<name>.jsonl``."""
     return f"{VALIDATED}/{name}.jsonl"
 
 
@@ -20,7 +20,7 @@ def metrics(stage: str) -> str:
 
 def kind_metrics(stage: str) -> str:
     """The file of a stage's figures per kind of data and per source (``.../kind/<kind>/...``,
-    ``.../source/<name>/...``, :mod:`rlhf.kinds`): ``metrics/<stage>_kinds.json``, apart from the headline file
+    ``.../source/<name>/...``, :mod:`rlhf.data.kinds`): ``metrics/<stage>_kinds.json``, apart from the headline file
     so that ``dvc metrics show`` stays readable."""
     return f"metrics/{stage}_kinds.json"
 
@@ -53,7 +53,7 @@ EVAL_KINDS = kind_metrics("eval")  # evaluate's figures per kind of prompt (eval
 SAMPLES = f"{EVAL_REPORTS}/samples.json"
 REPORT = "reports/index.html"
 
-REPORT_INPUTS = {  # the report's input names (rlhf.report.render_report) -> their files
+REPORT_INPUTS = {  # the report's input names (rlhf.report.render.render_report) -> their files
     "prepare": metrics("prepare"),
     "validate": metrics("validate"),
     "validation": VALIDATION_REPORT,

@@ -1,7 +1,7 @@
 """The MLflow model registry: versions found by content, aliases that move with a recorded history.
 
 Everything that talks to the registry lives here (the core imports no MLflow; the gate's decision is
-:mod:`rlhf.gate_rules`). A version is an MLflow Model (:mod:`tasks.kit.served`: a pyfunc from code, nothing
+:mod:`rlhf.evaluation.gate_rules`). A version is an MLflow Model (:mod:`tasks.kit.served`: a pyfunc from code, nothing
 pickled) holding the ``save_pretrained`` safetensors folder, which the pipeline reads back by downloading it for
 the project's own loaders. Its source is ``runs:/<run>/model``: relative to its run, not to a machine's folder.
 
@@ -29,7 +29,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from rlhf.gate_rules import as_records, decision_sentence, passed
+from rlhf.evaluation.gate_rules import as_records, decision_sentence, passed
 from tasks.kit import ledger
 from tasks.kit.common import one_line
 from tasks.kit.runs import PIPELINE_RUN_TAG, create_if_missing, git_commit, pipeline_run_id
@@ -384,7 +384,7 @@ def decide_once(
 ) -> dict[str, Any]:
     """A gate's decision on ``candidate``: the one stored on it, or a new one, stored and acted on.
 
-    ``judge() -> (checks, extra)`` (:class:`rlhf.gate_rules.Check` list, and figures to record beside them)
+    ``judge() -> (checks, extra)`` (:class:`rlhf.evaluation.gate_rules.Check` list, and figures to record beside them)
     runs only for a version without a decision: a decision is never taken twice, so a later run never undoes
     a person's move. On a pass the ``champion`` alias moves to the candidate (recorded with ``reason``), except
     inside a DVC experiment, where the candidate is only tagged a challenger, and with ``move`` False, where it

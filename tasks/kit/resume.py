@@ -8,8 +8,8 @@ import os
 import shutil
 from typing import Any
 
+from tasks.kit.mlflow_params import flatten_params
 from tasks.kit.outputs import load_json
-from tasks.kit.params import flatten_params
 
 
 def checkpoint_root(stage: str) -> str:
@@ -117,7 +117,8 @@ def stale_changes(old: dict[str, Any] | None, new: dict[str, Any]) -> list[str]:
 
 
 def run_checkpointer(stage: str, params: dict[str, Any], inputs: list[str], runtime: Any = None):
-    """A :class:`rlhf.checkpoint.Checkpointer` for this stage, params and inputs, in ``checkpoints/<stage>/<fp>/``.
+    """A :class:`rlhf.training.checkpoint.Checkpointer` for this stage, params and inputs, in
+    ``checkpoints/<stage>/<fp>/``.
 
     The fingerprint ``<fp>`` hashes the stage's params and the *content* of
     its current input files (sha256 of every file, streamed; never file sizes,
@@ -137,14 +138,14 @@ def run_checkpointer(stage: str, params: dict[str, Any], inputs: list[str], runt
         stage: checkpoint name (the stage, or e.g. ``ablation-vanilla``).
         params: the stage's params.
         inputs: files and folders the stage reads.
-        runtime: the stage's :class:`rlhf.device.Runtime` (None: one process). Its ranks decide who writes
+        runtime: the stage's :class:`rlhf.runtime.device.Runtime` (None: one process). Its ranks decide who writes
             (rank 0); under FSDP the fingerprint counts ``fsdp`` as a param (its optimiser states are keyed by
             parameter name, so neither kind of run resumes the other's checkpoint).
 
     Raises:
         FileNotFoundError: an input does not exist.
     """
-    from rlhf.checkpoint import Checkpointer, atomic_write_text  # noqa: PLC0415 (imports torch and transformers)
+    from rlhf.training.checkpoint import Checkpointer, atomic_write_text  # noqa: PLC0415 (imports torch and transformers)
 
     sharded = runtime is not None and runtime.sharding is not None
     manifest = fingerprint_manifest({**params, "fsdp": True} if sharded else params, inputs)

@@ -18,7 +18,8 @@ from typing import Any
 
 from filelock import FileLock
 
-from tasks.kit.params import DEFAULT_PROFILE, PARAMS_FILE, mlflow_params, mlflow_text, read_params, stage_params
+from tasks.kit.mlflow_params import mlflow_params, mlflow_text
+from tasks.kit.params import DEFAULT_PROFILE, PARAMS_FILE, read_params, stage_params
 
 PIPELINE_RUN_TAG = "rlhf.pipeline_run_id"
 

@@ -16,12 +16,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import torch
 
-from rlhf.data import load_jsonl
-from rlhf.kinds import kind_of, kinds_in, training_kinds
-from rlhf.models import load_scalar_model, load_tokenizer, save_tokenizer
-from rlhf.reward import JudgeConfig, RewardConfig, center_rewards, encode_pairs, train_reward_model
-from rlhf.reward_metrics import evaluate_reward_model
-from rlhf.sharding import whole_model
+from rlhf.data.kinds import kind_of, kinds_in, training_kinds
+from rlhf.data.reading import load_jsonl
+from rlhf.models.loading import load_scalar_model, load_tokenizer, save_tokenizer
+from rlhf.reward.metrics import evaluate_reward_model
+from rlhf.reward.trainer import JudgeConfig, RewardConfig, center_rewards, encode_pairs, train_reward_model
+from rlhf.runtime.sharding import whole_model
 from rlhf.stats import chance_warning
 from tasks.kit import paths
 from tasks.kit.common import setup_torch, stage_runtime
@@ -100,14 +100,14 @@ def run(
 
 
 def summary_lines(metrics: dict[str, float]) -> list[str]:
-    """The stage's printed summary of :func:`rlhf.reward_metrics.preference_metrics` on rm_eval.
+    """The stage's printed summary of :func:`rlhf.reward.metrics.preference_metrics` on rm_eval.
 
     The first line is the accuracy with its Wilson 95% interval, decisive pairs
     and ties, then the length-bias accuracies; the second the balanced accuracy with its stratified interval and
     the length-only baseline; then the other ``rm/`` figures; last, when the balanced accuracy's interval
     includes chance (0.5), lies below it, or is undefined,
     a loud ``[reward] WARNING: ...`` line (:func:`rlhf.stats.chance_warning`); the same line for each kind of data
-    whose figures are below or at chance, after one line of each kind's figures (:mod:`rlhf.kinds`).
+    whose figures are below or at chance, after one line of each kind's figures (:mod:`rlhf.data.kinds`).
     """
     accuracy = (metrics["rm/accuracy"], metrics["rm/accuracy_low"], metrics["rm/accuracy_high"])
     lines = [

@@ -124,7 +124,7 @@ class ServedModel(PythonModel):
     def load_context(self, context) -> None:
         import torch  # noqa: PLC0415 (the code file builds this class before anything loads)
 
-        from rlhf.models import load_causal_lm, load_scalar_model, load_tokenizer  # noqa: PLC0415 (as above)
+        from rlhf.models.loading import load_causal_lm, load_scalar_model, load_tokenizer  # noqa: PLC0415 (as above)
 
         folder = context.artifacts[WEIGHTS]
         self.role, self.tokenizer = role(folder), load_tokenizer(folder)
@@ -148,9 +148,9 @@ class ServedModel(PythonModel):
         return self._responses(rows, params or {})
 
     def _rewards(self, rows: list[dict[str, Any]]) -> list[float]:
-        from rlhf.chat import encode_chat  # noqa: PLC0415 (imports torch)
-        from rlhf.device import Runtime  # noqa: PLC0415 (as above)
-        from rlhf.shared_prompt import score_sequences  # noqa: PLC0415 (as above)
+        from rlhf.data.chat import encode_chat  # noqa: PLC0415 (imports torch)
+        from rlhf.models.shared_prompt import score_sequences  # noqa: PLC0415 (as above)
+        from rlhf.runtime.device import Runtime  # noqa: PLC0415 (as above)
 
         length = int(getattr(self.model.config, "reward_max_length", None) or MAX_PROMPT_TOKENS)
         sequences = [
@@ -169,7 +169,7 @@ class ServedModel(PythonModel):
     def _responses(self, rows: list[dict[str, Any]], params: dict[str, Any]) -> list[str]:
         import torch  # noqa: PLC0415 (the code file builds this class before anything loads)
 
-        from rlhf.chat import encode_prompt  # noqa: PLC0415 (imports torch)
+        from rlhf.data.chat import encode_prompt  # noqa: PLC0415 (imports torch)
 
         max_new_tokens = int(params.get("max_new_tokens", 128))
         torch.manual_seed(int(params.get("seed", 0)))
@@ -183,9 +183,9 @@ class ServedModel(PythonModel):
 
 
 def respond(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float, greedy: bool):
-    """Sample one response per prompt (token lists) with :func:`rlhf.models.sample` (stops at EOS); returns the
+    """Sample one response per prompt (token lists) with :func:`rlhf.models.sampling.sample` (stops at EOS); returns the
     decoded texts, special tokens left out."""
-    from rlhf.models import sample  # noqa: PLC0415 (imports torch)
+    from rlhf.models.sampling import sample  # noqa: PLC0415 (imports torch)
 
     rollout = sample(model, tokenizer, prompts, max_new_tokens, temperature, greedy)
     responses, masks = rollout.input_ids[:, rollout.response_start :], rollout.response_mask

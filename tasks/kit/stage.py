@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from rlhf.training import LogFn, no_log
+from rlhf.training.supervised import LogFn, no_log
 from tasks.kit.launch import other_rank
 from tasks.kit.outputs import StagedOutputs
 from tasks.kit.runs import StageRun

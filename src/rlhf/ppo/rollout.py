@@ -1,0 +1,337 @@
+"""Experience: sample responses, score them, and turn them into token rewards, advantages and returns.
+
+One rollout: sample from the policy (temperature only), score each response with
+the reward model where the reward model learned to read (at the end-of-turn
+token; an unfinished or empty response is treated as :class:`GenerationSettings`
+says), normalise the scores with running statistics (paper Eq. 18), add the KL
+penalty per token (tutorial Eq. 11), and run GAE against the value model's
+predictions (paper Eq. 9).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from rlhf import losses
+from rlhf.models.forward import response_logprobs, token_scores
+from rlhf.models.generation import GenerationSettings, ScoredRollout, sample_and_score
+from rlhf.models.trunk import TrunkEntry
+from rlhf.ppo.config import PPOConfig
+from rlhf.ppo.monitoring import COLUMNS, rollout_stats
+from rlhf.ppo.types import PPOModels
+from rlhf.runtime.device import PhaseTimer, Runtime
+from rlhf.runtime.distributed import Ranks
+
+
+class RunningMoments:
+    """Running mean and population std of all reward-model scores seen so far (Chan et al. parallel update).
+
+    ``normalize`` raises while no statistics exist, so turning normalisation on
+    cannot silently pass rewards through unchanged.
+    """
+
+    def __init__(self) -> None:
+        self.count, self.mean, self.m2 = 0, 0.0, 0.0
+
+    @property
+    def std(self) -> float:
+        """Population standard deviation of everything seen."""
+        return math.sqrt(self.m2 / self.count) if self.count else float("nan")
+
+    def update(self, values: torch.Tensor) -> None:
+        """Fold a batch ``(N,)`` of values into the statistics."""
+        values = values.double().flatten()
+        n = values.numel()
+        if n == 0:
+            return
+        batch_mean = float(values.mean())
+        batch_m2 = float(((values - batch_mean) ** 2).sum())
+        total = self.count + n
+        delta = batch_mean - self.mean
+        self.mean += delta * n / total
+        self.m2 += batch_m2 + delta**2 * self.count * n / total
+        self.count = total
+
+    def normalize(self, values: torch.Tensor, clip: float | None) -> torch.Tensor:
+        """Paper Eq. 18 with these statistics.
+
+        Raises:
+            RuntimeError: no statistics yet.
+        """
+        if self.count == 0:
+            raise RuntimeError("reward normalisation is on but no reward statistics exist yet")
+        return losses.normalize_and_clip(values, self.mean, self.std, clip)
+
+    def state_dict(self) -> dict[str, float]:
+        """For checkpoints."""
+        return {"count": self.count, "mean": self.mean, "m2": self.m2}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.count, self.mean, self.m2 = int(state["count"]), float(state["mean"]), float(state["m2"])
+
+
+def value_predictions(
+    value_model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_start: int,
+    entry: TrunkEntry | None = None,
+) -> torch.Tensor:
+    """``V(s_t)`` for each response token: the value head at the position that predicts token ``t``.
+
+    The head's output is mapped by the model's calibration (``config.value_scale``,
+    ``config.value_bias``; 1 and 0 unless :func:`calibrate_value_head` set them):
+    ``V = head * scale + bias``.
+
+    Args:
+        input_ids, attention_mask: ``(B, T)``; response tokens start at ``response_start``.
+        entry: the states entering the value model's first unshared block (:class:`rlhf.models.trunk.SharedTrunk`).
+
+    Returns:
+        ``(B, T - response_start)`` float32.
+    """
+    head = token_scores(value_model, input_ids, attention_mask, entry)[:, response_start - 1 : -1]
+    scale = float(getattr(value_model.config, "value_scale", 1.0))
+    bias = float(getattr(value_model.config, "value_bias", 0.0))
+    return head * scale + bias
+
+
+def calibrate_value_head(
+    value_model: PreTrainedModel,
+    values: torch.Tensor,
+    rewards: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float,
+    ranks: Ranks,
+) -> torch.Tensor:
+    """Put a value model initialised from the reward model on the scale of the returns it must predict.
+
+    The reward model's head was trained at the end of a response only; what it reads mid-response has
+    its own offset and spread. The first rollout's Monte Carlo returns ``G_t = sum_l gamma^l r_{t+l}``
+    (the rewards PPO optimises: normalised score and KL penalty) are regressed on the current
+    predictions by least squares over every response token of every rank, ``G ~ a V + b``, and the
+    model's calibration becomes ``V' = a V + b``: the best affine predictor of this rollout's returns,
+    so the critic starts with explained variance >= 0 where a fixed rescaling of the head can start far
+    below (paper section 5.3.3 initialises the critic from the reward model; this puts it on the scale).
+
+    Args:
+        value_model: initialised from the reward model; its ``config.value_scale`` / ``value_bias`` are set.
+        values: ``(B, R)`` float, its predictions under its current calibration.
+        rewards: ``(B, R)`` float, token rewards (:func:`rlhf.losses.token_rewards`).
+        mask: ``(B, R)`` bool, True on response tokens.
+        gamma: discount in [0, 1].
+        ranks: the processes; each passes its share of the batch.
+
+    Returns:
+        ``(B, R)`` float32, the predictions after calibration (``a * values + b``).
+    """
+    _, targets = losses.gae(rewards, torch.zeros_like(values), mask, gamma, 1.0)
+    x, y = values[mask].double(), targets[mask].double()
+    n, sx, sy, sxx, sxy = ranks.sum(
+        torch.stack([x.new_tensor(x.numel()), x.sum(), y.sum(), (x * x).sum(), (x * y).sum()])
+    )
+    var = sxx / n - (sx / n) ** 2
+    slope = ((sxy / n - sx * sy / n**2) / var).item() if var > 0 else 0.0
+    intercept = (sy / n - slope * sx / n).item()
+    config = value_model.config
+    config.value_scale = slope * float(getattr(config, "value_scale", 1.0))
+    config.value_bias = slope * float(getattr(config, "value_bias", 0.0)) + intercept
+    return (values * slope + intercept).float()
+
+
+@dataclass
+class Experience:
+    """A scored buffer of rollouts. Shapes: ``B`` rollouts, ``T`` = prompt + response tokens, ``R`` response tokens."""
+
+    input_ids: torch.Tensor  # (B, T) int64
+    attention_mask: torch.Tensor  # (B, T) int64
+    response_start: int
+    mask: torch.Tensor  # (B, R) bool
+    logprobs: torch.Tensor  # (B, R) float32, policy at rollout time (temperature-scaled)
+    values: torch.Tensor  # (B, R) float32, value model at rollout time
+    advantages: torch.Tensor  # (B, R) float32
+    returns: torch.Tensor  # (B, R) float32
+    raw_scores: torch.Tensor  # (B,) float32
+    ended: torch.Tensor  # (B,) bool, an EOS was generated
+    # the states entering the policy's / value model's first trained block: PPO's epochs run only the blocks
+    # above (their frozen blocks cannot change within an iteration); None: the plain path (rlhf.models.trunk)
+    policy_entry: TrunkEntry | None = None
+    value_entry: TrunkEntry | None = None
+
+
+@torch.no_grad()
+def make_experience(
+    models: PPOModels,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[list[int]],
+    config: PPOConfig,
+    settings: GenerationSettings,
+    moments: RunningMoments,
+    kl_coef: float,
+    runtime: Runtime,
+    calibrate_value: bool = False,
+    seeds: list[int] | None = None,
+    kinds: list[str] | None = None,
+) -> tuple[Experience, dict[str, float]]:
+    """Roll out, score and turn a batch of prompts into advantages and returns.
+
+    With several processes each rank passes its share of the batch (:meth:`rlhf.runtime.distributed.Ranks.shard`)
+    and builds the experience of its prompts; what spans the batch is taken over all ranks: the running
+    reward statistics fold in every rank's scores, and the stats describe the whole batch.
+
+    Args:
+        models: the four models, dropout off.
+        tokenizer: shared tokenizer.
+        prompts: token lists (chat template with generation header).
+        config: :class:`PPOConfig`; settings: :class:`GenerationSettings`.
+        moments: running reward statistics (updated here when normalisation is on).
+        kl_coef: the current beta.
+        runtime: device and precision; every forward pass runs under ``runtime.autocast()``.
+        calibrate_value: fit the value model's calibration to this rollout's returns
+            (:func:`calibrate_value_head`) before the advantages are computed.
+        seeds: one generator seed per prompt (:func:`rlhf.models.sampling.prompt_seed`), so the tokens a prompt gets
+            do not depend on the rank or the rows beside it; None: torch's global generator.
+        kinds: each prompt's kind of data (:func:`sample_and_score`); None: the reward model's kind gate.
+
+    Returns:
+        ``(experience, stats)``; stats are the iteration's monitoring signals and the seconds of each
+        phase: ``ppo/time/{generation,reward,policy_logprobs,reference,values}``.
+    """
+    policy, reference, reward_model, value_model = models.as_tuple()
+    timer = PhaseTimer(runtime)
+    with runtime.autocast():
+        scored = sample_and_score(
+            policy, reward_model, tokenizer, prompts, settings, timer=timer, seeds=seeds, kinds=kinds
+        )
+        rollout, trunk = scored.rollout, scored.trunk
+        ids, attn, start = rollout.input_ids, rollout.attention_mask, rollout.response_start
+        with timer("policy_logprobs"):
+            policy_entry = trunk.entry(policy)
+            logprobs, logits = response_logprobs(
+                policy, ids, attn, start, settings.temperature, with_logits=True, entry=policy_entry
+            )
+            entropy = losses.entropy_from_logits(logits)
+            del logits
+        with timer("reference"):
+            ref_logprobs, _ = response_logprobs(
+                reference, ids, attn, start, settings.temperature, entry=trunk.entry(reference)
+            )
+    mask, scores = rollout.response_mask, scored.scores
+    if config.reward_normalize:
+        moments.update(runtime.ranks.gather(scores))  # every rank's scores, in the global order
+        scores = moments.normalize(scores, config.reward_clip)
+    elif config.reward_clip is not None:
+        scores = scores.clamp(-config.reward_clip, config.reward_clip)
+    with timer("values"), runtime.autocast():
+        value_entry = trunk.entry(value_model)
+        values = value_predictions(value_model, ids, attn, start, value_entry)
+    logratio = torch.where(mask, logprobs - ref_logprobs, 0.0)
+    rewards = losses.token_rewards(logratio, scores, mask, kl_coef)
+    if calibrate_value:
+        values = calibrate_value_head(value_model, values, rewards, mask, config.gamma, runtime.ranks)
+    advantages, returns = losses.gae(rewards, values, mask, config.gamma, config.lam)
+    experience = Experience(
+        ids,
+        attn,
+        start,
+        mask,
+        logprobs,
+        values,
+        advantages,
+        returns,
+        scored.raw_scores,
+        rollout.ended,
+        policy_entry,
+        value_entry,
+    )
+    table = runtime.ranks.gather(sequence_table(scored, scores, logprobs, logratio, entropy, experience))
+    return experience, {**rollout_stats(table), "ppo/kl_coef": kl_coef, **timer.stats("ppo/time")}
+
+
+@torch.no_grad()
+def validation_stats(
+    policy: PreTrainedModel,
+    reference: PreTrainedModel,
+    reward_model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[list[int]],
+    settings: GenerationSettings,
+    runtime: Runtime,
+    kinds: list[str] | None = None,
+) -> dict[str, float]:
+    """Greedy responses on held-out prompts, scored as in training: what the best policy is kept by (``kinds``:
+    each prompt's kind of data, :func:`sample_and_score`).
+
+    Every forward pass runs under ``runtime.autocast()``. With several processes each rank passes all the
+    prompts, answers its share (:meth:`rlhf.runtime.distributed.Ranks.shard`), and every rank returns the means over
+    all.
+
+    Returns:
+        ``ppo/validation/reward`` (mean score after the unfinished-response rule),
+        ``ppo/validation/eos_rate``, ``ppo/validation/length`` (tokens) and
+        ``ppo/validation/kl`` (sequence k1 to the reference, nats/response).
+    """
+    ranks = runtime.ranks
+    mine = ranks.shard(prompts)
+    my_kinds = ranks.shard(kinds) if kinds is not None else None
+    with runtime.autocast():
+        scored = sample_and_score(policy, reward_model, tokenizer, mine, settings, greedy=True, kinds=my_kinds)
+        rollout, trunk = scored.rollout, scored.trunk
+        ids, attn, start = rollout.input_ids, rollout.attention_mask, rollout.response_start
+        logprobs, _ = response_logprobs(policy, ids, attn, start, settings.temperature, entry=trunk.entry(policy))
+        ref_logprobs, _ = response_logprobs(
+            reference, ids, attn, start, settings.temperature, entry=trunk.entry(reference)
+        )
+    mask = rollout.response_mask
+    kl = torch.where(mask, logprobs - ref_logprobs, 0.0).sum(-1)
+    rows = torch.stack([scored.scores, rollout.ended, mask.sum(-1), kl], dim=1).double()
+    reward, eos_rate, length, kl = ranks.gather(rows).mean(0).tolist()
+    return {
+        "ppo/validation/reward": reward,
+        "ppo/validation/eos_rate": eos_rate,
+        "ppo/validation/length": length,
+        "ppo/validation/kl": kl,
+    }
+
+
+def sequence_table(
+    scored: ScoredRollout,
+    scores: torch.Tensor,
+    logprobs: torch.Tensor,
+    logratio: torch.Tensor,
+    entropy: torch.Tensor,
+    experience: Experience,
+) -> torch.Tensor:
+    """One row of :data:`COLUMNS` per response, float64: what :func:`rollout_stats` needs, in a form
+    that the ranks' rows simply concatenate into, on the responses' device
+    (:meth:`rlhf.runtime.distributed.Ranks.gather`)."""
+    mask = experience.mask
+
+    def masked(values: torch.Tensor) -> torch.Tensor:  # float64, 0 outside the response
+        return torch.where(mask, values.double(), 0.0)
+
+    residual = experience.returns - experience.values
+    columns = {
+        "raw": scored.raw_scores,
+        "scored": scored.scores,
+        "normalized": scores,
+        "length": mask.sum(-1),
+        "ended": scored.rollout.ended,
+        "empty": scored.empty,
+        "unfinished": scored.unfinished,
+        "kl": masked(losses.kl_k1(logratio)).sum(-1),
+        "kl_k3": masked(losses.kl_k3(logratio)).sum(-1),
+        "logprobs": masked(logprobs).sum(-1),
+        "entropy": masked(entropy).sum(-1),
+        "advantages": masked(experience.advantages).sum(-1),
+        "returns": masked(experience.returns).sum(-1),
+        "returns_sq": masked(experience.returns**2).sum(-1),
+        "residual": masked(residual).sum(-1),
+        "residual_sq": masked(residual**2).sum(-1),
+    }
+    return torch.stack([columns[name].double() for name in COLUMNS], dim=1)

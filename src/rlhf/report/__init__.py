@@ -1,0 +1,7 @@
+"""The run's report and figures: what the page is built from (:mod:`~rlhf.report.inputs`), its tables
+(:mod:`~rlhf.report.tables`, :mod:`~rlhf.report.kind_tables`), one section per stage
+(:mod:`~rlhf.report.sections`), the page (:mod:`~rlhf.report.render`, a Jinja template in ``templates/``) and
+the training figures (:mod:`~rlhf.report.plots`, matplotlib).
+
+Imports any group below it; nothing in the core imports it.
+"""

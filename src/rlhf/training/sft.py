@@ -1,0 +1,108 @@
+"""Stage 1: supervised fine-tuning on the chosen responses (tutorial, stage 1)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from rlhf.data.chat import Encoded, encode_chat, pad, pad_masks
+from rlhf.losses import language_model_loss, target_tokens
+from rlhf.models.forward import position_ids_from_mask
+from rlhf.ranges import check_ranges
+from rlhf.runtime.device import Runtime
+from rlhf.training.checkpoint import Checkpointer
+from rlhf.training.supervised import LogFn, LoopConfig, freeze_lower_layers, supervised_loop
+
+
+@dataclass
+class SFTConfig(LoopConfig):
+    """SFT hyperparameters (params.yaml section ``sft``)."""
+
+    section: ClassVar[str] = "sft"
+    steps: int = 40
+    lr: float = 1e-4
+    warmup_steps: int = 4
+    trainable_layers: int | None = 12
+    max_length: int = 256  # tokens of prompt + response (a long prompt is cut from the left)
+
+    def __post_init__(self) -> None:
+        """Raises ValueError: the shared loop's checks (:class:`rlhf.training.supervised.LoopConfig`), ``max_length``
+        below 1."""
+        super().__post_init__()
+        check_ranges(self.section, self, at_least_1=("max_length",))
+
+
+def sft_step(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, encoded: list[Encoded], runtime: Runtime
+) -> Callable[[list[int], list[int]], tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    """The SFT ``step_fn(part, batch)`` of :func:`rlhf.training.supervised.supervised_loop` over ``encoded`` examples.
+
+    It returns the part's share of the batch's token-mean NLL of the response tokens: the part's NLL summed,
+    divided by the response tokens of the *whole* batch (tutorial stage 1; :mod:`rlhf.runtime.distributed`), and the
+    part's response tokens (``sft/tokens``).
+    """
+    targets = [target_tokens(e.response_mask) for e in encoded]
+
+    def step(part: list[int], batch: list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        rows = [encoded[i] for i in part]
+        input_ids, attention_mask = pad(tokenizer, [e.input_ids for e in rows], "right", runtime.device)
+        target = pad_masks([e.response_mask for e in rows], input_ids.shape[1], "right", runtime.device)
+        logits = model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)
+        ).logits
+        count = sum(targets[i] for i in batch)
+        return language_model_loss(logits, input_ids, target, count), {"sft/tokens": target.sum()}
+
+    return step
+
+
+def train_sft(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    examples: list[dict[str, Any]],
+    config: SFTConfig,
+    log: LogFn,
+    runtime: Runtime,
+    checkpointer: Checkpointer | None = None,
+    progress: bool = True,
+) -> dict[str, float]:
+    """Fine-tune ``model`` in place on ``prompt -> chosen`` with the chat template, loss on response tokens only.
+
+    Args:
+        model: causal LM, dropout off.
+        tokenizer: with chat template and a pad token distinct from EOS.
+        examples: rows with ``prompt`` and ``chosen`` message lists.
+        config: :class:`SFTConfig`.
+        log: ``log(metrics, step)``.
+        runtime: device and precision; ``model`` already placed with ``runtime.trained``.
+        checkpointer: resume point (see :func:`rlhf.training.supervised.supervised_loop`).
+
+    Returns:
+        Summary metrics (``sft/loss_first``, ``sft/loss_last``, ``sft/steps``, ``sft/examples``, and
+        ``sft/epochs``: ``steps x batch_size / examples``, how much of the split the model saw; 1.0 is each once).
+
+    Raises:
+        ValueError: no examples.
+    """
+    encoded = [encode_chat(tokenizer, ex["prompt"], ex["chosen"], config.max_length) for ex in examples]
+    freeze_lower_layers(model, config.trainable_layers)
+    step = sft_step(model, tokenizer, encoded, runtime)
+
+    summary = supervised_loop(
+        model,
+        step,
+        len(encoded),
+        config,
+        prefix="sft",
+        log=log,
+        runtime=runtime,
+        lengths=[len(e.input_ids) for e in encoded],
+        checkpointer=checkpointer,
+        progress=progress,
+    )
+    epochs = config.steps * config.batch_size / len(encoded)
+    return {**summary, "sft/examples": float(len(encoded)), "sft/epochs": epochs}
