@@ -11,10 +11,13 @@ A worker is live while its heartbeats reach the Prefect server (``prefect worker
   it the stage's flow run is marked Crashed and the pipeline fails, within ``lost_worker_s`` plus one poll.
   A pool with several workers is watched as a whole: a run whose own worker died while another worker of the
   pool lives is not noticed (Prefect does not record which worker took a flow run).
+  A read the server does not answer (busy, or briefly unreachable) is tried again at the next poll; reads that
+  fail for ``lost_worker_s`` end the wait the same way.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import time
@@ -22,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 from prefect.client.orchestration import SyncPrefectClient
 from prefect.client.schemas.objects import FlowRun, Worker
 from prefect.states import Cancelled, Crashed
@@ -101,24 +105,40 @@ def wait_for_stage(
     """Poll the stage's flow run until it ends; cancel it when no worker took it in time (still Scheduled or
     Late), crash it when it runs and its pool is lost.
 
+    A read that fails (the server busy or briefly unreachable: an HTTP error) is tried again at the next poll: a
+    stage still running on a live worker must not end the wait, as the pipeline's retry would then submit it a
+    second time beside itself. Reads that keep failing for ``lost_worker_s`` end it like a lost worker.
+
     Returns:
         the flow run in its final state (completed, failed, crashed or cancelled by someone else).
 
     Raises:
-        PoolWaitError: not taken within ``start_timeout_s`` (the run is cancelled first), or running while
-            the pool sent no heartbeat for ``lost_worker_s`` (the run is marked Crashed first).
+        PoolWaitError: not taken within ``start_timeout_s`` (the run is cancelled first), running while the pool
+            sent no heartbeat for ``lost_worker_s`` (the run is marked Crashed first), or no read answered for
+            ``lost_worker_s`` (the run is marked Crashed where the server takes it).
     """
-    submitted = clock()
+    submitted = last_read = clock()
     while True:
-        run = client.read_flow_run(flow_run_id)
-        if run.state is not None and run.state.is_final():
-            return run
-        taken = run.state is not None and (run.state.is_pending() or run.state.is_running())
+        try:
+            run = client.read_flow_run(flow_run_id)
+            if run.state is not None and run.state.is_final():
+                return run
+            taken = run.state is not None and (run.state.is_pending() or run.state.is_running())
+            lost = taken and not live_workers(client.read_workers_for_work_pool(pool), _now(), limits.lost_worker_s)
+        except httpx.HTTPError as err:
+            if clock() - last_read <= limits.lost_worker_s:
+                sleep(POLL_S)
+                continue
+            why = f"the Prefect server did not answer for {limits.lost_worker_s:.0f} s ({type(err).__name__})"
+            with contextlib.suppress(httpx.HTTPError):
+                client.set_flow_run_state(flow_run_id, Crashed(message=why), force=True)
+            raise PoolWaitError(f"stage {stage} on work pool {pool}: {why} (orchestration.lost_worker_s)") from err
+        last_read = clock()
         if not taken and clock() - submitted > limits.start_timeout_s:
             why = f"no worker of work pool {pool} took it within {limits.start_timeout_s:.0f} s"
             client.set_flow_run_state(flow_run_id, Cancelled(message=why), force=True)
             raise PoolWaitError(f"stage {stage}: {why} (orchestration.start_timeout_s); its flow run is cancelled")
-        if taken and not live_workers(client.read_workers_for_work_pool(pool), _now(), limits.lost_worker_s):
+        if lost:
             why = f"its worker is lost: work pool {pool} sent no heartbeat for {limits.lost_worker_s:.0f} s"
             client.set_flow_run_state(flow_run_id, Crashed(message=why), force=True)
             raise PoolWaitError(f"stage {stage}: {why} (orchestration.lost_worker_s); its flow run is marked crashed")

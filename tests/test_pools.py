@@ -12,6 +12,7 @@ import time
 import types
 import uuid
 
+import httpx
 import pytest
 from prefect.client.schemas.objects import Worker
 from prefect.states import Completed, Pending, Running, Scheduled
@@ -51,6 +52,8 @@ class FakeClient:
 
     def read_flow_run(self, flow_run_id):
         state = self.states.pop(0) if len(self.states) > 1 else self.states[0]
+        if isinstance(state, Exception):  # the server did not answer this read
+            raise state
         return types.SimpleNamespace(id=flow_run_id, state=state)
 
     def read_workers_for_work_pool(self, pool):
@@ -117,6 +120,27 @@ def test_a_stage_that_starts_and_ends_while_its_worker_lives_is_returned_untouch
     client = FakeClient(states=states, workers=[worker("w", 3)])
     run = wait_for_stage(client, "id", "sft", "gpu", LIMITS, clock=clock, sleep=clock.sleep)
     assert run.state.is_completed() and client.set_states == []
+
+
+def test_reads_that_fail_for_a_while_do_not_end_the_wait_on_a_running_stage():
+    # a busy server: 20 s of failed reads (within lost_worker_s, 30) while the stage runs on a live worker; ending
+    # the wait here would let the pipeline's retry submit the stage again beside itself
+    clock = Clock()
+    timeout = httpx.ReadTimeout("timed out")
+    states = [Running()] * 2 + [timeout] * 10 + [Running()] * 2 + [Completed()]
+    client = FakeClient(states=states, workers=[worker("w", 3)])
+    run = wait_for_stage(client, "id", "sft", "gpu", LIMITS, clock=clock, sleep=clock.sleep)
+    assert run.state.is_completed() and client.set_states == [] and clock.now == 28
+
+
+def test_reads_that_keep_failing_end_the_wait_like_a_lost_worker():
+    clock = Clock()
+    client = FakeClient(states=[Running(), httpx.ConnectError("refused")], workers=[worker("w", 3)])
+    with pytest.raises(PoolWaitError) as caught:
+        wait_for_stage(client, "id", "ppo", "gpu", LIMITS, clock=clock, sleep=clock.sleep)
+    why = "the Prefect server did not answer for 30 s (ConnectError)"
+    assert str(caught.value) == f"stage ppo on work pool gpu: {why} (orchestration.lost_worker_s)"
+    assert client.set_states == [("CRASHED", why, True)] and 30 < clock.now <= 34
 
 
 def test_a_worker_refuses_an_uncommitted_tree_naming_the_whole_path(tmp_path, monkeypatch):
