@@ -6,9 +6,7 @@ of a causal LM. Masks always come from the attention mask (never from comparing 
 from __future__ import annotations
 
 import torch
-from transformers import (
-    PreTrainedModel,
-)
+from transformers import PreTrainedModel
 
 from rlhf.losses import last_token_index, logprobs_from_logits
 from rlhf.models.kind_heads import head_kinds, head_scores, read_scores

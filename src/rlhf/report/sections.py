@@ -16,13 +16,13 @@ from rlhf.report.tables import (
     PPO_ROWS,
     RESPONSE_ROWS,
     SFT_ROWS,
-    _values,
     fmt,
     fmt_count,
     fmt_interval,
     number,
+    table,
+    values_table,
 )
-from rlhf.report.tables import table as _table
 from rlhf.stats import chance_warning
 
 JUDGE_AT_CHANCE = "the judge is at chance: its win rates below mean nothing"
@@ -77,7 +77,7 @@ def _gate(section: dict[str, Any], report: dict[str, Any] | None, what: str) -> 
     ]
     classes = ["" if c.get("passed") else "fail" for c in checks]
     headers = ["criterion", "value", "bound", "result", "detail"]
-    section["tables"].append(_table(f"{what} checks", headers, rows, classes))
+    section["tables"].append(table(f"{what} checks", headers, rows, classes))
 
 
 def data_section(loaded: dict[str, Any], paths: dict[str, str]) -> dict[str, Any]:
@@ -110,7 +110,7 @@ def data_section(loaded: dict[str, Any], paths: dict[str, str]) -> dict[str, Any
             for n in names
         ]
         headers = ["split", "prepared rows", "validated rows in", "valid", "quarantined"]
-        section["tables"].append(_table("Rows per split", headers, rows))
+        section["tables"].append(table("Rows per split", headers, rows))
     checked = {n: s.get("rules") or {} for n, s in sorted(splits.items())}
     rules = sorted({rule for found in checked.values() for rule in found})
     if rules:
@@ -119,7 +119,7 @@ def data_section(loaded: dict[str, Any], paths: dict[str, str]) -> dict[str, Any
         ]
         classes = ["fail" if any(number(found.get(r)) for found in checked.values()) else "" for r in rules]
         caption = "Rows quarantined per rule ('-': the split is not checked by it)"
-        section["tables"].append(_table(caption, ["rule", *checked], rows, classes))
+        section["tables"].append(table(caption, ["rule", *checked], rows, classes))
     return section
 
 
@@ -127,7 +127,7 @@ def sft_section(loaded: dict[str, Any], paths: dict[str, str]) -> dict[str, Any]
     """The SFT run's size and loss."""
     section = _section("sft", "Supervised fine-tuning", loaded, paths, "sft")
     if loaded.get("sft") is not None:
-        section["tables"].append(_values("SFT", loaded["sft"], SFT_ROWS))
+        section["tables"].append(values_table("SFT", loaded["sft"], SFT_ROWS))
     return section
 
 
@@ -140,7 +140,7 @@ def reward_section(loaded: dict[str, Any], paths: dict[str, str]) -> dict[str, A
             "rm_eval balanced accuracy", *(rm.get(f"rm/balanced_accuracy{s}") for s in ("", "_low", "_high"))
         )
         section["warnings"] += [warning] if warning else []
-        section["tables"].append(_values("Reward model on rm_eval", rm, ACCURACY_ROWS, "rm"))
+        section["tables"].append(values_table("Reward model on rm_eval", rm, ACCURACY_ROWS, "rm"))
     per_kind, warnings = scorer_kind_table(loaded.get("reward_kinds"), "rm", "Reward model on rm_eval, per kind")
     section["tables"] += [per_kind] if per_kind else []
     section["warnings"] += warnings
@@ -168,7 +168,7 @@ def judge_section(loaded: dict[str, Any], paths: dict[str, str]) -> dict[str, An
     judge = loaded.get("judge")
     if judge is not None:
         section["warnings"] += [judge_warning(judge)] if judge_warning(judge) else []
-        section["tables"].append(_values("Judge on its held-out pairs", judge, ACCURACY_ROWS, "judge"))
+        section["tables"].append(values_table("Judge on its held-out pairs", judge, ACCURACY_ROWS, "judge"))
     per_kind, warnings = scorer_kind_table(loaded.get("judge_kinds"), "judge", "Judge on judge_eval, per kind")
     section["tables"] += [per_kind] if per_kind else []
     section["warnings"] += warnings
@@ -185,7 +185,7 @@ def ppo_section(loaded: dict[str, Any], paths: dict[str, str], figures: dict[str
     """PPO's run summary, its curves and the over-optimisation figure (proxy and judge against sqrt(KL))."""
     section = _section("ppo", "PPO", loaded, paths, "ppo", "curves", "overoptimisation")
     if loaded.get("ppo") is not None:
-        section["tables"].append(_values("PPO run", loaded["ppo"], PPO_ROWS))
+        section["tables"].append(values_table("PPO run", loaded["ppo"], PPO_ROWS))
         section["notes"].append(f"stopped by: {loaded['ppo'].get('stopped_by') or '-'}")
     names = [(n, t) for n, t, _ in PPO_FIGURES] if loaded.get("curves") is not None else []
     if loaded.get("overoptimisation") is not None:
@@ -231,7 +231,7 @@ def eval_section(loaded: dict[str, Any], paths: dict[str, str]) -> dict[str, Any
         ]
         classes = ["", "muted" if meaningless else ""]
         headers = ["scorer", "win rate [95%]", "decisive", "ties", "SFT mean score", "policy mean score", "note"]
-        section["tables"].append(_table("Win rate of the policy over SFT (ties apart)", headers, rows, classes))
+        section["tables"].append(table("Win rate of the policy over SFT (ties apart)", headers, rows, classes))
         rows = [
             [
                 scorer,
@@ -250,12 +250,12 @@ def eval_section(loaded: dict[str, Any], paths: dict[str, str]) -> dict[str, Any
             "note",
         ]
         caption = "What the policy changed on the same prompts: by how much, and how often it wins at equal length"
-        section["tables"].append(_table(caption, headers, rows, classes))
+        section["tables"].append(table(caption, headers, rows, classes))
         section["tables"] += kind_tables(loaded.get("eval_kinds"), meaningless)
         rows = [["KL to SFT (nats / response)", "-", "-", fmt(ev.get("eval/policy/kl"))]]
         models = ("base", "sft", "policy")
         rows += [[label, *(fmt(ev.get(f"eval/{m}/{key}")) for m in models)] for label, key in RESPONSE_ROWS]
-        section["tables"].append(_table("Responses", ["measure", "base model", "SFT", "policy"], rows))
+        section["tables"].append(table("Responses", ["measure", "base model", "SFT", "policy"], rows))
         _best_of_n(section, ev)
     _gate(section, loaded.get("policy_gate"), "policy gate")
     return section
@@ -276,7 +276,7 @@ def _best_of_n(section: dict[str, Any], ev: dict[str, Any]) -> None:
         for n in sizes
     ]
     headers = ["N", "KL to SFT (log N - (N-1)/N)", "proxy mean score", "judge mean score"]
-    section["tables"].append(_table("Best-of-N of the SFT model on the curve prompts", headers, rows))
+    section["tables"].append(table("Best-of-N of the SFT model on the curve prompts", headers, rows))
     low = number(ev.get("eval/best_of_n/judge_gain_low"))
     verdict = "beats" if low is not None and low > 0 else "does NOT beat"
     section["notes"].append(

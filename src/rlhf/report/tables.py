@@ -102,8 +102,9 @@ RESPONSE_ROWS = (
 )
 
 
-def _values(caption: str, m: dict[str, Any], spec: tuple, prefix: str = "") -> dict:
-    """A two-column table of ``spec`` rows (label, key, kind) read from metrics ``m``."""
+def values_table(caption: str, m: dict[str, Any], spec: tuple, prefix: str = "") -> dict:
+    """A two-column table (measure, value) of ``spec``'s rows (label, metric key with ``{p}`` for ``prefix``, and
+    ``count``, ``interval`` or plain), each value read from the metrics ``m``; a missing one shows as n/a."""
     rows = []
     for label, key, kind in spec:
         key = key.format(p=prefix)
