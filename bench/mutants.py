@@ -84,11 +84,11 @@ MUTANTS: list[Mutant] = [
         "GAE recursion starts at the last column: bootstraps from the value of a pad",
     ),
     Mutant(
-        "clip-min-for-max",
+        "clip-never-taken",
         LOSSES,
-        "loss = masked_mean(torch.maximum(unclipped, clipped), mask)",
-        "loss = masked_mean(torch.minimum(unclipped, clipped), mask)",
-        "PPO-clip takes the optimistic term (min of the losses instead of max)",
+        "taken = ((advantages > 0) & (log_ratio > bounds[1])) | ((advantages < 0) & (log_ratio < bounds[0]))",
+        "taken = torch.zeros_like(mask)",
+        "PPO-clip silently off: the unclipped ratio everywhere, however far the policy moved",
     ),
     Mutant(
         "ratio-inverted",
@@ -114,7 +114,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "unmasked-whitening",
         LOSSES,
-        "mean = masked_mean(values, mask)",
+        "mean = total(torch.where(mask, values, zeros).sum()) / count",
         "mean = values.mean()",
         "advantage whitening takes its mean over pads too",
     ),
@@ -135,8 +135,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "logits-one-late",
         FORWARD,
-        ").logits[:, :-1]",
-        ").logits[:, 1:]",
+        "logits = output.logits[:, :-1]",
+        "logits = output.logits[:, 1:]",
         "response logprobs read the logits one position late",
     ),
     Mutant(
@@ -149,28 +149,28 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "score-one-early",
         FORWARD,
-        "device=scores.device), last] - offset",
-        "device=scores.device), last - 1] - offset",
+        "device=hidden.device), last_token_index(attention_mask)]",
+        "device=hidden.device), last_token_index(attention_mask) - 1]",
         "reward score read one token before the last real token",
     ),
     Mutant(
         "reward-offset-ignored",
         FORWARD,
-        "device=scores.device), last] - offset",
-        "device=scores.device), last]",
+        "head_kinds(model), kinds) - offset",
+        "head_kinds(model), kinds)",
         "reward model's centring offset not subtracted",
     ),
     Mutant(
         "values-one-late",
         ROLLOUT,
-        "attention_mask)[:, response_start - 1 : -1]",
-        "attention_mask)[:, response_start:]",
+        "entry)[:, response_start - 1 : -1]",
+        "entry)[:, response_start:]",
         "V(s_t) read one position late (at token t instead of the state before it)",
     ),
     Mutant(
         "value-calibration-ignored",
         ROLLOUT,
-        "return (head - shift) * scale",
+        "return head * scale + bias",
         "return head",
         "value head's shift and scale not applied",
     ),
@@ -198,8 +198,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "ptx-dropped",
         UPDATE,
-        "loss = losses.ppo_ptx_loss(loss, ptx_loss, config.ptx_coef)",
-        "loss = loss",
+        "loss = losses.ppo_ptx_loss(torch.zeros_like(ptx_loss), ptx_loss, config.ptx_coef)",
+        "loss = losses.ppo_ptx_loss(torch.zeros_like(ptx_loss), ptx_loss, 0.0)",
         "PPO-ptx term computed and logged but not added to the policy loss",
     ),
 ]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib
 import os
 import re
-import subprocess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROLE = re.compile(r":(?:func|class|mod|meth|data|attr|exc):`~?((?:rlhf|tasks|flows|bench)(?:\.\w+)+)`")
@@ -18,14 +17,16 @@ OURS = ("src", "tasks", "flows", "bench", "tests", "docs", "README.md", "params.
 
 
 def _files() -> list[str]:
-    listed = subprocess.run(
-        ["git", "ls-files", "--cached", "--others", "--exclude-standard", *OURS],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.split()
-    return sorted(p for p in set(listed) if p.endswith((".py", ".md", ".yaml", ".toml")) and "/out/" not in p)
+    """Our source and text files under :data:`OURS`, relative to the root (the benchmarks' output left out); read
+    from the tree, not from git, so a copy of it (``bench.mutants``) is checked the same."""
+    found = []
+    for entry in OURS:
+        if os.path.isfile(os.path.join(ROOT, entry)):
+            found.append(entry)
+        for where, folders, names in os.walk(os.path.join(ROOT, entry)):
+            folders[:] = [f for f in folders if f not in ("__pycache__", "out") and not f.startswith(".")]
+            found += [os.path.relpath(os.path.join(where, n), ROOT) for n in names]
+    return sorted(p for p in found if p.endswith((".py", ".md", ".yaml", ".toml")))
 
 
 def resolves(reference: str) -> bool:
