@@ -805,17 +805,24 @@ def test_reward_stage_failing_after_training_keeps_its_previous_outputs(tmp_path
 
 def test_ctrl_c_leaves_the_flow_within_its_grace_even_when_prefect_would_wait_on_its_stopped_server():
     # a stand-in for Prefect's engine after Ctrl-C: it swallows the KeyboardInterrupt and keeps retrying a server
-    # the same Ctrl-C stopped (as it did for minutes); the pipeline must still leave, saying so, with exit 130
+    # the same Ctrl-C stopped (as it did for minutes); the pipeline must still leave, saying so, with exit 130.
+    # The Ctrl-C may land while the stand-in is still printing "ready" (under load it did): it swallows it there
+    # too, or Python would die of the KeyboardInterrupt (killed by SIGINT, -2) before the grace ran out
     code = (
         "import sys, time\n"
         "from flows.pipeline import leave_soon_after_ctrl_c\n"
+        "def retry_forever():\n"
+        "    while True:\n"
+        "        try:\n"
+        "            time.sleep(60)\n"
+        "        except KeyboardInterrupt:\n"
+        "            print('interrupted', flush=True)\n"
         "leave_soon_after_ctrl_c(grace_s=1.0)\n"
-        "print('ready', flush=True)\n"
-        "while True:\n"
-        "    try:\n"
-        "        time.sleep(60)\n"
-        "    except KeyboardInterrupt:\n"
-        "        print('interrupted', flush=True)\n"
+        "try:\n"
+        "    print('ready', flush=True)\n"
+        "except KeyboardInterrupt:\n"
+        "    print('interrupted', flush=True)\n"
+        "retry_forever()\n"
     )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     process = subprocess.Popen([sys.executable, "-c", code], cwd=root, stdout=subprocess.PIPE, text=True)
