@@ -85,7 +85,8 @@ def run(
     setup_torch(config.seed)
     tokenizer = load_tokenizer(SFT)
     runtime = stage_runtime("ppo", device)
-    value_model = runtime.place(load_scalar_model(REWARD if config.value_init == "reward" else SFT))
+    value_init = REWARD if config.value_init == "reward" else SFT
+    value_model = runtime.place(load_scalar_model(value_init)) if config.uses_critic else None  # rloo, grpo: none
     reward_model = load_scalar_model(REWARD)
     trained = getattr(reward_model.config, "reward_max_length", None)
     covers = (

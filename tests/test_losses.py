@@ -36,6 +36,36 @@ def test_gae_three_steps_by_hand():
     assert torch.allclose(returns, torch.tensor([[0.96575, 0.985, 1.0, 0.0]]), atol=1e-6)
 
 
+def test_sequence_returns_sum_the_response_tokens_only():
+    # row 0: -0.1 - 0.2 + 2.0 = 1.7 (the 9 is a pad); row 1: 0.5
+    rewards = torch.tensor([[-0.1, -0.2, 2.0, 9.0], [0.5, 9.0, 9.0, 9.0]])
+    mask = torch.tensor([[True, True, True, False], [True, False, False, False]])
+    assert losses.sequence_returns(rewards, mask).tolist() == pytest.approx([1.7, 0.5])
+
+
+def test_rloo_advantages_by_hand():
+    # group 1 (1, 2, 6): 1 - (2+6)/2 = -3; 2 - (1+6)/2 = -1.5; 6 - (1+2)/2 = 4.5
+    # group 2 (0, 0, 3): 0 - 1.5 = -1.5 twice; 3 - 0 = 3
+    returns = torch.tensor([1.0, 2.0, 6.0, 0.0, 0.0, 3.0])
+    assert losses.rloo_advantages(returns, 3).tolist() == pytest.approx([-3.0, -1.5, 4.5, -1.5, -1.5, 3.0])
+
+
+def test_grpo_advantages_by_hand():
+    # group 1 (1, 3): mean 2, sample std sqrt(2): -1/1.41421, +1/1.41421 (eps 1e-4 added to the std)
+    # group 2 (5, 5): equal returns, advantage 0
+    returns = torch.tensor([1.0, 3.0, 5.0, 5.0])
+    expected = [-1 / (2**0.5 + 1e-4), 1 / (2**0.5 + 1e-4), 0.0, 0.0]
+    assert losses.grpo_advantages(returns, 2).tolist() == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.parametrize("estimator", [losses.rloo_advantages, losses.grpo_advantages])
+def test_group_estimators_refuse_groups_that_do_not_fill_the_batch(estimator):
+    with pytest.raises(ValueError, match="groups of 1"):
+        estimator(torch.ones(4), 1)
+    with pytest.raises(ValueError, match=r"\(5,\) returns in groups of 2"):
+        estimator(torch.ones(5), 2)
+
+
 def test_value_loss_clipping_by_hand():
     # return 10, old value 5, new value 1, clip 0.2: clipped prediction 4.8,
     # loss 0.5 * max((1-10)^2, (4.8-10)^2) = 0.5 * max(81, 27.04) = 40.5

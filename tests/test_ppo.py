@@ -1,7 +1,7 @@
 """PPO trainer behaviour on a tiny random Llama.
 
 Ratio at the start, critic pre-training, the collapse guard before the update, the SFT fallback,
-the shipped policy's figures, exact resume.
+the shipped policy's figures, exact resume, the critic-free advantage estimators (rloo, grpo).
 """
 
 import json
@@ -42,13 +42,14 @@ def dropout_dir(tiny_dir, tmp_path_factory):
     return str(folder)
 
 
-def four_models(folder) -> PPOModels:
+def four_models(folder, critic: bool = True) -> PPOModels:
+    """Policy, reference, a random reward head and a value model starting as the reward model (critic False: none)."""
     torch.manual_seed(0)
     policy, reference = load_causal_lm(folder), load_causal_lm(folder)
     reward_model, value_model = load_scalar_model(folder), load_scalar_model(folder)
     torch.nn.init.normal_(reward_model.score.weight, std=1.0)
     value_model.score.weight.data.copy_(reward_model.score.weight.data)
-    return PPOModels(policy, reference, reward_model, value_model)
+    return PPOModels(policy, reference, reward_model, value_model if critic else None)
 
 
 def small_config(**overrides) -> PPOConfig:
@@ -71,7 +72,7 @@ def small_config(**overrides) -> PPOConfig:
 
 def train(folder, tokenizer, root, config, log=None, settings=SETTINGS, ptx=None):
     prompts = [encode_prompt(tokenizer, p, 24) for p in PROMPTS]
-    models = four_models(folder)
+    models = four_models(folder, critic=config.uses_critic)
     logged = {}
 
     def record(metrics, step):
@@ -254,3 +255,72 @@ def test_every_keep_every_th_policy_and_the_last_are_kept_as_they_were(tiny_dir,
     )
     with pytest.raises(ValueError, match="ppo.keep_every must be at least 0, got -1"):
         small_config(keep_every=-1)
+
+
+GROUPS = {"advantage_estimator": "rloo", "samples_per_prompt": 2, "value_pretrain_iterations": 0, "value_clip": None}
+
+
+@pytest.mark.parametrize("estimator", ["rloo", "grpo"])
+def test_a_group_estimator_compares_the_samples_of_one_prompt_with_no_value_model(tiny_dir, tokenizer, estimator):
+    # 4 responses, 2 samples of each of 2 prompts (consecutive rows): every token of a response carries its
+    # sequence's advantage; with k = 2 RLOO gives R_a - R_b and R_b - R_a, GRPO +-1/sqrt(2) (opposite signs)
+    config = PPOConfig(**{**GROUPS, "advantage_estimator": estimator, "rollout_batch_size": 4})
+    models = four_models(tiny_dir, critic=False)
+    prompts = [encode_prompt(tokenizer, p, 32) for p in (PROMPTS[0], PROMPTS[0], PROMPTS[2], PROMPTS[2])]
+    settings = GenerationSettings(max_new_tokens=6, no_eos="score", no_eos_value=None)
+    experience, stats = make_experience(
+        models, tokenizer, prompts, config, settings, RunningMoments(), 0.05, Runtime(), seeds=[1, 2, 3, 4]
+    )
+    mask = experience.mask
+    first, returns = experience.advantages[:, 0].tolist(), experience.returns[:, 0].tolist()
+    assert torch.equal(experience.advantages, torch.tensor(first)[:, None] * mask)  # one advantage a response
+    assert torch.equal(experience.returns, torch.tensor(returns)[:, None] * mask)
+    assert torch.equal(experience.values, torch.zeros_like(experience.values))
+    for a, b in ((0, 1), (2, 3)):
+        assert first[a] == pytest.approx(-first[b], abs=1e-6)
+        if estimator == "rloo":
+            assert first[a] == pytest.approx(returns[a] - returns[b], abs=1e-6)
+        else:
+            assert abs(first[a]) == pytest.approx(2**-0.5, abs=1e-3)
+    assert (
+        "ppo/time/values" not in stats
+        and stats["ppo/value/explained_variance"] != stats["ppo/value/explained_variance"]
+    )
+
+
+def test_a_group_estimator_trains_the_policy_alone_and_resumes_exactly(tiny_dir, tokenizer, tmp_path, monkeypatch):
+    # a rollout of 4 responses holds 2 prompts, each twice, side by side; no value step, no value checkpoint
+    seen = []
+    real = ppo_module.make_experience
+
+    def record(models, tokenizer_, prompts, *args, **kwargs):
+        seen.append([tuple(p) for p in prompts])
+        return real(models, tokenizer_, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(ppo_module, "make_experience", record)
+    config = small_config(iterations=4, rollout_batch_size=4, **GROUPS)
+    _, full, models = train(tiny_dir, tokenizer, tmp_path / "full", config)
+    assert models.value_model is None
+    assert all(len(batch) == 4 and batch[0] == batch[1] and batch[2] == batch[3] for batch in seen)
+    assert not any(key.startswith(("ppo/loss/value", "ppo/value/lr")) for step in full.values() for key in step)
+    assert [step for step in sorted(full) if full[step].get("ppo/updated_policy")] == [1, 2, 3, 4]
+    resumed = killed_and_resumed(tiny_dir, tokenizer, tmp_path / "resumed", config, [])
+    assert sorted(resumed) == [4]
+    for key, value in full[4].items():
+        if not key.startswith("ppo/time/"):
+            assert resumed[4][key] == pytest.approx(value, abs=1e-6, nan_ok=True), key
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"advantage_estimator": "ppo"}, "must be gae, rloo or grpo, got 'ppo'"),
+        ({"samples_per_prompt": 1}, "compares the samples of one prompt: set ppo.samples_per_prompt to 2 or more"),
+        ({"value_clip": 0.2}, "ppo.value_clip is 0.2, but ppo.advantage_estimator rloo has no value model"),
+        ({"value_pretrain_iterations": 1}, "set value_pretrain_iterations: 0, or use gae"),
+        ({"samples_per_prompt": 3}, "rollout_batch_size 8 counts responses: it must be a multiple of"),
+    ],
+)
+def test_a_group_estimator_refuses_settings_it_cannot_serve(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        PPOConfig(**{**GROUPS, **overrides})

@@ -214,6 +214,79 @@ def gae(
     return advantages, returns
 
 
+def sequence_returns(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each response's undiscounted return ``R_i = sum_t r_t``: its score less its KL penalty (tutorial Eq. 11).
+
+    What a critic-free estimator (:func:`rloo_advantages`, :func:`grpo_advantages`) compares within a group:
+    TRL's RLOO ``score - beta * sum(KL)``, a sequence-level return with no discount.
+
+    Args:
+        rewards: ``(B, R)`` float, token rewards (:func:`token_rewards`).
+        mask: ``(B, R)`` bool, True on response tokens.
+
+    Returns:
+        ``(B,)`` float.
+    """
+    return torch.where(mask, rewards, torch.zeros_like(rewards)).sum(-1)
+
+
+def _groups(returns: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``(N,)`` returns as ``(N / k, k)`` groups of consecutive rows; raises ValueError when ``k`` does not fit."""
+    if group_size < 2 or returns.ndim != 1 or returns.shape[0] % group_size:
+        raise ValueError(
+            f"a group-baseline estimator needs groups of k >= 2 samples of one prompt filling the batch: "
+            f"{tuple(returns.shape)} returns in groups of {group_size}"
+        )
+    return returns.view(-1, group_size)
+
+
+def rloo_advantages(returns: torch.Tensor, group_size: int) -> torch.Tensor:
+    """REINFORCE leave-one-out: each sample's return less the mean return of the other ``k - 1`` samples.
+
+    ``A_i = R_i - 1/(k-1) sum_{j != i} R_j`` over the ``k`` samples of one prompt, which equals
+    ``k/(k-1) (R_i - mean_j R_j)``: an unbiased baseline that needs no critic.
+    Source: Ahmadian et al. (2024), "Back to Basics: Revisiting REINFORCE Style Optimization for Learning from
+    Human Feedback in LLMs", section 3 (RLOO; Kool et al. 2019).
+
+    Args:
+        returns: ``(N,)`` float, one return per sample (:func:`sequence_returns`); the ``k`` samples of one
+            prompt are consecutive rows.
+        group_size: ``k`` >= 2, samples a prompt.
+
+    Returns:
+        ``(N,)`` float, the advantage of each sample, in the rows' order.
+
+    Raises:
+        ValueError: ``k`` < 2 or ``N`` not a multiple of ``k``.
+    """
+    groups = _groups(returns, group_size)
+    others = (groups.sum(-1, keepdim=True) - groups) / (group_size - 1)
+    return (groups - others).flatten()
+
+
+def grpo_advantages(returns: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
+    """Group-relative advantage: each sample's return standardised within its prompt's ``k`` samples.
+
+    ``A_i = (R_i - mean_j R_j) / (std_j R_j + eps)``, ``std`` the sample (``k - 1``) standard deviation, as TRL's
+    GRPO trainer computes it; a group of equal returns has advantage 0 throughout.
+    Source: Shao et al. (2024), "DeepSeekMath", section 4.1.2 (GRPO, outcome supervision).
+
+    Args:
+        returns: ``(N,)`` float, as :func:`rloo_advantages`.
+        group_size: ``k`` >= 2.
+        eps: added to the standard deviation.
+
+    Returns:
+        ``(N,)`` float.
+
+    Raises:
+        ValueError: ``k`` < 2 or ``N`` not a multiple of ``k``.
+    """
+    groups = _groups(returns, group_size)
+    centred = groups - groups.mean(-1, keepdim=True)
+    return (centred / (groups.std(-1, keepdim=True) + eps)).flatten()
+
+
 def ppo_clip_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,

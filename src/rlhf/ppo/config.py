@@ -63,6 +63,12 @@ class PPOConfig:
     # reward normalisation and clipping by running statistics (paper Eq. 18)
     reward_normalize: bool = True
     reward_clip: float | None = 5.0
+    # where the advantage comes from: gae (paper Eq. 9, against the value model: PPO-max) | rloo | grpo (the
+    # returns of k samples of one prompt compared with each other, no value model: rlhf.losses.rloo_advantages,
+    # grpo_advantages); the PPO-clip loss and every other switch are the same for all three
+    advantage_estimator: str = "gae"
+    samples_per_prompt: int = 1  # k responses sampled for each rollout prompt (rloo and grpo: at least 2);
+    # rollout_batch_size counts responses, so a rollout holds rollout_batch_size / k prompts
     # advantage normalisation / clipping (off in PPO-max: appendix B.1)
     advantage_normalize: bool = False
     advantage_clip: float | None = None
@@ -117,6 +123,7 @@ class PPOConfig:
         _check_read_with(self)
         if self.on_collapse not in ("stop", "rollback", "warn"):
             raise ValueError(f"ppo.on_collapse must be stop, rollback or warn, got {self.on_collapse!r}")
+        _check_estimator(self)
         if self.value_init not in ("reward", "sft"):
             raise ValueError(f"ppo.value_init must be reward or sft, got {self.value_init!r}")
         check_ranges(
@@ -128,6 +135,7 @@ class PPOConfig:
                 "minibatch_size",
                 "micro_batch_size",
                 "ppo_epochs",
+                "samples_per_prompt",
                 "max_prompt_length",
                 "kl_horizon",
                 "ptx_batch_size",
@@ -191,9 +199,45 @@ class PPOConfig:
             if getattr(self, name) is not None and getattr(self, name) <= 1:
                 raise ValueError(f"ppo.{name} must be above 1 (a factor of change), got {getattr(self, name)}")
 
+    @property
+    def uses_critic(self) -> bool:
+        """Whether there is a value model: only GAE reads one (``rloo`` and ``grpo`` need none)."""
+        return self.advantage_estimator == "gae"
+
     def steps_per_iteration(self) -> int:
         """Optimiser steps per PPO iteration: ``ppo_epochs x ceil(rollout_batch_size / minibatch_size)``."""
         return self.ppo_epochs * -(-self.rollout_batch_size // self.minibatch_size)
+
+
+def _check_estimator(config: PPOConfig) -> None:
+    """Refuse an advantage estimator its other settings cannot serve.
+
+    Raises:
+        ValueError: an unknown estimator; ``rollout_batch_size`` not a multiple of ``samples_per_prompt``;
+            ``rloo`` or ``grpo`` with fewer than 2 samples a prompt, or with a setting only a value model reads
+            (``value_pretrain_iterations`` above 0, ``value_clip`` set): each names the keys and their values.
+    """
+    estimator, k = config.advantage_estimator, config.samples_per_prompt
+    if estimator not in ("gae", "rloo", "grpo"):
+        raise ValueError(f"ppo.advantage_estimator must be gae, rloo or grpo, got {estimator!r}")
+    if k >= 1 and config.rollout_batch_size % k:
+        raise ValueError(
+            f"ppo.rollout_batch_size {config.rollout_batch_size} counts responses: it must be a multiple of "
+            f"ppo.samples_per_prompt {k}"
+        )
+    if config.uses_critic:
+        return
+    if k < 2:
+        raise ValueError(
+            f"ppo.advantage_estimator {estimator} compares the samples of one prompt: set ppo.samples_per_prompt "
+            f"to 2 or more (got {k})"
+        )
+    for name, unread in (("value_pretrain_iterations", 0), ("value_clip", None)):
+        if getattr(config, name) != unread:
+            raise ValueError(
+                f"ppo.{name} is {getattr(config, name)}, but ppo.advantage_estimator {estimator} has no value "
+                f"model to read it: set {name}: {'null' if unread is None else unread}, or use gae"
+            )
 
 
 def _check_read_with(config: PPOConfig) -> None:

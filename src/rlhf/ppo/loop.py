@@ -57,15 +57,22 @@ class _Loop:
 
 def _save(checkpointer: Checkpointer, step: int, loop: _Loop, state: PPOState) -> None:
     """Checkpoint everything a resumed run needs to continue exactly."""
-    models, opt, moments = loop.models, loop.opt, loop.moments
+    models, opt, moments, main = loop.models, loop.opt, loop.moments, checkpointer.ranks.main
+    critic = models.value_model is not None
     checkpointer.save(
         step,
-        {"policy": models.policy, "value": models.value_model},
+        {"policy": models.policy, **({"value": models.value_model} if critic else {})},
         {
-            "policy_optimizer": optimizer_state(models.policy, opt.policy, checkpointer.ranks.main),
-            "value_optimizer": optimizer_state(models.value_model, opt.value, checkpointer.ranks.main),
+            "policy_optimizer": optimizer_state(models.policy, opt.policy, main),
             "policy_schedule": opt.policy_schedule.state_dict(),
-            "value_schedule": opt.value_schedule.state_dict(),
+            **(
+                {
+                    "value_optimizer": optimizer_state(models.value_model, opt.value, main),
+                    "value_schedule": opt.value_schedule.state_dict(),
+                }
+                if critic
+                else {}
+            ),
             "moments": moments.state_dict(),
             "rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],  # sampling on a GPU
@@ -79,11 +86,12 @@ def _restore(checkpointer: Checkpointer, path: str, loop: _Loop) -> PPOState:
     models, opt, moments = loop.models, loop.opt, loop.moments
     saved = checkpointer.load_state(path)
     checkpointer.load_model_weights(path, "policy", models.policy)
-    checkpointer.load_model_weights(path, "value", models.value_model)
     load_optimizer_state(models.policy, opt.policy, saved["policy_optimizer"])
-    load_optimizer_state(models.value_model, opt.value, saved["value_optimizer"])
     opt.policy_schedule.load_state_dict(saved["policy_schedule"])
-    opt.value_schedule.load_state_dict(saved["value_schedule"])
+    if models.value_model is not None:
+        checkpointer.load_model_weights(path, "value", models.value_model)
+        load_optimizer_state(models.value_model, opt.value, saved["value_optimizer"])
+        opt.value_schedule.load_state_dict(saved["value_schedule"])
     moments.load_state_dict(saved["moments"])
     torch.set_rng_state(saved["rng"])
     if saved.get("cuda_rng"):
@@ -160,11 +168,11 @@ def train_ppo(
         raise ValueError("no PPO prompts")
     validation_prompts = len(validation) if config.validate_every else None
     check_processes(config, validation_prompts, runtime.ranks.world_size, runtime.sharding is not None)
-    for model in models.as_tuple():
+    for model in (models.reference, models.reward_model, *models.trained()):
         model.eval()  # dropout off everywhere; gradients still flow into policy and value
     models.reference.requires_grad_(False)
     models.reward_model.requires_grad_(False)
-    for model in (models.policy, models.value_model):
+    for model in models.trained():
         freeze_lower_layers(model, config.trainable_layers)
         shard(model, runtime.sharding)  # FSDP: before the optimisers (rlhf.runtime.sharding)
     validate = bool(config.validate_every and validation)
@@ -266,7 +274,8 @@ def _iteration(loop: _Loop, state: PPOState) -> dict[str, float]:
     opt, step = loop.opt, state.iteration + 1
     stats["ppo/updated_policy"] = float(update_policy and not held_back)
     stats["ppo/policy/lr"] = opt.policy_schedule.get_last_lr()[0]
-    stats["ppo/value/lr"] = opt.value_schedule.get_last_lr()[0]
+    if opt.value_schedule is not None:
+        stats["ppo/value/lr"] = opt.value_schedule.get_last_lr()[0]
     if loop.config.histogram_every and (step % loop.config.histogram_every == 0 or step == 1):
         state.reward_samples[step] = raw_scores.tolist()
     state.iteration = step
@@ -274,16 +283,19 @@ def _iteration(loop: _Loop, state: PPOState) -> dict[str, float]:
 
 
 def _rollout(loop: _Loop, state: PPOState) -> tuple[Experience, dict[str, float]]:
-    """Phase 1: the iteration's ``rollout_batch_size`` prompts, each rank's share rolled out, checked finite."""
+    """Phase 1: the iteration's ``rollout_batch_size`` responses (``samples_per_prompt`` of each prompt, side by
+    side), each rank's share rolled out, checked finite."""
     models, config, iteration = loop.models, loop.config, state.iteration
-    # a continuing stream over seeded epochs, so every rollout has rollout_batch_size prompts
+    # a continuing stream over seeded epochs, so every rollout has rollout_batch_size responses
     # (an epoch's short last batch would shrink the buffer, its statistics and its optimiser steps)
     size, ranks, prompts = config.rollout_batch_size, loop.runtime.ranks, loop.prompts
-    chosen = [minibatch_indices(iteration * size + j, len(prompts), 1, config.seed)[0] for j in range(size)]
+    k = config.samples_per_prompt
+    stream = [minibatch_indices(iteration * (size // k) + j, len(prompts), 1, config.seed)[0] for j in range(size // k)]
+    chosen = [index for index in stream for _ in range(k)]  # a prompt's samples are consecutive rows (a group)
     batch = [prompts[i] for i in chosen]
     kinds = [loop.prompt_kinds[i] for i in chosen] if loop.prompt_kinds is not None else None
     seeds = [prompt_seed(config.seed, iteration, j) for j in range(size)]  # a prompt's tokens: not its rank's
-    calibrate = config.value_init == "reward" and state.value_calibration is None
+    calibrate = config.uses_critic and config.value_init == "reward" and state.value_calibration is None
     experience, stats = make_experience(
         models,
         loop.tokenizer,

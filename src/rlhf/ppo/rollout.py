@@ -5,7 +5,8 @@ the reward model where the reward model learned to read (at the end-of-turn
 token; an unfinished or empty response is treated as :class:`GenerationSettings`
 says), normalise the scores with running statistics (paper Eq. 18), add the KL
 penalty per token (tutorial Eq. 11), and run GAE against the value model's
-predictions (paper Eq. 9).
+predictions (paper Eq. 9), or compare the returns of several samples of one prompt (``rloo``, ``grpo``: no
+value model).
 """
 
 from __future__ import annotations
@@ -185,7 +186,7 @@ def make_experience(
     reward statistics fold in every rank's scores, and the stats describe the whole batch.
 
     Args:
-        models: the four models, dropout off.
+        models: the four models, dropout off (no value model for ``rloo`` and ``grpo``).
         tokenizer: shared tokenizer.
         prompts: token lists (chat template with generation header).
         config: :class:`PPOConfig`; settings: :class:`GenerationSettings`.
@@ -227,14 +228,19 @@ def make_experience(
         scores = moments.normalize(scores, config.reward_clip)
     elif config.reward_clip is not None:
         scores = scores.clamp(-config.reward_clip, config.reward_clip)
-    with timer("values"), runtime.autocast():
-        value_entry = trunk.entry(value_model)
-        values = value_predictions(value_model, ids, attn, start, value_entry)
+    value_entry, values = None, torch.zeros_like(logprobs)  # no value model (rloo, grpo): V = 0
+    if value_model is not None:
+        with timer("values"), runtime.autocast():
+            value_entry = trunk.entry(value_model)
+            values = value_predictions(value_model, ids, attn, start, value_entry)
     logratio = torch.where(mask, logprobs - ref_logprobs, 0.0)
     rewards = losses.token_rewards(logratio, scores, mask, kl_coef)
     if calibrate_value:
         values = calibrate_value_head(value_model, values, rewards, mask, config.gamma, runtime.ranks)
-    advantages, returns = losses.gae(rewards, values, mask, config.gamma, config.lam)
+    if config.uses_critic:
+        advantages, returns = losses.gae(rewards, values, mask, config.gamma, config.lam)
+    else:
+        advantages, returns = group_advantages(rewards, mask, config, runtime.ranks)
     experience = Experience(
         ids,
         attn,
@@ -250,7 +256,43 @@ def make_experience(
         value_entry,
     )
     table = runtime.ranks.gather(sequence_table(scored, scores, logprobs, logratio, entropy, experience))
-    return experience, {**rollout_stats(table), "ppo/kl_coef": kl_coef, **timer.stats("ppo/time")}
+    stats = {**rollout_stats(table), "ppo/kl_coef": kl_coef, **timer.stats("ppo/time")}
+    if value_model is None:
+        stats["ppo/value/explained_variance"] = math.nan  # no value model explains anything
+    return experience, stats
+
+
+def group_advantages(
+    rewards: torch.Tensor, mask: torch.Tensor, config: PPOConfig, ranks: Ranks
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The critic-free advantages of ``config.advantage_estimator`` (``rloo`` or ``grpo``) and the returns.
+
+    Each response's return is its score less its KL penalty (:func:`rlhf.losses.sequence_returns`); it is compared
+    with the returns of the other samples of its prompt (:func:`rlhf.losses.rloo_advantages`,
+    :func:`rlhf.losses.grpo_advantages`: the ``samples_per_prompt`` samples of one prompt are consecutive rows of
+    the global batch, which the ranks share out row by row, so every rank's returns are gathered first), and the
+    advantage is that of every token of the response (TRL's RLOO and GRPO).
+
+    Args:
+        rewards: ``(B, R)`` float, this rank's token rewards (:func:`rlhf.losses.token_rewards`).
+        mask: ``(B, R)`` bool, True on response tokens.
+        config: :class:`PPOConfig` with ``advantage_estimator`` rloo or grpo.
+        ranks: the processes (:meth:`rlhf.runtime.distributed.Ranks.shard` shares the batch).
+
+    Returns:
+        ``(advantages, returns)``, both ``(B, R)`` float, the sequence's figure on each of its tokens, 0 outside
+        the mask.
+
+    Raises:
+        ValueError: the global batch is not whole groups of ``samples_per_prompt``
+            (:func:`rlhf.losses.rloo_advantages`).
+    """
+    returns = losses.sequence_returns(rewards, mask)
+    every = ranks.gather(returns)
+    estimator = losses.rloo_advantages if config.advantage_estimator == "rloo" else losses.grpo_advantages
+    mine = estimator(every, config.samples_per_prompt)[ranks.shard(list(range(every.shape[0])))].to(rewards.device)
+    maskf = mask.to(rewards.dtype)
+    return mine[:, None] * maskf, returns[:, None] * maskf
 
 
 @torch.no_grad()

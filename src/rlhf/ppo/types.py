@@ -75,13 +75,20 @@ class PPOResult:
 
 @dataclass
 class PPOModels:
-    """The four models of PPO: policy and value model (trained), reference and reward model (frozen)."""
+    """The four models of PPO: policy and value model (trained), reference and reward model (frozen).
+
+    ``value_model`` is None where the advantage needs no critic (``ppo.advantage_estimator`` rloo or grpo).
+    """
 
     policy: PreTrainedModel
     reference: PreTrainedModel
     reward_model: PreTrainedModel
-    value_model: PreTrainedModel
+    value_model: PreTrainedModel | None
 
-    def as_tuple(self) -> tuple[PreTrainedModel, PreTrainedModel, PreTrainedModel, PreTrainedModel]:
+    def as_tuple(self) -> tuple[PreTrainedModel, PreTrainedModel, PreTrainedModel, PreTrainedModel | None]:
         """``(policy, reference, reward_model, value_model)``."""
         return self.policy, self.reference, self.reward_model, self.value_model
+
+    def trained(self) -> list[PreTrainedModel]:
+        """The models PPO trains: the policy, and the value model where there is one."""
+        return [self.policy] + ([self.value_model] if self.value_model is not None else [])

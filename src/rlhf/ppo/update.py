@@ -31,34 +31,45 @@ from rlhf.training.supervised import make_optimizer, make_scheduler, minibatch_i
 class Optimisers:
     """Optimisers and schedules of the policy and value models; each schedule steps once per optimiser step.
 
+    ``value`` and ``value_schedule`` are None where there is no value model (``rloo``, ``grpo``).
+
     ``policy_guard`` and ``value_guard`` stop the run at a non-finite loss or
     gradient norm and count the steps a loss scaler skips (:class:`rlhf.runtime.finite.FiniteGuard`).
     """
 
     policy: torch.optim.Optimizer
-    value: torch.optim.Optimizer
+    value: torch.optim.Optimizer | None
     policy_schedule: torch.optim.lr_scheduler.LRScheduler
-    value_schedule: torch.optim.lr_scheduler.LRScheduler
+    value_schedule: torch.optim.lr_scheduler.LRScheduler | None
     policy_guard: FiniteGuard = field(default_factory=lambda: FiniteGuard("ppo"))
     value_guard: FiniteGuard = field(default_factory=lambda: FiniteGuard("ppo"))
 
 
 def make_optimisers(
-    policy: PreTrainedModel, value_model: PreTrainedModel, config: PPOConfig, scaler_step: ScalerStep | None = None
+    policy: PreTrainedModel,
+    value_model: PreTrainedModel | None,
+    config: PPOConfig,
+    scaler_step: ScalerStep | None = None,
 ) -> Optimisers:
-    """AdamW for both models; schedules sized in optimiser steps (policy iterations, and value pre-training).
+    """AdamW for both models (the policy alone without a value model); schedules sized in optimiser steps (policy
+    iterations, and value pre-training).
 
     ``scaler_step``: a mixed-precision loss scaler's step for both guards (:class:`rlhf.runtime.finite.FiniteGuard`).
     """
     policy_optimizer = make_optimizer(policy, config.policy_lr)
-    value_optimizer = make_optimizer(value_model, config.value_lr)
     per_iteration = config.steps_per_iteration()
     value_iterations = config.value_pretrain_iterations + config.iterations
+    value_optimizer = make_optimizer(value_model, config.value_lr) if value_model is not None else None
+    value_schedule = (
+        make_scheduler(value_optimizer, config.scheduler, config.warmup_steps, value_iterations * per_iteration)
+        if value_optimizer is not None
+        else None
+    )
     return Optimisers(
         policy_optimizer,
         value_optimizer,
         make_scheduler(policy_optimizer, config.scheduler, config.warmup_steps, config.iterations * per_iteration),
-        make_scheduler(value_optimizer, config.scheduler, config.warmup_steps, value_iterations * per_iteration),
+        value_schedule,
         FiniteGuard("ppo", scaler_step),
         FiniteGuard("ppo", scaler_step),
     )
@@ -66,7 +77,7 @@ def make_optimisers(
 
 def ppo_update(
     policy: PreTrainedModel,
-    value_model: PreTrainedModel,
+    value_model: PreTrainedModel | None,
     optimisers: Optimisers,
     experience: Experience,
     config: PPOConfig,
@@ -77,7 +88,8 @@ def ppo_update(
     runtime: Runtime,
     iteration: int = 1,
 ) -> dict[str, float]:
-    """``ppo_epochs`` passes over the buffer in minibatches: a policy step and a value step each.
+    """``ppo_epochs`` passes over the buffer in minibatches: a policy step and a value step each (no value step
+    without a value model).
 
     Policy loss: PPO-clip (tutorial Eq. 13) minus ``entropy_coef`` times the
     entropy, plus ``ptx_coef`` times the LM loss on pretraining-style text
@@ -85,7 +97,7 @@ def ppo_update(
     cached at rollout time. Gradients are clipped by global norm per model.
 
     Args:
-        policy, value_model: trained in place.
+        policy, value_model: trained in place; value_model None: no critic (``rloo``, ``grpo``).
         optimisers: :class:`Optimisers`.
         experience: from :func:`rlhf.ppo.rollout.make_experience`: this rank's rollouts (global rollout ``r + k W``
             is row ``k`` of rank ``r``). The minibatches are drawn from all ranks' rollouts together, and each
@@ -125,7 +137,8 @@ def ppo_update(
                         policy_step(
                             policy, optimisers, experience, idx, config, temperature, ptx, runtime, where, stats
                         )
-                    value_step(value_model, optimisers, experience, idx, config, runtime, where, stats)
+                    if value_model is not None:
+                        value_step(value_model, optimisers, experience, idx, config, runtime, where, stats)
                 except NonFiniteError as err:
                     err.metrics = {**stats, **err.metrics}
                     raise
