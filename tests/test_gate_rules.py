@@ -140,7 +140,8 @@ KINDS = {  # eval/kind/<kind>/... as rlhf.evaluation.by_kind.kind_figures names 
     "eval/kind/harmless/prompts": 16.0, "eval/kind/harmless/judge_lc_win_rate": 0.44,
     "eval/kind/harmless/judge_lc_win_rate_low": 0.2, "eval/kind/harmless/judge_lc_win_rate_high": 0.68,
     "eval/kind/harmless/judge_decisive": 14.0, "eval/kind/harmless/judge_ties": 2.0,
-    "eval/kind/harmless/proxy_lc_win_rate_high": 0.45,
+    "eval/kind/harmless/proxy_lc_win_rate_high": 0.45, "eval/kind/harmless/judge_balanced_accuracy": 0.61,
+    "eval/kind/harmless/judge_balanced_accuracy_low": 0.53, "eval/kind/harmless/judge_balanced_accuracy_high": 0.69,
     "eval/kind/helpful/prompts": 150.0, "eval/kind/helpful/policy_refusal_rate": 0.02,
     "eval/kind/helpful/sft_refusal_rate": 0.0, "eval/kind/helpful/refusal_increase": 0.02,
     "eval/kind/helpful/refusal_increase_low": -0.01, "eval/kind/helpful/refusal_increase_high": 0.047,
@@ -201,6 +202,8 @@ def test_policy_gate_by_the_proxy_reads_the_proxy_and_skips_the_judge():
         ({**EVAL, "eval/policy/eos_rate": 0.3}, {}, "EOS rate"),
         # significantly worse than SFT on harmless prompts: the whole interval of the LC win rate below 0.5
         ({**EVAL, "eval/kind/harmless/judge_lc_win_rate_high": 0.47}, {}, "harmless prompts: length-controlled"),
+        # a judge at chance on harmless pairs (the demo's 0.450 [0.365, 0.533]) measures nothing there
+        ({**EVAL, "eval/kind/harmless/judge_balanced_accuracy_low": 0.365}, {}, "harmless prompts: length-controlled"),
         # all ties there: undefined, which fails as every undefined figure does
         ({**EVAL, "eval/kind/harmless/judge_lc_win_rate_high": None}, {}, "harmless prompts: length-controlled"),
         # the demo's best case: no refusal by either on 16 helpful prompts bounds the increase at 0.194 > 0.1
@@ -348,3 +351,24 @@ def test_a_decision_is_one_sentence_naming_the_criteria_that_failed():
         == "reward gate passed all 1 checks"
     )
     assert decision_sentence(None, "policy gate") is None and decision_sentence({}, "policy gate") is None
+
+
+@pytest.mark.parametrize(
+    ("figures", "why"),
+    [
+        ((0.45, 0.365, 0.533), "the judge's balanced accuracy on harmless pairs 0.45 [0.36, 0.53] includes chance"),
+        ((0.3, 0.2, 0.4), "the judge's balanced accuracy on harmless pairs 0.30 [0.20, 0.40] is below chance"),
+        ((None, None, None), "the judge's balanced accuracy on harmless pairs is undefined"),
+    ],
+)
+def test_a_not_worse_check_read_from_a_judge_at_chance_on_that_kind_is_not_measured(figures, why):
+    # the demo's case: harmless "not worse" passed (upper bound 0.68) on a judge that cannot tell harmless answers apart
+    p = "eval/kind/harmless/judge_balanced_accuracy"
+    blind = {**EVAL, **dict(zip((p, p + "_low", p + "_high"), figures, strict=True))}
+    check = next(c for c in policy_gate(blind, {}, POLICY) if c.criterion.startswith("harmless prompts"))
+    assert not check.passed and check.value == 0.68
+    assert check.detail.startswith(f"not measured: {why}")
+    assert check.detail.endswith("over 14 decisive comparisons, 2 ties, on 16 prompts")
+    # by the proxy the check reads the proxy, whose blindness the reward gate already judged
+    by_proxy = policy_gate(blind, {}, PolicyCriteria(verdict="proxy"))
+    assert not any(c.detail.startswith("not measured") for c in by_proxy)
