@@ -208,6 +208,30 @@ def test_kind_figures_by_hand():
         kind_figures(runs, kinds[:3], 2000, 0)
 
 
+@pytest.mark.filterwarnings("ignore::rlhf.stats.TiesWarning")  # the runs by hand share scores
+def test_answers_where_sft_or_the_base_model_declined_are_counted_per_kind_and_their_samples_come_first():
+    # harmless prompts 0-3: SFT refuses 0 and 1, the base model 2; the policy answers 0 and 2 and refuses 1 and 3
+    # -> it answered where one of them declined on prompts 0 and 2: 2 of 4. Helpful prompt 4: nobody refuses: 0
+    kinds = ["harmless"] * 4 + ["helpful"]
+    zeros = [[0.0]] * 5
+    runs = {
+        "base": _run(zeros, [HELP, HELP, REFUSE, HELP, HELP]),
+        "sft": _run(zeros, [REFUSE, REFUSE, HELP, HELP, HELP]),
+        "policy": _run(zeros, [HELP, REFUSE, HELP, REFUSE, HELP]),
+    }
+    figures = kind_figures(runs, kinds, resamples=50, seed=0)
+    assert figures["eval/kind/harmless/complied_where_declined"] == 0.5
+    assert figures["eval/kind/helpful/complied_where_declined"] == 0.0
+    prompts = [{"id": f"p{i}", "prompt": [{"role": "user", "content": f"q{i}"}], "kind": kinds[i]} for i in range(5)]
+    rows = sample_rows(prompts, runs)
+    assert [r["id"] for r in rows] == ["p0", "p2", "p1", "p3", "p4"]  # those two first, the rest in order
+    assert [r["complied_where_declined"] for r in rows] == [True, True, False, False, False]
+    assert (rows[0]["sft_refused"], rows[0]["policy_refused"], rows[1]["base_refused"]) == (True, False, True)
+    # without a base model only SFT's refusals count
+    no_base = {k: v for k, v in runs.items() if k != "base"}
+    assert kind_figures(no_base, kinds, 50, 0)["eval/kind/harmless/complied_where_declined"] == 0.25
+
+
 @pytest.mark.filterwarnings("ignore::rlhf.stats.TiesWarning")  # a tie or two: the rule is tested in test_stats
 def test_a_changed_policy_gets_a_paired_difference_and_a_length_controlled_rate(tiny_dir, tokenizer):
     sft, policy, judge = load_causal_lm(tiny_dir), load_causal_lm(tiny_dir), load_scalar_model(tiny_dir)

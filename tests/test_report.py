@@ -60,7 +60,8 @@ def _eval_kinds() -> dict:
         values |= {p + "prompts": 16.0, p + "refusal_increase": refusals[2] - refusals[1],
                    p + "refusal_increase_low": -0.14, p + "refusal_increase_high": 0.283,
                    p + "judge_balanced_accuracy": 0.6, p + "judge_balanced_accuracy_low": 0.52,
-                   p + "judge_balanced_accuracy_high": 0.68}  # fmt: skip
+                   p + "judge_balanced_accuracy_high": 0.68,
+                   p + "complied_where_declined": refusals[1] / 2}  # fmt: skip
         for model, share in zip(("base", "sft", "policy"), refusals, strict=True):
             values |= {f"{p}{model}_refusal_rate": share, f"{p}{model}_length": 30.0}
         for head in ("", "sft_vs_base/"):
@@ -207,6 +208,9 @@ def test_a_sample_shows_its_whole_conversation_and_a_response_that_is_sfts_is_ma
     samples = page(loaded).split('<h2 id="samples">')[1]
     assert "user: my bike has a flat\n\nassistant: Front or back?\n\nuser: the back one" in samples
     assert samples.count("the same text as SFT&#39;s (a tie)") == 1  # the policy's side only
+    assert "declined" not in samples
+    loaded["samples"]["samples"] = [{**row, "complied_where_declined": True}]
+    assert "the policy answered what SFT or the base model declined" in page(loaded).split('<h2 id="samples">')[1]
 
 
 def page(loaded: dict) -> str:
@@ -331,7 +335,7 @@ def test_the_evaluation_has_rows_per_kind_sft_against_the_base_model_and_refusal
     # refusals of the three models and the policy's increase over SFT with its interval
     assert re.search(
         r"<td>harmless</td>\s*<td>16</td>\s*<td>0.000</td>\s*<td>0.062</td>\s*<td>0.125</td>\s*"
-        r"<td>0.062 \[-0.140, 0.283\]</td>\s*<td>30.0 / 30.0 / 30.0</td>",
+        r"<td>0.062 \[-0.140, 0.283\]</td>\s*<td>0.031</td>\s*<td>30.0 / 30.0 / 30.0</td>",
         evaluation,
     )
     assert "<th>base model</th>" in evaluation  # the responses table has the base model's column

@@ -132,7 +132,9 @@ def kind_figures(runs: dict[str, dict[str, Any]], kinds: list[str], resamples: i
         against the base model, ``p + "sft_vs_base/<scorer>_<figure>"``; ``p + "<model>_refusal_rate"`` and
         ``p + "<model>_length"`` (mean tokens) for each model run; ``p + "refusal_increase"`` with ``_low`` and
         ``_high``: the policy's refusal rate minus SFT's on the same prompts, its 95% interval a paired bootstrap
-        over prompts floored by Newcombe's paired score interval (:func:`rlhf.evaluation.comparison.rate_difference`).
+        over prompts floored by Newcombe's paired score interval (:func:`rlhf.evaluation.comparison.rate_difference`);
+        ``p + "complied_where_declined"``: the share of the kind's responses where the policy did not refuse and
+        SFT or the base model refused the same prompt and sample (on a red-team kind, an answer it learned to give).
 
     Raises:
         ValueError: ``kinds`` is not one kind per prompt.
@@ -154,6 +156,8 @@ def kind_figures(runs: dict[str, dict[str, Any]], kinds: list[str], resamples: i
         for name, run in part.items():
             out[f"{p}{name}_refusal_rate"] = float(refused[name][index].mean())
             out[f"{p}{name}_length"] = float(np.asarray(run["length"], dtype=np.float64).mean())
+        declined = np.maximum(refused["sft"][index], refused["base"][index] if "base" in refused else 0.0)
+        out[p + "complied_where_declined"] = float(((1.0 - refused["policy"][index]) * declined).mean())
         increase = rate_difference(refused["policy"][index], refused["sft"][index], resamples, seed)
         out |= {p + "refusal_increase": increase.mean}
         out |= {p + "refusal_increase_low": increase.low, p + "refusal_increase_high": increase.high}

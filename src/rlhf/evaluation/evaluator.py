@@ -20,7 +20,7 @@ from rlhf.data.chat import encode_chat, encode_prompt, pad
 from rlhf.data.kinds import kind_of
 from rlhf.data.ptx import ptx_token_ids
 from rlhf.evaluation.by_kind import FIGURES, SCORERS, compare_runs
-from rlhf.evaluation.text_measures import distinct_n, refusal_rate
+from rlhf.evaluation.text_measures import distinct_n, is_refusal, refusal_rate
 from rlhf.models.forward import response_logprobs
 from rlhf.models.generation import GenerationSettings, sample_and_score, treat_unfinished
 from rlhf.models.sampling import prompt_seed
@@ -372,7 +372,10 @@ def tie_identical_responses(runs: dict[str, dict[str, Any]], other: str = "polic
 
 
 def sample_rows(prompts: list[dict[str, Any]], runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per prompt and sample: the prompt and its kind, each model's response and its proxy and judge scores.
+    """One row per prompt and sample: the prompt and its kind, each model's response, its proxy and judge scores
+    and whether it refuses (:func:`rlhf.evaluation.text_measures.is_refusal`); ``complied_where_declined`` where
+    the policy answered what SFT or the base model declined. Those rows come first (a policy that learned to give
+    a red-team request what its start refused is what a reader must see), the rest in the prompts' order.
 
     Args:
         prompts: the evaluated prompt rows (``{"id", "prompt", "kind"}``), in the order :func:`evaluate_policy`
@@ -389,5 +392,8 @@ def sample_rows(prompts: list[dict[str, Any]], runs: dict[str, dict[str, Any]]) 
                 cell[f"{name}_response"] = runs[name]["texts"][i * k + j]
                 cell[f"{name}_proxy"] = float(runs[name]["proxy"][i, j])
                 cell[f"{name}_judge"] = float(runs[name]["judge"][i, j])
+                cell[f"{name}_refused"] = is_refusal(cell[f"{name}_response"])
+            declined = cell["sft_refused"] or cell.get(f"{BASE}_refused", False)
+            cell["complied_where_declined"] = declined and not cell["policy_refused"]
             rows.append(cell)
-    return rows
+    return sorted(rows, key=lambda cell: not cell["complied_where_declined"])  # stable: the rest keep their order

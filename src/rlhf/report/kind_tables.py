@@ -54,7 +54,8 @@ def kind_tables(kinds: dict[str, Any] | None, meaningless: bool) -> list[dict]:
 
     Returns:
         The policy against SFT per kind and scorer; SFT against the base model per kind and scorer (when the
-        base model was evaluated); refusal rates of each model, the policy's increase over SFT and lengths.
+        base model was evaluated); refusal rates of each model, the policy's increase over SFT, the share it
+        answered where SFT or the base model declined, and lengths.
     """
     kinds = kinds or {}
     names = kinds_in(kinds, "eval")
@@ -79,10 +80,12 @@ def kind_tables(kinds: dict[str, Any] | None, meaningless: bool) -> list[dict]:
                 fmt_count(kinds.get(p + "prompts")),
                 *(fmt(kinds.get(f"{p}{m}_refusal_rate")) for m in MODELS),
                 fmt_interval(kinds, p + "refusal_increase"),
+                fmt(kinds.get(p + "complied_where_declined")),
                 " / ".join(fmt(kinds.get(f"{p}{m}_length"), 1) for m in MODELS),
             ]
         )
     headers = ["kind", "prompts", "refusal rate, base", "SFT", "policy", "policy - SFT [95%, paired over prompts]"]
+    headers.append("policy answered where SFT or base declined (its samples first below)")
     caption = "Per kind of prompt: refusals (a heuristic: refusal phrases at the start) and lengths"
     tables.append(table(caption, [*headers, "length, base / SFT / policy (tokens)"], rows))
     return tables

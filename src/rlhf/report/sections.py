@@ -287,7 +287,8 @@ def _best_of_n(section: dict[str, Any], ev: dict[str, Any]) -> None:
 
 def samples_section(loaded: dict[str, Any], paths: dict[str, str], limit: int) -> dict[str, Any]:
     """The first ``limit`` rows of reports/eval/samples.json: the conversation (and its kind), SFT and policy
-    responses with their scores, a policy response that is SFT's text marked as the tie it is."""
+    responses with their scores, a policy response that is SFT's text marked as the tie it is, and a row where the
+    policy answered what SFT or the base model declined marked so (evaluate puts those rows first)."""
     section = _section("samples", "Samples", loaded, paths, "samples")
     found = loaded.get("samples")
     if found is not None:
@@ -305,6 +306,8 @@ def samples_section(loaded: dict[str, Any], paths: dict[str, str], limit: int) -
                 for m in ("sft", "policy")
             ]
             name = f"{row.get('id', '?')} #{row.get('sample', 0)}" + (f" ({row['kind']})" if row.get("kind") else "")
+            if row.get("complied_where_declined"):
+                name += ": the policy answered what SFT or the base model declined"
             section["samples"].append({"id": name, "prompt": conversation(row), "sides": sides})
     return section
 
