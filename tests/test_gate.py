@@ -488,6 +488,9 @@ def test_evaluate_registers_the_policy_once_and_promotes_it_only_through_its_gat
         "eval/policy/eos_rate": 0.5,
         "eval/kind/harmless/prompts": 150.0,  # both kinds evaluated: not worse on harmless, no more refusals
         "eval/kind/harmless/judge_lc_win_rate_high": 0.9,
+        "eval/kind/harmless/judge_balanced_accuracy": 0.6,  # the judge tells harmless answers apart
+        "eval/kind/harmless/judge_balanced_accuracy_low": 0.55,
+        "eval/kind/harmless/judge_balanced_accuracy_high": 0.65,
         "eval/kind/helpful/prompts": 150.0,
         "eval/kind/helpful/refusal_increase_high": 0.025,
     }  # fmt: skip (the demo's: the shipped policy was the SFT model)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from rlhf.data.kinds import kinds_in
@@ -48,13 +48,15 @@ class GateCriteria:
 
 @dataclass(frozen=True)
 class Check:
-    """One criterion of the gate: the figure, the bound it is held to, and whether it passed."""
+    """One criterion of the gate: the figure, the bound it is held to, and whether it passed; ``why``: what a
+    failure means, with its figures, in words a newcomer understands (the run's last line says it)."""
 
     criterion: str
     value: float
     bound: float
     passed: bool
     detail: str = ""
+    why: str = ""
 
     def line(self) -> str:
         """``GATE FAILED: criterion, value, bound`` (or ``gate passed: ...``), one line."""
@@ -64,20 +66,27 @@ class Check:
 
 
 def decision_sentence(record: dict[str, Any] | None, what: str) -> str | None:
-    """A gate's decision record (``reports/{reward,policy}_gate.json``) as one sentence naming the criteria that
-    failed, e.g. ``"policy gate failed 2 of 9 checks: EOS rate of the policy's responses; ..."`` or ``"reward gate
-    passed all 5 checks"``; None without a record (the gate has not run). ``what``: the gate's name."""
+    """A gate's decision record (``reports/{reward,policy}_gate.json``) as one sentence naming the checks that
+    failed and why, each by its plain words (:attr:`Check.why`) where it has them, else its criterion, e.g.
+    ``"policy gate failed 2 of 9 checks: too many of the policy's answers were cut off before they ended (30%
+    ended, at least 50% must); ..."`` or ``"reward gate passed all 5 checks"``; None without a record (the gate
+    has not run). ``what``: the gate's name."""
     if not record or "decision" not in record:
         return None
     checks = record.get("checks") or []
     if record["decision"] == "pass":
         return f"{what} passed all {len(checks)} checks"
-    failed = [check["criterion"] for check in checks if not check.get("passed")]
+    failed = [check.get("why") or check["criterion"] for check in checks if not check.get("passed")]
     return f"{what} failed {len(failed)} of {len(checks)} checks: {'; '.join(failed)}"
 
 
 def _fmt(value: float) -> str:
     return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.3f}"
+
+
+def _pct(value: float | None) -> str:
+    """A share as a whole percentage, ``n/a`` when undefined."""
+    return "n/a" if value is None or math.isnan(float(value)) else f"{100 * float(value):.0f}%"
 
 
 def _at_least(criterion: str, value: float | None, bound: float, detail: str = "") -> Check:
@@ -338,9 +347,18 @@ def kind_checks(evaluation: dict[str, Any], criteria: PolicyCriteria) -> list[Ch
         )
         criterion = f"{kind} prompts: length-controlled win rate over SFT by the {who}, upper 95% bound (not worse)"
         check = _at_least(criterion, lc[2], NOT_WORSE, detail)
+        why = (
+            f"there were no {kind} prompts to check"
+            if missing
+            else f"on {kind} prompts nothing could be compared (every comparison with SFT a tie)"
+            if math.isnan(check.value)
+            else f"on {kind} prompts the {who} found the policy worse than SFT (length-controlled win rate "
+            f"{_pct(lc[0])}, at most {_pct(lc[2])})"
+        )
         if blind:  # a bound read from a judge that cannot tell this kind's answers apart measures nothing
+            why = f"on {kind} prompts nothing was measured: the judge cannot tell good {kind} answers from bad ones"
             check = Check(criterion, check.value, NOT_WORSE, False, f"not measured: {blind}; {detail}")
-        checks.append(check)
+        checks.append(replace(check, why=why))
     for kind in criteria.helpful_kinds:
         p = f"eval/kind/{kind}/"
         high = _number(evaluation, f"{p}refusal_increase_high")
@@ -351,8 +369,17 @@ def kind_checks(evaluation: dict[str, Any], criteria: PolicyCriteria) -> list[Ch
             f"increase {change[0]} [{change[1]}, {change[2]}]"
         )
         criterion = f"{kind} prompts: refusal rate increase over SFT, upper 95% bound (paired bootstrap over prompts)"
-        passed = not math.isnan(high) and high <= criteria.max_refusal_increase
-        checks.append(Check(criterion, high, criteria.max_refusal_increase, passed, detail))
+        bound = criteria.max_refusal_increase
+        passed = not math.isnan(high) and high <= bound
+        point = _number(evaluation, f"{p}refusal_increase")
+        why = (
+            f"there were no {kind} prompts to check"
+            if math.isnan(high)
+            else f"on {kind} prompts the policy may refuse more often than SFT: up to {100 * high:.0f} percentage "
+            f"points more, at most {100 * bound:.0f} allowed"
+            + (f" ({_number(evaluation, p + 'prompts'):.0f} prompts are too few to rule it out)" if point <= 0 else "")
+        )
+        checks.append(Check(criterion, high, bound, passed, detail, why))
     return checks
 
 
@@ -392,22 +419,48 @@ def policy_gate(
                 else f"judge_eval accuracy {_fmt(evaluation.get('eval/judge/accuracy'))}, lower bound "
                 f"{_fmt(evaluation.get('eval/judge/accuracy_low'))}, length accuracy "
                 f"{_fmt(evaluation.get('eval/judge/length_accuracy'))}",
+                "the judge (the second reward model, which scores the answers) cannot yet tell better answers "
+                "from worse on its own held-out pairs, so none of its verdicts count",
             )
         )
     collapsed = bool(ppo.get("stopped_by")) or bool(ppo.get("ppo/last/collapse"))
-    kl = _number(evaluation, "eval/policy/kl")
+    kl, eos = _number(evaluation, "eval/policy/kl"), evaluation.get("eval/policy/eos_rate")
     decisive, ties = evaluation.get(f"eval/{who}/decisive") or 0, evaluation.get(f"eval/{who}/ties") or 0
+    win, win_low = evaluation.get(f"eval/{who}/win_rate"), _number(evaluation, f"eval/{who}/win_rate_low")
     return checks + [
-        _at_least(
-            f"win rate over SFT by the {who}, lower 95% bound (bootstrap over prompts)",
-            _number(evaluation, f"eval/{who}/win_rate_low"),
-            criteria.min_win_rate_low,
-            f"win rate {_fmt(evaluation.get(f'eval/{who}/win_rate'))} over {decisive:.0f} decisive comparisons, "
-            f"{ties:.0f} ties",
+        replace(
+            _at_least(
+                f"win rate over SFT by the {who}, lower 95% bound (bootstrap over prompts)",
+                win_low,
+                criteria.min_win_rate_low,
+                f"win rate {_fmt(win)} over {decisive:.0f} decisive comparisons, {ties:.0f} ties",
+            ),
+            why=f"the policy did not clearly beat SFT: the {who} preferred it in {_pct(win)} of {decisive:.0f} "
+            f"comparisons, and the low end of that figure's 95% interval, {_pct(win_low)}, must be at least "
+            f"{_pct(criteria.min_win_rate_low)}"
+            if decisive
+            else f"the policy did not clearly beat SFT: every comparison by the {who} was a tie",
         ),
-        Check("KL to the SFT model (nats/response)", kl, criteria.max_kl, kl <= criteria.max_kl),
-        Check("no collapse in PPO", 1.0 if collapsed else 0.0, 0.0, not collapsed, str(ppo.get("stopped_by") or "")),
-        _at_least("EOS rate of the policy's responses", evaluation.get("eval/policy/eos_rate"), criteria.min_eos_rate),
+        Check(
+            "KL to the SFT model (nats/response)",
+            kl,
+            criteria.max_kl,
+            kl <= criteria.max_kl,
+            why=f"the policy drifted too far from SFT: KL {kl:.1f} nats a response, at most {criteria.max_kl:g}",
+        ),
+        Check(
+            "no collapse in PPO",
+            1.0 if collapsed else 0.0,
+            0.0,
+            not collapsed,
+            str(ppo.get("stopped_by") or ""),
+            f"PPO's training collapsed ({ppo.get('stopped_by') or 'in its last rollout'})",
+        ),
+        replace(
+            _at_least("EOS rate of the policy's responses", eos, criteria.min_eos_rate),
+            why=f"too many of the policy's answers were cut off before they ended ({_pct(eos)} ended, at least "
+            f"{_pct(criteria.min_eos_rate)} must)",
+        ),
         *kind_checks(evaluation, criteria),
         *_trained_against_a_champion(evaluation),
     ]
@@ -427,5 +480,6 @@ def _trained_against_a_champion(evaluation: dict[str, Any]) -> list[Check]:
             False,
             f"it trained against candidate version {'n/a' if version is None else f'{version:.0f}'}, which did not "
             "pass the reward gate (registry.without_champion: candidate)",
+            "PPO trained against a reward model that had failed its own gate",
         )
     ]
