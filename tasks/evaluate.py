@@ -254,7 +254,11 @@ def run(
     tokenizer = load_tokenizer(SFT)
     runtime = stage_runtime("evaluate", device)
     # never trained here: requires_grad off, so models that share frozen blocks run them once (rlhf.models.trunk)
-    sft, policy, base = (runtime.place(load_causal_lm(path)).requires_grad_(False) for path in (SFT, POLICY, BASE))
+    sft, policy = (runtime.place(load_causal_lm(path)).requires_grad_(False) for path in (SFT, POLICY))
+    # no SFT (sft.steps 0): models/sft is the base model, byte for byte, evaluated once
+    base = (
+        sft if folder_sha256(SFT) == folder_sha256(BASE) else runtime.place(load_causal_lm(BASE)).requires_grad_(False)
+    )
     scorers = Scorers(
         runtime.frozen(load_scalar_model(REWARD)), runtime.frozen(load_scalar_model(JUDGE)), load_tokenizer(JUDGE)
     )

@@ -1,4 +1,5 @@
-"""Stage sft: fine-tune the base model on the chosen responses of the sft split.
+"""Stage sft: fine-tune the base model on the chosen responses of the sft split (``sft.steps`` 0: no fine-tuning,
+``models/sft`` is the base model as it is, and PPO starts from it).
 
 Writes ``models/sft/`` and ``metrics/sft.json`` together, after everything that can fail
 (:class:`tasks.kit.outputs.StagedOutputs`): a failed or stopped run leaves the previous ones as they were.
@@ -6,6 +7,7 @@ Writes ``models/sft/`` and ``metrics/sft.json`` together, after everything that 
 
 from __future__ import annotations
 
+import shutil
 from typing import Any
 
 from rlhf.data.reading import load_jsonl
@@ -28,7 +30,8 @@ OUT_DIR, METRICS = paths.SFT, paths.metrics("sft")
 def run(
     params: dict[str, Any], log, outputs: StagedOutputs | None, device: dict[str, Any] | None = None
 ) -> dict[str, float]:
-    """Train the SFT model and stage it as ``models/sft/`` in ``outputs`` (written when they commit).
+    """Train the SFT model and stage it as ``models/sft/`` in ``outputs`` (written when they commit); with
+    ``sft.steps`` 0 stage a copy of ``models/base`` instead, untrained.
 
     In a training process other than rank 0 (``device.num_processes``) it only trains: ``outputs`` is None.
 
@@ -41,6 +44,11 @@ def run(
         FloatingPointError: training diverged (:func:`rlhf.training.supervised.supervised_loop`).
     """
     config = config_from_params(SFTConfig, params, "sft")
+    if config.steps == 0:  # no SFT: what PPO starts from is the base model, byte for byte
+        if outputs is not None:
+            shutil.copytree(BASE, outputs.folder(OUT_DIR), dirs_exist_ok=True)
+        print("[sft] sft.steps is 0: no fine-tuning, models/sft is the base model", flush=True)
+        return {"sft/steps": 0.0, "sft/examples": float(len(load_jsonl(DATA))), "sft/epochs": 0.0}
     setup_torch(config.seed)  # before the model is built: the seed owns any new head's initialisation
     tokenizer, model = load_tokenizer(BASE), load_causal_lm(BASE)
     runtime = stage_runtime("sft", device)

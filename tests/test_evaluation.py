@@ -145,6 +145,27 @@ def test_the_base_model_is_sampled_and_scored_as_sft_and_its_kl_is_not_computed(
     assert rows[2]["base_response"] == runs["base"]["texts"][2] and rows[2]["base_judge"] == rows[2]["sft_judge"]
 
 
+@pytest.mark.filterwarnings("ignore::rlhf.stats.TiesWarning")  # every comparison a tie: tested above
+def test_without_sft_the_base_model_is_not_sampled_again(tiny_dir, tokenizer, monkeypatch):
+    # sft.steps 0: SFT is the base model; its run serves as the base model's, every comparison of the two a tie
+    import rlhf.evaluation.evaluator as evaluator
+
+    sft, judge = load_causal_lm(tiny_dir), load_scalar_model(tiny_dir)
+    sampled = []
+    real = evaluator.generate_and_score
+    monkeypatch.setattr(
+        evaluator, "generate_and_score", lambda model, *a, **k: sampled.append(model) or real(model, *a, **k)
+    )
+    settings = GenerationSettings(max_new_tokens=4, temperature=1.0, no_eos="score", no_eos_value=None)
+    config = EvalConfig(batch_size=4, samples_per_prompt=2, bootstrap_resamples=50)
+    metrics, runs = evaluate_policy(sft, sft, Scorers(judge, judge, tokenizer), tokenizer, PROMPTS,
+                                    [{"text": "Some text."}], config, settings, CPU, base=sft)  # fmt: skip
+    assert len(sampled) == 2  # SFT and the policy, not the base model
+    assert runs["base"]["texts"] == runs["sft"]["texts"] and torch.isnan(runs["base"]["kl"]).all()
+    assert metrics["eval/base/identical_responses"] == 4 and metrics["eval/base/length"] == metrics["eval/sft/length"]
+    assert kind_figures(runs, ["harmless", "helpful"], 50, 0)["eval/kind/harmless/sft_vs_base/judge_ties"] == 2
+
+
 def test_evaluation_takes_a_fair_share_of_each_kind_by_id():
     names = {"h": "helpful", "x": "harmless"}
     rows = [{"id": f"{i:02d}", "kind": names[kind]} for i, kind in enumerate("hhxhhxhxhh")][::-1]  # any order in

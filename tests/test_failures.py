@@ -725,6 +725,25 @@ def test_sigterm_mid_training_kills_the_stage_and_its_runs_and_keeps_the_outputs
 
 
 @pytest.mark.integration
+def test_sft_with_zero_steps_writes_the_base_model_as_it_is(tmp_path, tiny_dir, empty_db, monkeypatch, capsys):
+    # no SFT (sft.steps 0): PPO, the reward model and the evaluation start from the base model, byte for byte
+    import tasks.sft as sft
+    from tasks.kit.common import cli
+
+    project = tiny_project(tmp_path, tiny_dir, empty_db, sft={"steps": 0})
+    with open(os.path.join(project, "models", "sft", "stale.txt"), "w") as handle:
+        handle.write("a file of the previous SFT model")
+    use_store(monkeypatch, project, "no-sft")
+    cli(sft.main)
+    assert tree(os.path.join(project, "models", "sft")) == tree(os.path.join(project, "models", "base"))
+    with open(os.path.join(project, "metrics", "sft.json")) as handle:
+        metrics = json.load(handle)
+    assert (metrics["sft/steps"], metrics["sft/epochs"], metrics["sft/examples"]) == (0.0, 0.0, float(len(ROWS)))
+    assert "[sft] sft.steps is 0: no fine-tuning, models/sft is the base model" in capsys.readouterr().out
+    assert sorted(runs(project)) == [("pipeline", "FINISHED"), ("sft", "FINISHED")]
+
+
+@pytest.mark.integration
 def test_sft_diverging_stops_with_one_line_and_the_next_stage_refuses_its_model(
     tmp_path, tiny_dir, empty_db, monkeypatch, capsys
 ):

@@ -199,6 +199,15 @@ def test_model_output_is_escaped_never_markup(project):
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html and XSS not in html
 
 
+def test_a_run_without_sft_says_so_where_sft_is_reported(project):
+    loaded = report.load_inputs()
+    note = "no fine-tuning (sft.steps 0): SFT is the base model"
+    assert note not in page(loaded)
+    loaded["sft"] = {"sft/examples": 395.0, "sft/steps": 0.0, "sft/epochs": 0.0}
+    sft = page(loaded).split('<h2 id="sft">')[1].split("<h2 ")[0]
+    assert note in sft
+
+
 def test_a_sample_shows_its_whole_conversation_and_a_response_that_is_sfts_is_marked(project):
     loaded = report.load_inputs()
     turns = [{"role": "user", "content": "my bike has a flat"}, {"role": "assistant", "content": "Front or back?"},

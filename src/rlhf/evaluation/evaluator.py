@@ -287,7 +287,8 @@ def evaluate_policy(
         ptx_heldout: held-out ptx rows (``{"messages"}`` or ``{"text"}``) for the perplexity.
         config: :class:`EvalConfig`; settings: the shared generation settings.
         runtime: device and precision; the models already on its device.
-        base: the model SFT was trained from (``models/base``), or None.
+        base: the model SFT was trained from (``models/base``), or None; ``sft`` itself where there was no SFT
+            (``sft.steps`` 0): not sampled again, its run is SFT's (every comparison of the two a tie).
         kinds: each prompt's kind of data, its responses read with that kind's score (:func:`generate_and_score`).
 
     Returns:
@@ -325,7 +326,11 @@ def evaluate_policy(
             model, references[name], scorers, tokenizer, prompts, config, settings, runtime, k, kinds=kinds
         )
         for name, model in models.items()
+        if not (name == BASE and base is sft)  # no SFT (sft.steps 0): the base model is SFT, its run is SFT's
     }
+    if base is sft:
+        runs[BASE] = {**runs["sft"], "kl": torch.full_like(runs["sft"]["kl"], math.nan)}
+        runs[BASE]["kl_k3"] = runs[BASE]["kl"]
     metrics = {
         "eval/prompts": float(len(prompts)),
         "eval/samples_per_prompt": float(k),

@@ -124,9 +124,14 @@ def data_section(loaded: dict[str, Any], paths: dict[str, str]) -> dict[str, Any
 
 
 def sft_section(loaded: dict[str, Any], paths: dict[str, str]) -> dict[str, Any]:
-    """The SFT run's size and loss."""
+    """The SFT run's size and loss; with ``sft.steps`` 0 a note that there was none (SFT is the base model)."""
     section = _section("sft", "Supervised fine-tuning", loaded, paths, "sft")
     if loaded.get("sft") is not None:
+        if loaded["sft"].get("sft/steps") == 0:
+            section["notes"].append(
+                "no fine-tuning (sft.steps 0): SFT is the base model, what PPO starts from and every figure compares "
+                "with; SFT against the base model is a tie by construction"
+            )
         section["tables"].append(values_table("SFT", loaded["sft"], SFT_ROWS))
     return section
 

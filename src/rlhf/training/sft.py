@@ -23,6 +23,7 @@ class SFTConfig(LoopConfig):
     """SFT hyperparameters (params.yaml section ``sft``)."""
 
     section: ClassVar[str] = "sft"
+    min_steps: ClassVar[int] = 0  # 0: no SFT, the base model is what PPO starts from (tasks/sft.py)
     steps: int = 40
     lr: float = 1e-4
     warmup_steps: int = 4

@@ -104,6 +104,7 @@ class LoopConfig:
     """
 
     section: ClassVar[str] = ""
+    min_steps: ClassVar[int] = 1  # SFT allows 0: no fine-tuning at all
     steps: int = 40  # optimiser steps
     batch_size: int = 4  # examples per optimiser step, over all processes together
     micro_batch_size: int | None = None  # at most this many per forward/backward pass (None: a process's share)
@@ -121,17 +122,25 @@ class LoopConfig:
         """Refuse a warm-up the schedule would ignore, and a count or rate outside its domain.
 
         Raises:
-            ValueError: see :func:`check_schedule`; ``steps``, ``batch_size`` or ``micro_batch_size`` below 1,
+            ValueError: see :func:`check_schedule`; ``steps`` below ``min_steps``, ``batch_size`` or
+                ``micro_batch_size`` below 1,
                 ``max_grad_norm`` not above 0, ``lr``, ``warmup_steps``, ``checkpoint_every`` or
                 ``trainable_layers`` below 0 (:func:`check_ranges`, naming the key).
         """
         check_schedule(self.section, self.scheduler, self.warmup_steps)
+        steps = ("steps",)
         check_ranges(
             self.section,
             self,
-            at_least_1=("steps", "batch_size", "micro_batch_size"),
+            at_least_1=("batch_size", "micro_batch_size", *(steps if self.min_steps == 1 else ())),
             positive=("max_grad_norm",),
-            non_negative=("lr", "warmup_steps", "checkpoint_every", "trainable_layers"),  # lr 0: measure only
+            non_negative=(
+                "lr",
+                "warmup_steps",
+                "checkpoint_every",
+                "trainable_layers",
+                *(steps if not self.min_steps else ()),
+            ),
         )
 
 
