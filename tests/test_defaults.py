@@ -156,3 +156,13 @@ def test_the_readme_split_table_shows_params_yaml_fractions(column, profile):
         formula = re.sub(r"\(\+.*?\)", "", row[column]).replace("×", "*").replace("−", "-")
         share = eval(formula, {"__builtins__": {}})  # the page's own arithmetic: "0.05 * (1 - 0.2)"
         assert share == pytest.approx(shares[row[0].strip("`")]), f"docs/data.md {profile}: {row}"
+
+
+@pytest.mark.parametrize("profile", ["demo", "long", "gpu"])
+def test_the_judge_sees_at_least_as_many_pairs_as_the_reward_model(profile):
+    # the gold model of Gao et al. sees more than the proxy: a judge that learned less than the reward model it
+    # checks cannot tell a better policy from a reward hack
+    params = read_params(str(ROOT / "params.yaml"))
+    params["profile"] = profile
+    judge, reward = stage_params("judge", params), stage_params("reward", params)
+    assert judge["steps"] * judge["batch_size"] >= reward["steps"] * reward["batch_size"], profile

@@ -65,7 +65,7 @@ class JudgeConfig(RewardConfig):
     pairs, for evaluation only (PPO never reads it); only the section and the defaults differ."""
 
     section: ClassVar[str] = "judge"
-    steps: int = 20
+    steps: int = 28
     warmup_steps: int = 3
     seed: int = 1
     center_max_examples: int | None = 64
