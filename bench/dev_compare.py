@@ -30,7 +30,7 @@ from tasks.kit.common import setup_torch, stage_runtime
 from tasks.kit.configs import config_from_params, derived_values
 from tasks.kit.params import stage_params
 
-SHOWN = ("eval/judge/", "eval/proxy/", "eval/policy/kl", "eval/kind/")
+SHOWN = ("eval/judge/", "eval/proxy/", "eval/policy/", "eval/sft/", "eval/kind/")
 
 
 def dev_prompts_of(count: int) -> list[dict[str, Any]]:

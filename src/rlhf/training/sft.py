@@ -24,7 +24,7 @@ class SFTConfig(LoopConfig):
 
     section: ClassVar[str] = "sft"
     min_steps: ClassVar[int] = 0  # 0: no SFT, the base model is what PPO starts from (tasks/sft.py)
-    steps: int = 40
+    steps: int = 0
     lr: float = 1e-4
     warmup_steps: int = 4
     trainable_layers: int | None = 12
