@@ -20,7 +20,7 @@ SUMMARY = {
     "prepare": [],
     "base_model": [],
     "validate": ["validate/valid", "validate/quarantined"],
-    "sft": ["sft/loss_first", "sft/loss_last"],
+    "sft": ["sft/steps", "sft/loss_first", "sft/loss_last"],
     "reward": [
         "rm/accuracy",
         "rm/balanced_accuracy",
@@ -186,7 +186,7 @@ def read_metrics(paths: list[str]) -> dict:
 
 HEADLINE = {  # the figures of a stage's one end line; {kind} repeats the figure for each kind the metrics hold
     "validate": ["validate/valid", "validate/quarantined"],
-    "sft": ["sft/loss_last"],
+    "sft": ["sft/steps", "sft/loss_last"],  # sft/steps=0: no SFT, models/sft is the base model
     "reward": ["rm/balanced_accuracy", "rm/kind/{kind}/balanced_accuracy"],
     "gate": ["gate/passed"],
     "judge": ["judge/balanced_accuracy", "judge/kind/{kind}/balanced_accuracy"],

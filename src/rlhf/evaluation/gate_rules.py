@@ -350,9 +350,9 @@ def kind_checks(evaluation: dict[str, Any], criteria: PolicyCriteria) -> list[Ch
         why = (
             f"there were no {kind} prompts to check"
             if missing
-            else f"on {kind} prompts nothing could be compared (every comparison with SFT a tie)"
+            else f"on {kind} prompts nothing could be compared (every comparison with its start a tie)"
             if math.isnan(check.value)
-            else f"on {kind} prompts the {who} found the policy worse than SFT (length-controlled win rate "
+            else f"on {kind} prompts the {who} found the policy worse than its start (length-controlled win rate "
             f"{_pct(lc[0])}, at most {_pct(lc[2])})"
         )
         if blind:  # a bound read from a judge that cannot tell this kind's answers apart measures nothing
@@ -375,8 +375,8 @@ def kind_checks(evaluation: dict[str, Any], criteria: PolicyCriteria) -> list[Ch
         why = (
             f"there were no {kind} prompts to check"
             if math.isnan(high)
-            else f"on {kind} prompts the policy may refuse more often than SFT: up to {100 * high:.0f} percentage "
-            f"points more, at most {100 * bound:.0f} allowed"
+            else f"on {kind} prompts the policy may refuse more often than its start: up to {100 * high:.0f} "
+            f"percentage points more, at most {100 * bound:.0f} allowed"
             + (f" ({_number(evaluation, p + 'prompts'):.0f} prompts are too few to rule it out)" if point <= 0 else "")
         )
         checks.append(Check(criterion, high, bound, passed, detail, why))
@@ -435,18 +435,20 @@ def policy_gate(
                 criteria.min_win_rate_low,
                 f"win rate {_fmt(win)} over {decisive:.0f} decisive comparisons, {ties:.0f} ties",
             ),
-            why=f"the policy did not clearly beat SFT: the {who} preferred it in {_pct(win)} of {decisive:.0f} "
+            why=f"the policy did not clearly beat the model it started from: the {who} preferred it in {_pct(win)} of "
+            f"{decisive:.0f} "
             f"comparisons, and the low end of that figure's 95% interval, {_pct(win_low)}, must be at least "
             f"{_pct(criteria.min_win_rate_low)}"
             if decisive
-            else f"the policy did not clearly beat SFT: every comparison by the {who} was a tie",
+            else f"the policy did not clearly beat the model it started from: every comparison by the {who} was a tie",
         ),
         Check(
             "KL to the SFT model (nats/response)",
             kl,
             criteria.max_kl,
             kl <= criteria.max_kl,
-            why=f"the policy drifted too far from SFT: KL {kl:.1f} nats a response, at most {criteria.max_kl:g}",
+            why=f"the policy drifted too far from the model it started from: KL {kl:.1f} nats a response, at most "
+            f"{criteria.max_kl:g}",
         ),
         Check(
             "no collapse in PPO",
