@@ -171,6 +171,8 @@ def test_each_stage_seeds_with_its_own_seed_before_it_builds_a_model(monkeypatch
     monkeypatch.setattr(module, "load_jsonl", lambda path: [])  # no data needed to get that far
     monkeypatch.setattr(module, "require_champion", lambda folder: {"version": "1"}, raising=False)  # ppo, evaluate
     params = {**stage_params(section, load("params.yaml")), "seed": 4321}
+    if stage == "sft":
+        params["steps"] = 40  # an SFT that trains (the default, 0, trains nothing and builds no model)
     generation = stage_params("generation", load("params.yaml"))
     reward = (params, None, None, None, ("rm_train.jsonl", "rm_eval.jsonl"), "models/sft", "models/reward", "reward")
     args = {"sft": (params, None, None), "reward": reward, "ppo": (params, generation, None)}

@@ -120,7 +120,8 @@ def test_config_from_params_reads_yaml_exponents_and_rejects_unknown_keys():
 @pytest.mark.parametrize(
     "config, kwargs, message",
     [
-        (SFTConfig, {"steps": 0}, r"^sft.steps must be at least 1, got 0$"),
+        (SFTConfig, {"steps": -1}, r"^sft.steps must be at least 0, got -1$"),  # 0: no SFT
+        (RewardConfig, {"steps": 0}, r"^reward.steps must be at least 1, got 0$"),
         (SFTConfig, {"lr": -1e-5}, r"^sft.lr must be at least 0, got -1e-05$"),
         (RewardConfig, {"batch_size": 0}, r"^reward.batch_size must be at least 1, got 0$"),
         (RewardConfig, {"max_grad_norm": 0.0}, r"^reward.max_grad_norm must be above 0, got 0.0$"),
