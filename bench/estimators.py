@@ -25,6 +25,7 @@ from scipy import stats as scipy_stats
 
 from bench.ablation import overrides
 from bench.dev_compare import compare_on_dev, dev_prompts_of
+from rlhf.ppo.types import PPOResult
 from rlhf.training.checkpoint import write_json
 from tasks import ppo
 from tasks.kit import paths
@@ -45,6 +46,20 @@ def slope(history: dict[int, dict[str, float]], key: str = "ppo/reward/mean") ->
     fit = scipy_stats.linregress(x, y)
     half = scipy_stats.t.ppf(0.975, len(x) - 2) * fit.stderr
     return float(fit.slope), float(fit.slope - half), float(fit.slope + half)
+
+
+def train(name: str, ppo_params: dict, generation: dict, out_dir: str) -> tuple[PPOResult, dict[int, dict]]:
+    """One PPO run as the ppo stage runs it (its own MLflow run); returns its result and every logged figure by step
+    (step 0, the start's validation, is logged but not in the result's history)."""
+    logged: dict[int, dict[str, float]] = {}
+    with StageRun(f"estimators-{name}", ppo_params) as stage:
+
+        def log(metrics: dict[str, float], step: int) -> None:
+            logged.setdefault(step, {}).update(metrics)
+            stage.log(metrics, step)
+
+        result = ppo.run(ppo_params, generation, log, out_dir=out_dir, checkpoint_name=f"est-{name}")
+    return result, logged
 
 
 def last_kept(policy_dir: str) -> str:
@@ -85,10 +100,9 @@ def main(
             }
             setup_torch(seed)
             out_dir = os.path.join("bench", "out", "estimators", name)
-            with StageRun(f"estimators-{name}", ppo_params) as stage:
-                result = ppo.run(ppo_params, generation, stage.log, out_dir=out_dir, checkpoint_name=f"est-{name}")
+            result, logged = train(name, ppo_params, generation, out_dir)
             validation = {
-                s: row["ppo/validation/reward"] for s, row in result.history.items() if "ppo/validation/reward" in row
+                s: row["ppo/validation/reward"] for s, row in logged.items() if "ppo/validation/reward" in row
             }
             results[name] = {
                 "reward_slope": slope(result.history),
@@ -102,11 +116,8 @@ def main(
             write_json(
                 os.path.join(OUT, "summary.json"), {"iterations": iterations, "k": k, "set": set_, "runs": results}
             )
-            row, (rise, low, high), seen = (
-                results[name],
-                results[name]["reward_slope"],
-                results[name]["validation_reward"],
-            )
+            row = results[name]
+            (rise, low, high), seen = row["reward_slope"], row["validation_reward"]
             judge = [row[f"eval/judge/win_rate{end}"] for end in ("", "_low", "_high")]
             print(
                 f"{name}: reward slope {rise:+.4f} [{low:+.4f}, {high:+.4f}]/iteration; validation reward SFT "
