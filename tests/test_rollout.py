@@ -254,10 +254,31 @@ def test_the_collapse_guard_compares_with_the_mean_of_the_starting_policys_rollo
     for length, perplexity in ((109.0, 4.0), (74.0, 5.0), (63.0, 3.0), (58.0, 4.0)):  # the long run's SFT rollouts
         baseline = pooled_baseline(baseline, {"ppo/response_length": length, "ppo/perplexity": perplexity})
     # (109 + 74 + 63 + 58) / 4 = 76.0 tokens, (4 + 5 + 3 + 4) / 4 = 4.0
-    assert baseline == {"ppo/response_length": 76.0, "ppo/perplexity": 4.0, "rollouts": 4.0}
+    assert baseline == {"ppo/response_length": 76.0, "ppo/perplexity": 4.0, "ppo/truncated_share": 0.0, "rollouts": 4.0}
     config = PPOConfig(collapse_reward_skew=None, collapse_truncated_share=None)
     calm = {"ppo/window/reward_skew": 0.0, "ppo/window/truncated_share": 0.0, "ppo/kl": 0.3, "ppo/perplexity": 4.0}
     # 26.5 tokens: under the first rollout's 109 / 3, not under the pooled 76 / 3 = 25.3
     assert detect_collapse({**calm, "ppo/response_length": 26.5}, baseline, config) is None
     reason = detect_collapse({**calm, "ppo/response_length": 25.0}, baseline, config)
     assert reason == "mean response length fell from 76.0 to 25.0 (limit /3.0)"
+
+
+def test_the_truncation_guard_fires_only_above_what_the_starting_policy_did():
+    # a base model that writes long (no SFT): its own first rollouts cut at max_new_tokens are not a collapse
+    from rlhf.ppo.guard import detect_collapse, pooled_baseline
+
+    baseline = {}
+    for share in (1.0, 0.875):  # the starting policy's rollouts: 15 of 16 responses cut
+        baseline = pooled_baseline(
+            baseline, {"ppo/response_length": 128.0, "ppo/perplexity": 3.0, "ppo/truncated_share": share}
+        )
+    assert baseline["ppo/truncated_share"] == 0.9375
+    config = PPOConfig(collapse_reward_skew=None)  # collapse_truncated_share 0.9
+    calm = {"ppo/window/reward_skew": 0.0, "ppo/kl": 0.3, "ppo/perplexity": 3.0, "ppo/response_length": 128.0}
+    assert detect_collapse({**calm, "ppo/window/truncated_share": 0.9375}, baseline, config) is None
+    reason = detect_collapse({**calm, "ppo/window/truncated_share": 1.0}, baseline, config)
+    assert reason == "100% of the last 4 rollouts' responses hit max_new_tokens (the starting policy's: 94%)"
+    # a start that ends its responses: the threshold alone
+    start = {"ppo/response_length": 60.0, "ppo/perplexity": 3.0, "ppo/truncated_share": 0.1}
+    assert detect_collapse({**calm, "ppo/window/truncated_share": 0.95}, start, config).startswith("95% of the last 4")
+    assert detect_collapse({**calm, "ppo/window/truncated_share": 0.85}, start, config) is None

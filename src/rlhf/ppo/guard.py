@@ -40,7 +40,7 @@ def window_signals(window: list[dict[str, list[float]]]) -> dict[str, float]:
     }
 
 
-BASELINE_KEYS = ("ppo/response_length", "ppo/perplexity")
+BASELINE_KEYS = ("ppo/response_length", "ppo/perplexity", "ppo/truncated_share")
 
 
 def pooled_baseline(baseline: dict[str, float], stats: dict[str, float]) -> dict[str, float]:
@@ -50,13 +50,13 @@ def pooled_baseline(baseline: dict[str, float], stats: dict[str, float]) -> dict
 
     Args:
         baseline: the reference so far (``{}`` before the first rollout); ``rollouts`` counts what it pools.
-        stats: the new rollout's signals (response length in tokens, perplexity).
+        stats: the new rollout's signals (response length in tokens, perplexity, share cut at max_new_tokens).
 
     Returns:
         The new reference: each key the mean over ``rollouts`` rollouts (equal batches weigh equally).
     """
     pooled = baseline.get("rollouts", 0.0)
-    means = {key: (baseline.get(key, 0.0) * pooled + stats[key]) / (pooled + 1) for key in BASELINE_KEYS}
+    means = {key: (baseline.get(key, 0.0) * pooled + stats.get(key, 0.0)) / (pooled + 1) for key in BASELINE_KEYS}
     return {**means, "rollouts": pooled + 1}
 
 
@@ -65,8 +65,8 @@ def detect_collapse(stats: dict[str, float], baseline: dict[str, float], config:
 
     Args:
         stats: the rollout's signals plus :func:`window_signals` of the window that ends with it.
-        baseline: ``ppo/response_length`` and ``ppo/perplexity`` of the starting (SFT) policy's rollouts
-            (:func:`pooled_baseline`).
+        baseline: ``ppo/response_length``, ``ppo/perplexity`` and ``ppo/truncated_share`` of the starting (SFT)
+            policy's rollouts (:func:`pooled_baseline`; a checkpoint written before the share has none: 0).
         config: thresholds (None disables a check).
 
     Returns:
@@ -87,9 +87,14 @@ def detect_collapse(stats: dict[str, float], baseline: dict[str, float], config:
     skew = stats["ppo/window/reward_skew"]
     if config.collapse_reward_skew is not None and abs(skew) > config.collapse_reward_skew:
         return f"reward scores have a long tail over the last {config.collapse_window} rollouts (skew {skew:.2f})"
-    share = stats["ppo/window/truncated_share"]
-    if config.collapse_truncated_share is not None and share > config.collapse_truncated_share:
-        return f"{share:.0%} of the last {config.collapse_window} rollouts' responses hit max_new_tokens"
+    share, start = stats["ppo/window/truncated_share"], baseline.get("ppo/truncated_share", 0.0)
+    # above the threshold and above what the starting policy did: a start that writes long (the base model, no
+    # SFT) is not a collapse of training
+    if config.collapse_truncated_share is not None and share > max(config.collapse_truncated_share, start):
+        return (
+            f"{share:.0%} of the last {config.collapse_window} rollouts' responses hit max_new_tokens (the starting "
+            f"policy's: {start:.0%})"
+        )
     return None
 
 
