@@ -16,12 +16,9 @@ Usage:
 
 from __future__ import annotations
 
-import math
 import os
 
-import numpy as np
 import typer
-from scipy import stats as scipy_stats
 
 from bench.ablation import overrides
 from bench.dev_compare import compare_on_dev, dev_prompts_of
@@ -35,17 +32,6 @@ from tasks.kit.runs import StageRun
 
 OUT = "reports/estimators"
 CRITIC_FREE = {"value_pretrain_iterations": 0, "value_clip": None}  # what rloo and grpo refuse to read
-
-
-def slope(history: dict[int, dict[str, float]], key: str = "ppo/reward/mean") -> tuple[float, float, float]:
-    """The least-squares slope of ``key`` over the policy iterations' rollouts, with its 95% t interval."""
-    points = [(step, row[key]) for step, row in sorted(history.items()) if row.get("ppo/updated_policy")]
-    if len(points) < 3:
-        return math.nan, math.nan, math.nan
-    x, y = np.array(points, dtype=np.float64).T
-    fit = scipy_stats.linregress(x, y)
-    half = scipy_stats.t.ppf(0.975, len(x) - 2) * fit.stderr
-    return float(fit.slope), float(fit.slope - half), float(fit.slope + half)
 
 
 def train(name: str, ppo_params: dict, generation: dict, out_dir: str) -> tuple[PPOResult, dict[int, dict]]:
@@ -105,7 +91,7 @@ def main(
                 s: row["ppo/validation/reward"] for s, row in logged.items() if "ppo/validation/reward" in row
             }
             results[name] = {
-                "reward_slope": slope(result.history),
+                "reward_slope": [result.summary[f"ppo/reward/slope{end}"] for end in ("", "_low", "_high")],
                 "validation_reward": {"sft": validation.get(0), "last": validation[max(validation)]},
                 "last_kl": result.history[max(result.history)]["ppo/kl"],
                 "seconds": sum(

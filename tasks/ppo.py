@@ -204,8 +204,10 @@ def summary_lines(summary: dict[str, Any], shipped: int) -> list[str]:
     """The stage's printed summary: rollouts and critic pre-training, then the shipped policy (``shipped``: its
     rollout step, 0 = SFT) and the last rollout."""
     nan = float("nan")
+    slope = [summary.get(f"ppo/reward/slope{end}", nan) for end in ("", "_low", "_high")]
     return [
-        f"[ppo] {int(summary['ppo/iterations'])} rollouts, {int(summary['ppo/policy_iterations'])} policy updates; "
+        f"[ppo] {int(summary['ppo/iterations'])} rollouts, {int(summary['ppo/policy_iterations'])} policy updates, "
+        f"the rollouts' mean reward changed by {slope[0]:+.4f} [{slope[1]:+.4f}, {slope[2]:+.4f}] an iteration (95%); "
         f"critic pre-training: {summary.get('ppo/value/pretrain_iterations', 0):.0f} iterations, "
         f"explained variance {summary.get('ppo/value/pretrain_explained_variance', nan):.3f}",
         f"[ppo] shipped policy: iteration {shipped} (0 = SFT); validation reward "

@@ -21,6 +21,7 @@ from rlhf.ppo.rollout import RunningMoments, make_experience
 from rlhf.ppo.types import PPOModels
 from rlhf.ppo.update import make_optimisers, ppo_update
 from rlhf.runtime.device import Runtime
+from rlhf.stats import linear_trend
 from rlhf.training.checkpoint import Checkpointer
 
 PROMPTS = [
@@ -205,6 +206,9 @@ def test_summary_reports_the_shipped_policy_and_the_last_rollout_apart(tiny_dir,
     assert result.summary["ppo/validation/reward"] == 0.9
     assert result.summary["ppo/last/reward/mean"] == logged[4]["ppo/reward/mean"]
     assert result.summary["ppo/last/validation/reward"] == 0.1
+    # the trend of the policy iterations' rollouts (2, 3, 4; rollout 1 only pre-trained the critic)
+    trend = linear_trend([2.0, 3.0, 4.0], [logged[step]["ppo/reward/mean"] for step in (2, 3, 4)])
+    assert [result.summary[f"ppo/reward/slope{end}"] for end in ("", "_low", "_high")] == pytest.approx(trend)
 
 
 def killed_and_resumed(folder, tokenizer, root, config, ptx) -> dict:

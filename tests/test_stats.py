@@ -13,6 +13,7 @@ from rlhf.stats import (
     TiesWarning,
     chance_warning,
     clustered_rate,
+    linear_trend,
     paired_rate,
     paired_rates_interval,
     wilson_interval,
@@ -205,3 +206,14 @@ def test_paired_rates_interval_when_nothing_happened_or_on_one_prompt_by_hand():
         paired_rates_interval([2], [0])
     with pytest.raises(ValueError, match="equal-length"):
         paired_rates_interval([1, 0], [0])
+
+
+def test_linear_trend_by_hand():
+    # (1, 1), (2, 2), (3, 4): mean x 2, mean y 7/3; Sxy = (-1)(-4/3) + (1)(5/3) = 3, Sxx = 2 -> slope 1.5;
+    # residuals 1/6, -1/3, 1/6 -> SSE 1/6, s^2 = SSE / (n - 2) = 1/6, se = sqrt(s^2 / Sxx) = 0.288675;
+    # t(0.975, 1 df) = 12.7062 -> half-width 3.66795
+    slope, low, high = linear_trend([1, 2, 3], [1, 2, 4])
+    assert slope == pytest.approx(1.5)
+    assert (low, high) == pytest.approx((1.5 - 3.66795, 1.5 + 3.66795), abs=1e-4)
+    assert all(math.isnan(v) for v in linear_trend([1, 2], [1, 2]))  # too few points
+    assert all(math.isnan(v) for v in linear_trend([1, 1, 1], [1, 2, 3]))  # one step

@@ -262,3 +262,22 @@ def clustered_rate(first: Any, second: Any, resamples: int = 2000, seed: int = 0
             low, high = float(np.percentile(values, 2.5)), float(np.percentile(values, 97.5))
         low, high = min(low, floor_low), max(high, floor_high)
     return PairedRate(rate=flat.rate, low=low, high=high, wins=flat.wins, n=flat.n, ties=flat.ties)
+
+
+def linear_trend(steps: list[float], values: list[float]) -> tuple[float, float, float]:
+    """The least-squares slope of ``values`` over ``steps`` with its 95% interval (Student's t, ``n - 2`` degrees of
+    freedom): whether a figure rises over a run, e.g. the rollouts' mean reward over PPO's policy iterations.
+
+    Args:
+        steps, values: equally long; at least 3 points with at least 2 distinct steps, else undefined.
+
+    Returns:
+        ``(slope, low, high)`` in units of ``values`` per step; NaN three times when undefined.
+    """
+    from scipy import stats as scipy_stats  # noqa: PLC0415 (scipy: only this path needs it)
+
+    if len(steps) != len(values) or len(steps) < 3 or len(set(steps)) < 2:
+        return math.nan, math.nan, math.nan
+    fit = scipy_stats.linregress(steps, values)
+    half = float(scipy_stats.t.ppf(0.975, len(steps) - 2)) * float(fit.stderr)
+    return float(fit.slope), float(fit.slope) - half, float(fit.slope) + half

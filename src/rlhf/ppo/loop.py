@@ -28,6 +28,7 @@ from rlhf.ppo.update import Optimisers, make_optimisers, ppo_update, ptx_batches
 from rlhf.runtime.device import Runtime
 from rlhf.runtime.finite import NonFiniteError, ScalerStep, check_finite_rollout, check_finite_weights
 from rlhf.runtime.sharding import load_optimizer_state, optimizer_state, shard
+from rlhf.stats import linear_trend
 from rlhf.training.checkpoint import Checkpointer, save_kept_policy
 from rlhf.training.supervised import LogFn, freeze_lower_layers, minibatch_indices
 
@@ -411,9 +412,13 @@ def _keep_best(loop: _Loop, state: PPOState, step: int) -> dict[str, float]:
 
 
 def _summary(state: PPOState, shipped: Best) -> dict[str, float]:
-    """The shipped policy's figures, the last rollout's apart (``ppo/last/*``), and the run's counters."""
+    """The shipped policy's figures, the last rollout's apart (``ppo/last/*``), the run's counters, and whether the
+    rollouts' mean raw reward rose over the policy iterations: ``ppo/reward/slope`` with ``_low``/``_high``, per
+    iteration with its 95% interval (:func:`rlhf.stats.linear_trend`; NaN with fewer than 3 policy iterations)."""
     last = state.history.get(state.iteration, {})
     pretrain = [s for s in state.history.values() if "ppo/value/pretrain_iterations" in s]
+    trained = sorted((step, s["ppo/reward/mean"]) for step, s in state.history.items() if s.get("ppo/updated_policy"))
+    slope = linear_trend([float(step) for step, _ in trained], [reward for _, reward in trained])
     return {
         **{k: v for k, v in shipped.stats.items() if isinstance(v, float)},
         **{k.replace("ppo/", "ppo/last/", 1): v for k, v in last.items() if isinstance(v, float)},
@@ -422,6 +427,7 @@ def _summary(state: PPOState, shipped: Best) -> dict[str, float]:
         "ppo/policy_iterations": float(state.policy_iterations),
         "ppo/shipped_iteration": float(shipped.iteration),
         "ppo/rollbacks": float(state.rollbacks),
+        **dict(zip(("ppo/reward/slope", "ppo/reward/slope_low", "ppo/reward/slope_high"), slope, strict=True)),
         "ppo/policy/skipped_steps": float(state.skipped_steps[0]),
         "ppo/value/skipped_steps": float(state.skipped_steps[1]),
     }

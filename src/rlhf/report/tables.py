@@ -84,6 +84,11 @@ PPO_ROWS = (
     ("iterations that updated the policy", "ppo/policy_iterations", "count"),
     ("shipped iteration", "ppo/shipped_iteration", "count"),
     ("rollbacks", "ppo/rollbacks", "count"),
+    (
+        "rollouts' mean reward: change per policy iteration [95%] (rising: the interval above 0)",
+        "ppo/reward/slope",
+        "interval",
+    ),
     ("validation reward (shipped)", "ppo/validation/reward", ""),
     ("validation KL (shipped)", "ppo/validation/kl", ""),
     ("validation EOS rate (shipped)", "ppo/validation/eos_rate", ""),
