@@ -252,7 +252,8 @@ def test_the_collapse_guard_compares_with_the_mean_of_the_starting_policys_rollo
 
     baseline = {}
     for length, perplexity in ((109.0, 4.0), (74.0, 5.0), (63.0, 3.0), (58.0, 4.0)):  # the long run's SFT rollouts
-        baseline = pooled_baseline(baseline, {"ppo/response_length": length, "ppo/perplexity": perplexity})
+        rollout = {"ppo/response_length": length, "ppo/perplexity": perplexity, "ppo/truncated_share": 0.0}
+        baseline = pooled_baseline(baseline, rollout)
     # (109 + 74 + 63 + 58) / 4 = 76.0 tokens, (4 + 5 + 3 + 4) / 4 = 4.0
     assert baseline == {"ppo/response_length": 76.0, "ppo/perplexity": 4.0, "ppo/truncated_share": 0.0, "rollouts": 4.0}
     config = PPOConfig(collapse_reward_skew=None, collapse_truncated_share=None)

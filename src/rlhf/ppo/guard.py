@@ -56,7 +56,7 @@ def pooled_baseline(baseline: dict[str, float], stats: dict[str, float]) -> dict
         The new reference: each key the mean over ``rollouts`` rollouts (equal batches weigh equally).
     """
     pooled = baseline.get("rollouts", 0.0)
-    means = {key: (baseline.get(key, 0.0) * pooled + stats.get(key, 0.0)) / (pooled + 1) for key in BASELINE_KEYS}
+    means = {key: (baseline.get(key, 0.0) * pooled + stats[key]) / (pooled + 1) for key in BASELINE_KEYS}
     return {**means, "rollouts": pooled + 1}
 
 
