@@ -370,6 +370,15 @@ def test_a_not_worse_check_read_from_a_judge_at_chance_on_that_kind_is_not_measu
     assert not check.passed and check.value == 0.68
     assert check.detail.startswith(f"not measured: {why}")
     assert check.detail.endswith("over 14 decisive comparisons, 2 ties, on 16 prompts")
+    # any kind the gate names as harmless, read with that kind's own judge figures
+    renamed = {k.replace("/harmless/", "/red-team/"): v for k, v in blind.items()}
+    red_team = PolicyCriteria(harmless_kinds=["red-team"])
+    check = next(c for c in policy_gate(renamed, {}, red_team) if c.criterion.startswith("red-team prompts"))
+    assert not check.passed and check.detail.startswith(f"not measured: {why.replace('harmless', 'red-team')}")
+    assert (
+        check.why
+        == "on red-team prompts nothing was measured: the judge cannot tell good red-team answers from bad ones"
+    )
     # by the proxy the check reads the proxy, whose blindness the reward gate already judged
     by_proxy = policy_gate(blind, {}, PolicyCriteria(verdict="proxy"))
     assert not any(c.detail.startswith("not measured") for c in by_proxy)
