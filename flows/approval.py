@@ -16,7 +16,15 @@ from prefect.flow_runs import pause_flow_run
 from prefect.input import RunInput
 from pydantic import Field
 
-from tasks.kit.registry import APPROVAL_TAG, MAX_BY, MAX_REASON, move_alias, version
+from tasks.kit.registry import (
+    APPROVAL_TAG,
+    MAX_BY,
+    MAX_REASON,
+    RegistryError,
+    existing_version,
+    move_alias,
+    set_version_tag,
+)
 from tasks.kit.runs import tracking_client
 
 
@@ -35,8 +43,8 @@ def awaiting(report: dict[str, Any]) -> bool:
     if not report.get("awaiting_approval"):
         return False
     client, _ = tracking_client()
-    found = version(client, report["candidate"]["name"], report["candidate"]["version"])
-    return found.tags.get(APPROVAL_TAG) == "awaiting"
+    found = existing_version(client, report["candidate"]["name"], report["candidate"]["version"])
+    return found is not None and found.tags.get(APPROVAL_TAG) == "awaiting"
 
 
 def await_approval(report: dict[str, Any], timeout_s: int, poll_s: int = 10, say=print) -> str:
@@ -48,10 +56,12 @@ def await_approval(report: dict[str, Any], timeout_s: int, poll_s: int = 10, say
         say: where the waiting line goes.
 
     Returns:
-        ``approved``, ``rejected`` or ``timed out`` (also stored as the version's ``rlhf.approval`` tag).
+        ``approved``, ``rejected`` or ``timed out`` (also stored as the version's ``rlhf.approval`` tag while the
+        version exists). A rejection or a time-out of a version deleted while it waited is said in one line.
 
     Raises:
-        RegistryError: the registry cannot be reached (one line).
+        RegistryError: an approval of a version deleted while it waited (nothing to promote), or the registry
+            cannot be reached (one line each).
     """
 
     name, version = report["candidate"]["name"], report["candidate"]["version"]
@@ -65,9 +75,20 @@ def await_approval(report: dict[str, Any], timeout_s: int, poll_s: int = 10, say
         answer = None
     client, _ = tracking_client()
     outcome = "timed out" if answer is None else "approved" if answer.approve else "rejected"
-    if answer is not None and answer.approve:
+    if existing_version(client, name, version) is None:
+        if outcome == "approved":
+            raise RegistryError(
+                f"registry: {name} version {version} was approved by {answer.reviewer} but deleted while it awaited "
+                "approval: nothing promoted, champion unchanged"
+            )
+        say(
+            f"[flow] policy {name} version {version}: {outcome}; it was deleted while it awaited approval, "
+            "champion unchanged"
+        )
+        return outcome
+    if outcome == "approved":
         move_alias(client, name, version, f"approved by {answer.reviewer}", answer.reason)
-    client.set_model_version_tag(name, version, APPROVAL_TAG, outcome)
+    set_version_tag(client, name, version, APPROVAL_TAG, outcome)
     say(
         f"[flow] policy {name} version {version}: {outcome}" + ("" if outcome == "approved" else ", champion unchanged")
     )

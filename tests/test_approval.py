@@ -91,3 +91,40 @@ def test_an_empty_or_over_long_reviewer_or_reason_is_refused_when_the_run_is_res
     with pytest.raises(ValidationError):
         PolicyApproval(approve=True, reviewer=reviewer, reason=reason)
     assert PolicyApproval(approve=True, reviewer="x" * 188, reason="why " * 250).reviewer == "x" * 188
+
+
+ANSWERS = {
+    "timed out": None,
+    "rejected": PolicyApproval(approve=False, reviewer="ana", reason="samples too long"),
+    "approved": PolicyApproval(approve=True, reviewer="ana", reason="read 20 samples"),
+}
+
+
+@pytest.mark.parametrize("outcome", list(ANSWERS))
+@pytest.mark.parametrize("deleted", ["nothing", "the version", "the whole model"])
+def test_every_ending_of_the_approval_says_one_line_also_for_a_version_deleted_while_it_waited(
+    registry_project, tiny_dir, monkeypatch, outcome, deleted
+):
+    # Prefect's pause itself is the test above; here each answer it can return, with the version as a person left it
+    import flows.approval
+
+    report = awaiting_version(tiny_dir, "models/policy-1")
+    if deleted == "the version":
+        client().delete_model_version(NAME, "1")
+    elif deleted == "the whole model":
+        client().delete_registered_model(NAME)
+    monkeypatch.setattr(flows.approval, "pause_flow_run", lambda **_: ANSWERS[outcome])
+    lines: list[str] = []
+    if deleted != "nothing" and outcome == "approved":
+        with pytest.raises(registry.RegistryError, match="deleted while it awaited approval: nothing promoted"):
+            await_approval(report, 1, say=lines.append)
+        assert registry.holder(client(), NAME) is None
+        return
+    assert await_approval(report, 1, say=lines.append) == outcome
+    assert len(lines) == 2 and all("\n" not in line for line in lines)
+    if deleted == "nothing":
+        assert client().get_model_version(NAME, "1").tags[registry.APPROVAL_TAG] == outcome
+        assert (registry.holder(client(), NAME) is not None) == (outcome == "approved")
+    else:
+        assert lines[1].endswith(f"{outcome}; it was deleted while it awaited approval, champion unchanged")
+        assert not awaiting(report)

@@ -277,6 +277,18 @@ def version(client, name: str, number: str | int):
     return _guard(f"{name} version {number}", client.get_model_version, name, str(number))
 
 
+def existing_version(client, name: str, number: str | int):
+    """Version ``number`` of ``name``, or None when it or the whole model was deleted. Raises RegistryError (one
+    line) when the registry cannot be read."""
+    return next((v for v in _versions(client, name) if str(v.version) == str(number)), None)
+
+
+def set_version_tag(client, name: str, number: str | int, key: str, value: str) -> None:
+    """Set tag ``key`` of version ``number`` of ``name``. Raises RegistryError (one line) when the version is gone or
+    the registry cannot be reached."""
+    _guard(f"tag {name} version {number}", client.set_model_version_tag, name, str(number), key, value)
+
+
 def pruned(found) -> dict[str, Any] | None:
     """The record of version ``found``'s deleted model files (``{at, by, rule, bytes}``), or None while it has them."""
     return json.loads(found.tags[PRUNED_TAG]) if PRUNED_TAG in found.tags else None
