@@ -7,10 +7,12 @@ integration test runs the whole command, ``dvc gc`` and ``mlflow gc`` included, 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
 import sys
+import unicodedata
 import urllib.parse
 
 import pytest
@@ -247,3 +249,23 @@ def test_the_command_on_a_small_dvc_project_removes_what_nothing_uses_and_keeps_
     assert housekeeping.deleted_runs(client) == []
     dvc(project, "status")  # the workspace still checks out: nothing it uses went
     assert "[dvc gc] nothing to remove" in runner.invoke(housekeeping.app, []).output
+
+
+def test_every_field_registry_commands_print_is_escaped(registry_project):
+    # control characters planted in each field the registry commands read back: the gate's decision, a metric, the
+    # pruned record's rule, a move's reviewer, reason and pipeline run; none reaches the terminal raw
+    from tasks.kit.common import UNPRINTABLE
+
+    raw = "x\x1b[2J\r\u202e"
+    register_versions(3)
+    client = tracking()[0]
+    registry.move_alias(client, NAME, 3, f"by {raw}", f"reason {raw}", pipeline_run=f"run {raw}")
+    client.set_model_version_tag(NAME, "3", registry.DECISION_TAG, f"pass {raw}")
+    client.set_model_version_tag(NAME, "3", "rlhf.metric.rm/balanced_accuracy", raw)
+    record = {"at": raw, "by": raw, "rule": f"registry.keep_versions {raw}", "bytes": 1}
+    client.set_model_version_tag(NAME, "1", registry.PRUNED_TAG, json.dumps(record))
+    runner = CliRunner()
+    for command in (["status", "reward"], ["promote", "reward", "--version", "1", "--reason", raw]):
+        output = runner.invoke(registry_cli.app, command).output
+        assert raw.encode("unicode_escape").decode() in output, output
+        assert not {ch for ch in output if unicodedata.category(ch) in UNPRINTABLE} - {"\n"}, output

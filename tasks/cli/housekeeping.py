@@ -34,6 +34,7 @@ from typing import Any
 import typer
 from rich.filesize import decimal
 
+from tasks.kit.common import echo
 from tasks.kit.registry import APPROVAL_TAG, PRUNED_TAG, RegistryError, _guard, _project, previous_holder, pruned
 
 CHECKPOINTS = "checkpoints"
@@ -334,7 +335,7 @@ def collect_cache(all_commits: bool, apply: bool, say) -> list[Removal]:
 # ----------------------------------------------------------------------------------------------------- the command
 
 
-def housekeep(apply: bool, all_commits: bool, project: str | None, say=typer.echo) -> list[Removal]:
+def housekeep(apply: bool, all_commits: bool, project: str | None, say=echo) -> list[Removal]:
     """Run the four steps in the project ``project`` (else the one around the current folder), printing each line.
 
     Returns:
@@ -392,13 +393,13 @@ def main(
     try:
         removals = housekeep(yes, all_commits, project)
     except (HousekeepingError, RegistryError) as err:
-        typer.echo(str(err), err=True)
+        echo(str(err), err=True)
         raise typer.Exit(1) from None
     total = sum(removal.size or 0 for removal in removals)
     if yes:
-        typer.echo(f"freed {decimal(total)}; removals: {len(removals)}")
+        echo(f"freed {decimal(total)}; removals: {len(removals)}")
     else:
-        typer.echo(f"would free {decimal(total)}; removals: {len(removals)}; a dry run: nothing was removed (--yes)")
+        echo(f"would free {decimal(total)}; removals: {len(removals)}; a dry run: nothing was removed (--yes)")
 
 
 if __name__ == "__main__":

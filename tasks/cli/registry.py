@@ -9,7 +9,7 @@ import typer
 import yaml
 
 from tasks.kit import ledger
-from tasks.kit.common import one_line, terminal_text
+from tasks.kit.common import echo, one_line
 from tasks.kit.registry import (
     CHAMPION,
     DECISION_TAG,
@@ -82,7 +82,7 @@ def _command(action) -> None:
     try:
         action()
     except RegistryError as err:
-        typer.echo(str(err), err=True)
+        echo(str(err), err=True)
         raise typer.Exit(1) from None
 
 
@@ -92,15 +92,13 @@ def _move(model: str, to: str, by: str, reason: str, project: str | None) -> Non
     client, name, where = _open(model, project)
     decision = version(client, name, to).tags.get(DECISION_TAG)
     record = move_alias(client, name, to, by, reason)  # a refusal (a pruned version, say) is its one line
-    typer.echo(where)
-    moved = f"moved from version {record['from']} to {record['to']} ({by}: {terminal_text(record['reason'])})"
-    typer.echo(f"{name}: {CHAMPION} {moved}")
+    echo(where)
+    moved = f"moved from version {record['from']} to {record['to']} ({by}: {record['reason']})"
+    echo(f"{name}: {CHAMPION} {moved}")
     if decision != "pass":  # by hand a person may override the gate: say what was overridden
-        typer.echo(
-            f"note: version {to} {'failed its gate' if decision == 'fail' else 'was never gated'}; moved by hand"
-        )
+        echo(f"note: version {to} {'failed its gate' if decision == 'fail' else 'was never gated'}; moved by hand")
     if model == "reward":
-        typer.echo("Run `dvc repro` (or the pipeline flow): the gate stage writes the new champion, ppo reruns on it.")
+        echo("Run `dvc repro` (or the pipeline flow): the gate stage writes the new champion, ppo reruns on it.")
 
 
 @app.command()
@@ -144,8 +142,8 @@ def restore_command(
     def action() -> None:
         client, name, where = _open(model, project)
         numbers = restore(client, name, version_, reason)
-        typer.echo(where)
-        typer.echo(
+        echo(where)
+        echo(
             f"{name}: the content of deleted version {', '.join(numbers)} may be registered again; the next gate "
             "run (dvc repro) registers it as a new version and gates it like any candidate"
         )
@@ -163,10 +161,10 @@ def status(
 
     def action() -> None:
         client, name, where = _open(model, project)
-        typer.echo(where)
+        echo(where)
         found = holder(client, name)
         if not model_exists(client, name):
-            typer.echo(
+            echo(
                 f"{name}: deleted from the registry whole; its content stays out until a person restores it "
                 f"(rlhf-registry restore {model} --version N --reason ...); its history:"
             )
@@ -174,24 +172,22 @@ def status(
             latest = _guard(f"search {name}", client.search_model_versions, f"name = '{name}'")
             newest = max(latest, key=lambda v: int(v.version)) if latest else None
             last = f"; newest version {newest.version}, gate: {newest.tags.get(DECISION_TAG, 'none')}" if newest else ""
-            typer.echo(terminal_text(f"{name}: no version holds {CHAMPION}{last}"))
+            echo(f"{name}: no version holds {CHAMPION}{last}")
         else:
             metrics = {k[len("rlhf.metric.") :]: v for k, v in found.tags.items() if k.startswith("rlhf.metric.")}
             shown = ", ".join(f"{k}={metrics[k]}" for k in STATUS_METRICS if k in metrics)
             decision = found.tags.get(DECISION_TAG, "none")
-            typer.echo(terminal_text(f"{name}: {CHAMPION} = version {found.version} (gate: {decision}); {shown}"))
+            echo(f"{name}: {CHAMPION} = version {found.version} (gate: {decision}); {shown}")
         for move in history(client, name):
             line = f"  {move['at']}  {move['from'] or '(none)'} -> {move['to']}  by {move['by']}: {move['reason']}"
-            typer.echo(
-                terminal_text(line + (f" (pipeline {move['pipeline_run']})" if move.get("pipeline_run") else ""))
-            )
+            echo(line + (f" (pipeline {move['pipeline_run']})" if move.get("pipeline_run") else ""))
         gone = sorted(
             (v for v in _guard(f"search {name}", client.search_model_versions, f"name = '{name}'") if pruned(v)),
             key=lambda v: int(v.version),
         )
         if gone:
             rules = sorted({pruned(v)["rule"] for v in gone})
-            typer.echo(
+            echo(
                 f"{name}: model files pruned by rlhf-housekeeping ({', '.join(rules)}), so they cannot be promoted: "
                 f"version {', '.join(str(v.version) for v in gone)}"
             )

@@ -9,6 +9,8 @@ import sys
 import unicodedata
 from typing import Any
 
+import typer
+
 from tasks.kit.console import quiet_libraries
 from tasks.kit.params import stage_params
 
@@ -86,6 +88,12 @@ def terminal_text(text: Any) -> str:
         ch.encode("unicode_escape").decode("ascii") if unicodedata.category(ch) in UNPRINTABLE else ch
         for ch in str(text)
     )
+
+
+def echo(text: Any, err: bool = False) -> None:
+    """Print ``text`` as one terminal line through :func:`terminal_text` (to stderr with ``err``): the commands that
+    print what people typed or the registry holds print only through it, so no field reaches the terminal raw."""
+    typer.echo(terminal_text(text), err=err)
 
 
 def one_line(message: str) -> str:
