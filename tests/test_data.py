@@ -453,6 +453,7 @@ def test_ptx_rows_from_the_preference_data_are_chat_messages():
             "source": "mem",
             "kind": "general",
             "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}],
+            "response_start": 1,  # where the chosen answer starts: validate checks it is one assistant turn
         }
     ]
 

@@ -403,15 +403,24 @@ def test_turn_rules(tokenizer, field, messages, rule):
 def test_an_hh_response_holding_a_speaker_tag_is_quarantined_as_the_same_text_is_in_pairs(tokenizer, answer, roles):
     from rlhf.data.formats import to_examples
 
-    (hh,) = to_examples(
-        {
-            "chosen": f"\n\nHuman: Capital of Italy?\n\nAssistant: {answer}",
-            "rejected": "\n\nHuman: Capital of Italy?\n\nAssistant: Paris.",
-        },  # fmt: skip
-        "hh",
-    )
+    hh_row = {
+        "chosen": f"\n\nHuman: Capital of Italy?\n\nAssistant: {answer}",
+        "rejected": "\n\nHuman: Capital of Italy?\n\nAssistant: Paris.",
+    }
+    (hh,) = to_examples(hh_row, "hh")
     assert [m["role"] for m in hh["chosen"]] == roles  # what the markup parses to
     plain = pair(prompt="Capital of Italy?", chosen=answer)
     for row in (hh, plain):
         result = validate_split("f.jsonl", [good(0), {**row, "id": "x"}], "pairs", tokenizer, LENIENT)
         assert [q["reasons"] for q in result.quarantined] == [["role_marker_in_response"]]
+    # the same row where prepare puts it in a ptx split: the same rule, not a user turn nobody wrote
+    from rlhf.data.sources import Source, prepare_rows
+
+    ptx_only = {split: float(split == "ptx_text") for split in ("judge_train", "sft", "rm_train", "ptx_text")}
+    prepared = prepare_rows([Source("mem", iter([(1, hh_row)]), "hh")], ptx_only, ptx_heldout_fraction=0.01)
+    (ptx_row,) = prepared.splits["ptx_text"] + prepared.splits["ptx_heldout"]
+    result = validate_split("ptx_text.jsonl", [ptx_good(0), ptx_row], "ptx", tokenizer, LENIENT)
+    assert [q["reasons"] for q in result.quarantined] == [["role_marker_in_content"]]
+    keep = ValidationConfig(role_markers="keep", max_quarantine_fraction=1.0)
+    result = validate_split("ptx_text.jsonl", [ptx_good(0), ptx_row], "ptx", tokenizer, keep)
+    assert result.quarantined == [] and result.role_marker_rows == 1

@@ -3,7 +3,9 @@
 PPO-ptx rows (splits ``ptx_text`` and ``ptx_heldout``) are either
 ``{"id", "source", "kind", "messages": [{"role", "content"}, ...]}`` (a conversation,
 tokenised with the chat template) or ``{"id", "source", "kind", "text": str}`` (plain
-pretraining text, tokenised as text + EOS); see :func:`ptx_token_ids`.
+pretraining text, tokenised as text + EOS); see :func:`ptx_token_ids`. A row made from a preference pair's
+prompt and chosen answer also holds ``response_start``, the index of the answer's first message: validate applies
+the pairs' rule to it (the answer is one assistant turn; more held a speaker tag such as HH's "\n\nHuman:").
 """
 
 from __future__ import annotations

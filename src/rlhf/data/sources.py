@@ -167,7 +167,9 @@ def prepare_rows(
                     for held_out in HELD_OUT_PAIRS.get(split, ()):  # only its prompt is evaluated on: its pair
                         splits[held_out].append({**record, **example})  # measures the reward model and the judge
                 elif split == "ptx_text":
-                    ptx({**record, "messages": example["prompt"] + example["chosen"]})
+                    # where the chosen answer starts: validate applies the pairs' rule to it (one assistant turn)
+                    messages = example["prompt"] + example["chosen"]
+                    ptx({**record, "messages": messages, "response_start": len(example["prompt"])})
                 else:
                     splits[split].append({**record, **example})
     for index, source in enumerate(ptx_sources or []):

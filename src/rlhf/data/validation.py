@@ -138,6 +138,9 @@ def _ptx_record(row: Any, index: int, tokenizer: PreTrainedTokenizerBase, contro
     contents = [c for c in contents if c is not None]
     utf8 = all(_utf8(c) for c in contents)
     marker = next((c for c in contents if ROLE_MARKER.search(c)), None)
+    answer = _pair_answer(row, messages)
+    if marker is None and len(answer) > 1:  # the pairs' rule: an answer of several turns held a speaker tag
+        marker = "\n\n".join(f"{m['role']}: {m['content']}" for m in answer)
     control_text = control.in_text(contents)
     ptx_ids: list[int] = []
     control_ids_ok = True
@@ -164,6 +167,12 @@ def _ptx_record(row: Any, index: int, tokenizer: PreTrainedTokenizerBase, contro
         "ptx_tokens": len(ptx_ids),
         "key": _safe(key),
     }
+
+
+def _pair_answer(row: Any, messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """The chosen answer's turns of a ptx row made from a pair (its ``response_start``), [] for other rows."""
+    start = row.get("response_start") if isinstance(row, dict) else None
+    return messages[start:] if isinstance(start, int) and not isinstance(start, bool) and start >= 0 else []
 
 
 def _roles(messages: Any) -> list[str]:
