@@ -21,7 +21,7 @@ import rlhf.data.sources
 import tasks.prepare
 from rlhf.data.formats import RowError, to_examples
 from rlhf.data.ptx import ptx_token_ids
-from rlhf.data.reading import read_jsonl
+from rlhf.data.reading import load_jsonl, read_jsonl
 from rlhf.data.sources import Source, prepare_rows
 from rlhf.data.splitting import assign_split, conversation_root, prompt_key, unit_point
 from tasks.kit.outputs import StagedOutputs
@@ -964,3 +964,77 @@ def test_a_conversation_in_two_sources_of_two_kinds_stays_in_one_split():
         ("p", "Hi"): ("rm_train", "helpful"),
         ("p", "Bye"): ("sft", "helpful"),
     }
+
+
+def test_a_json_string_that_cannot_be_text_quarantines_its_row_with_file_line_and_place(tmp_path, monkeypatch):
+    # JSON allows any \uXXXX escape: a lone surrogate (high, low, reversed pair) in a value, a nested content or a
+    # key parses, but no UTF-8 file can hold it; a pair written properly (an emoji) is text
+    lines = [
+        json.dumps(ROWS[0]),
+        '{"prompt": "Q?", "chosen": "A \\ud800 b", "rejected": "B."}',
+        '{"prompt": [{"role": "user", "content": "Q?"}], "chosen": [{"role": "assistant", "content": "\\udc00"}], '
+        '"rejected": [{"role": "assistant", "content": "B."}]}',
+        '{"prompt": "Q?", "chosen": "A.", "rejected": "B.", "note\\udfff": 1}',
+        '{"prompt": "Q?", "chosen": "\\udc00\\ud800", "rejected": "B."}',
+        json.dumps({**ROWS[1], "chosen": "Good answer \U0001f600."}),
+    ]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    counts = run_prepare(tmp_path, monkeypatch, source=str(path))
+    assert counts["rows_in"] == 6 and counts["quarantined"] == 4
+    quarantine = load_jsonl(str(tmp_path / "data" / "processed" / "quarantine.jsonl"))
+    assert [(q["file"], q["line"], q["row"]) for q in quarantine] == [(str(path), n, None) for n in (2, 3, 4, 5)]
+    assert [q["reason"].split(" (JSON")[0] for q in quarantine] == [
+        "not text: chosen holds a lone surrogate \\ud800 at character 2",
+        "not text: chosen[0].content holds a lone surrogate \\udc00 at character 0",
+        "not text: a key of the row holds a lone surrogate \\udfff at character 4",
+        "not text: chosen holds a lone surrogate \\udc00 at character 0",
+    ]
+
+
+@pytest.mark.parametrize("installed", ["another zstd backend", "none"])
+def test_a_zstd_file_without_zstandard_says_what_to_install_in_one_line(tmp_path, monkeypatch, installed):
+    import importlib.util
+
+    import fsspec.compression
+
+    path = write_rows(tmp_path / "pairs.jsonl.zst", ROWS, "zstd")
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "zstandard" else find_spec(name))
+    if installed == "none":
+        monkeypatch.delitem(fsspec.compression.compr, "zstd", raising=False)
+    with pytest.raises(ValueError) as failure:
+        run_prepare(tmp_path, monkeypatch, source=path)
+    assert str(failure.value) == (
+        f"{path}: the file is zstd-compressed, but Python's zstandard module, which reads it, is not installed "
+        "(pip install zstandard)"
+    )
+
+
+@pytest.mark.parametrize(
+    "content, what",
+    [
+        ("utf-16", "UTF-16 text, not UTF-8: convert it (iconv -f UTF-16 -t UTF-8)"),  # with its byte-order mark
+        ("utf-16-le", "UTF-16 text, not UTF-8: convert it (iconv -f UTF-16 -t UTF-8)"),  # without
+        ("utf-16-be", "UTF-16 text, not UTF-8: convert it (iconv -f UTF-16 -t UTF-8)"),
+        ("utf-32", "UTF-32 text, not UTF-8: convert it (iconv -f UTF-32 -t UTF-8)"),
+        ("parquet", "a Parquet file, not JSON lines: write its rows as JSON lines"),
+        ("array", "one JSON array, not JSON lines (one object a line): write one row a line (jq -c '.[]')"),
+        ("pretty array", "one JSON array, not JSON lines (one object a line): write one row a line (jq -c '.[]')"),
+    ],
+)
+def test_a_file_of_another_encoding_or_format_is_refused_in_one_line_saying_what_it_is(
+    tmp_path, monkeypatch, content, what
+):
+    text = "".join(json.dumps(r) + "\n" for r in ROWS)
+    data = {
+        "parquet": b"PAR1" + os.urandom(200) + b"PAR1",
+        "array": json.dumps(ROWS).encode(),
+        "pretty array": json.dumps(ROWS, indent=2).encode(),
+    }.get(content) or text.encode(content)
+    path = tmp_path / "pairs.jsonl.gz"  # the name says gzip'd JSON lines; the content decides
+    path.write_bytes(gzip.compress(data) if content == "array" else data)
+    with pytest.raises(ValueError) as failure:
+        run_prepare(tmp_path, monkeypatch, source=str(path))
+    assert str(failure.value).startswith(f"{path}: the file is {what}") and "\n" not in str(failure.value)
+    assert not (tmp_path / "data" / "processed").exists()  # nothing written

@@ -4,6 +4,7 @@ its first bytes, an archive (zip, tar, 7z, rar) refused in one line; local jsonl
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 from collections.abc import Iterator
@@ -30,6 +31,31 @@ _ARCHIVES = (
 
 
 HEAD_BYTES = 263  # enough to see every magic above
+
+_CODECS = {"gzip": "zlib", "bz2": "bz2", "xz": "lzma", "zstd": "zstandard"}
+"""The module each codec is read with: zlib, bz2 and lzma come with a Python built with
+them, zstandard from PyPI (the product's own dependency)."""
+
+
+def _other_format(head: bytes) -> str | None:
+    """What a (decompressed) stream is when its first bytes show it is not UTF-8 JSON lines, with what to do, or
+    None: UTF-16 or UTF-32 text (a byte-order mark, or ASCII with a NUL byte beside each character), a Parquet file,
+    one JSON array (its first non-blank byte is ``[``: rows are objects, one a line)."""
+    if head.startswith((b"\xff\xfe\x00\x00", b"\x00\x00\xfe\xff")):
+        return "UTF-32 text, not UTF-8: convert it (iconv -f UTF-32 -t UTF-8)"
+    pairs = head[: len(head) - len(head) % 2]
+    if head.startswith((b"\xff\xfe", b"\xfe\xff")) or (
+        len(pairs) >= 4 and (not any(pairs[1::2]) or not any(pairs[0::2])) and any(pairs)
+    ):
+        return "UTF-16 text, not UTF-8: convert it (iconv -f UTF-16 -t UTF-8)"
+    if head.startswith(b"PAR1"):
+        return (
+            "a Parquet file, not JSON lines: write its rows as JSON lines "
+            "(pandas: read_parquet(...).to_json(out, orient='records', lines=True))"
+        )
+    if head.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"["):
+        return "one JSON array, not JSON lines (one object a line): write one row a line (jq -c '.[]')"
+    return None
 
 
 class _Prefixed(io.RawIOBase):
@@ -127,9 +153,11 @@ def read_jsonl(path: str, storage_options: dict[str, Any] | None = None) -> Iter
         stream: Any = io.BufferedReader(_Prefixed(head, raw))
         compression = sniff_compression(head)
         if compression is not None:
-            if compression not in fsspec.compression.compr:
+            module = _CODECS.get(compression, compression)
+            if compression not in fsspec.compression.compr or importlib.util.find_spec(module) is None:
                 raise ValueError(
-                    f"{path}: the file is {compression}-compressed, but no {compression} codec is installed"
+                    f"{path}: the file is {compression}-compressed, but Python's {module} module, which reads it, "
+                    "is not installed" + (" (pip install zstandard)" if module == "zstandard" else "")
                 )
             if compression == "zstd":
                 stream = io.BufferedReader(_Zstd(stream))
@@ -149,19 +177,48 @@ def read_jsonl(path: str, storage_options: dict[str, Any] | None = None) -> Iter
             raise ValueError(
                 f"{path}: the file is {packed} archive, not JSON lines: unpack it and give its .jsonl file"
             )
+        other = _other_format(head)
+        if other is not None:
+            raise ValueError(f"{path}: the file is {other}")
         for number, line in enumerate(_lines(stream, path, compression), start=1):
             if number == 1:
                 line = line.removeprefix(b"\xef\xbb\xbf")
             if not line.strip():
                 continue
             try:
-                yield number, json.loads(line.decode("utf-8"))
+                row = json.loads(line.decode("utf-8"))
+                not_text = _not_text(row)
+                yield number, row if not_text is None else RowError(not_text)
             except UnicodeDecodeError as err:
                 yield number, RowError(f"invalid UTF-8: {err.reason} at byte {err.start}")
             except json.JSONDecodeError as err:
                 yield number, RowError(f"invalid JSON: {err.msg}")
             except ValueError as err:  # int("1" * 5000): Python reads at most 4,300 digits of an integer
                 yield number, RowError(f"invalid JSON: a number too long to read ({str(err).split(';')[0]})")
+
+
+def _not_text(value: Any, where: str = "") -> str | None:
+    """Why ``value`` (a parsed JSON value) cannot be written as UTF-8, or None: JSON allows any ``\\uXXXX``
+    escape, so a string or a key may hold a lone surrogate (``\\ud800``), which no UTF-8 text can. ``where`` is
+    its place in the row (``chosen[1].content``)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as err:
+            return (
+                f"not text: {where or 'the row'} holds a lone surrogate \\u{ord(value[err.start]):04x} at character "
+                f"{err.start} (JSON allows it escaped; UTF-8 cannot hold it)"
+            )
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            place = f"{where}.{key}" if where else str(key)
+            found = _not_text(key, f"a key of {where or 'the row'}") or _not_text(item, place)
+            if found:
+                return found
+    if isinstance(value, list):
+        return next((found for i, item in enumerate(value) if (found := _not_text(item, f"{where}[{i}]"))), None)
+    return None
 
 
 def _lines(stream: Any, path: str, compression: str | None) -> Iterator[bytes]:
