@@ -31,6 +31,7 @@ from prefect import flow, get_run_logger
 
 from flows.pools import PoolLimits, check_live_worker, wait_for_stage
 from flows.stages import DVC, checkout_lock, run_stage, stage_graph, stop_tree
+from tasks.kit.dvclock import repair_dvc_rwlock
 from tasks.kit.params import load_yaml
 
 LOCK = "dvc.lock"
@@ -53,6 +54,7 @@ def _run(*command: str) -> str:
 
 
 def _dvc(*args: str) -> str:
+    repair_dvc_rwlock()
     return _run(*DVC, *args)
 
 

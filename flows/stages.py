@@ -23,6 +23,7 @@ from flows.console import CLEAR, SKIPPED, relay, stage_log, terminal
 from flows.summary import headline, read_metrics, stage_seconds
 from tasks.kit import paths
 from tasks.kit.console import PROGRESS_ENV
+from tasks.kit.dvclock import repair_dvc_rwlock
 from tasks.kit.params import load_yaml
 
 DVC = (sys.executable, "-m", "dvc", "--wait-for-lock")  # another run's stage holds the repository lock: wait for it
@@ -89,6 +90,7 @@ def dvc_status(targets: list[str] | None = None) -> dict[str, list]:
     Raises:
         RuntimeError: ``dvc status`` failed (its message).
     """
+    repair_dvc_rwlock()
     result = subprocess.run([*DVC, "status", "--json", *(targets or [])], capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"dvc status failed (exit {result.returncode}): {result.stderr.strip()[-2000:]}")
@@ -250,6 +252,7 @@ def run_stage(stage: str, pipeline_run_id: str) -> None:
 
     show(f"[{stage}] running (log: {log_path})")
     with checkout_lock(), open(log_path, "w", encoding="utf-8") as log:
+        repair_dvc_rwlock(show)
         process = subprocess.Popen(
             [*DVC, "repro", "--single-item", stage], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -196,3 +197,32 @@ def test_a_stage_that_printed_its_own_error_is_not_retried_a_crash_is():
     assert not STAGE_ERROR.match("Traceback (most recent call last):")
     assert retry_unless_refused(None, None, _State(StageRefused("[ppo] error: ValueError: ..."))) is False
     assert retry_unless_refused(None, None, _State(RuntimeError("stage ppo failed (exit 137)"))) is True
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(
+    "left", ["", '{"write": {"a.txt": {"pid": 1', '{"write": []}', "\xff\xfe"], ids=["empty", "cut", "format", "bytes"]
+)
+def test_an_unreadable_rwlock_a_killed_process_left_is_removed_and_the_stage_runs(tmp_path, monkeypatch, capsys, left):
+    # DVC truncates the file, then writes it: a kill in between left it empty and every later stage failed at once
+    from flows.stages import run_stage
+    from tasks.kit.dvclock import RWLOCK, repair_dvc_rwlock
+
+    project = fake_project(tmp_path)
+    assert dvc(project, "init", "--no-scm", "-q").returncode == 0
+    monkeypatch.chdir(project)
+    os.makedirs(os.path.dirname(RWLOCK), exist_ok=True)
+    with open(RWLOCK, "wb") as handle:
+        handle.write(left.encode("latin-1"))
+    failed = dvc(project, "repro", "--single-item", "a")
+    assert failed.returncode != 0 and "failed to reproduce" in failed.stderr  # DVC alone: stuck until it is deleted
+    monkeypatch.setattr("flows.stages.stage_seconds", lambda stage: None)
+    monkeypatch.setattr("flows.stages.headline", lambda stage, metrics: "")
+    run_stage.fn("a", "run-1")  # the flow's task: repairs, says so, runs
+    output = capsys.readouterr().out
+    assert f"[flow] {RWLOCK} was unreadable (" in output and "[a] done" in output
+    assert os.path.exists("a.txt") and not repair_dvc_rwlock()  # DVC wrote a readable one: left as it is
+    with open(RWLOCK, encoding="utf-8") as handle:
+        assert not any(json.load(handle).values())  # and it holds no lock once the stage ended
+    open(RWLOCK, "w").close()  # `dvc status` (each flow run's first and last DVC command) failed on it too
+    assert "a" not in pipeline.dvc_status()  # read, and a is up to date

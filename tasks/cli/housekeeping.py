@@ -35,6 +35,7 @@ import typer
 from rich.filesize import decimal
 
 from tasks.kit.common import echo
+from tasks.kit.dvclock import repair_dvc_rwlock
 from tasks.kit.registry import APPROVAL_TAG, PRUNED_TAG, RegistryError, _guard, _project, previous_holder, pruned
 
 CHECKPOINTS = "checkpoints"
@@ -301,6 +302,7 @@ def dvc(*args: str) -> str:
     Raises:
         HousekeepingError: it failed (the last line of its message).
     """
+    repair_dvc_rwlock()
     result = subprocess.run([sys.executable, "-m", "dvc", *args], capture_output=True, text=True)
     if result.returncode != 0:
         last = (result.stderr.strip().splitlines() or ["no message"])[-1]
