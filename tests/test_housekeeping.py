@@ -269,3 +269,38 @@ def test_every_field_registry_commands_print_is_escaped(registry_project):
         output = runner.invoke(registry_cli.app, command).output
         assert raw.encode("unicode_escape").decode() in output, output
         assert not {ch for ch in output if unicodedata.category(ch) in UNPRINTABLE} - {"\n"}, output
+
+
+def test_two_moves_at_once_take_turns_and_each_records_the_holder_it_moved_from(registry_project, monkeypatch):
+    # a 1 s delay between reading the holder and writing the alias (the probe): without the lock both
+    # moves recorded "from 1"
+    import threading
+    import time
+
+    from tasks.kit import alias_lock
+
+    register_versions(3)
+    client = tracking()[0]
+    registry.move_alias(client, NAME, 1, "gate", "passed")
+    holder = registry.holder
+    monkeypatch.setattr(registry, "holder", lambda *a, **k: (found := holder(*a, **k), time.sleep(1))[0])
+    threads = [
+        threading.Thread(target=registry.move_alias, args=(tracking()[0], NAME, number, "promote", "by hand"))
+        for number in (2, 3)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    moves = [(m["from"], m["to"]) for m in registry.history(client, NAME)]
+    assert moves[0] == (None, "1") and moves[1][0] == "1" and moves[2][0] == moves[1][1], moves  # a chain
+    assert str(holder(client, NAME).version) == moves[2][1]
+    assert not client.search_registered_models(f"name = '{alias_lock.lock_name(NAME, 'champion')}'")  # released
+    # a lock whose holder was killed while it held it is broken after STALE_S; a live one makes the mover wait
+    client.create_registered_model(alias_lock.lock_name(NAME, "champion"), description="a killed process")
+    monkeypatch.setattr(alias_lock, "WAIT_S", 0.5)
+    with pytest.raises(registry.RegistryError, match=r"another move of champion of .* \(a killed process\); nothing"):
+        with alias_lock.alias_lock(client, NAME, "champion", wait_s=0.5):
+            pass
+    with alias_lock.alias_lock(client, NAME, "champion", stale_s=0.0):
+        pass

@@ -31,6 +31,7 @@ from typing import Any
 
 from rlhf.evaluation.gate_rules import as_records, decision_sentence, passed
 from tasks.kit import ledger
+from tasks.kit.alias_lock import alias_lock
 from tasks.kit.common import one_line
 from tasks.kit.runs import PIPELINE_RUN_TAG, create_if_missing, git_commit, pipeline_run_id
 
@@ -314,12 +315,14 @@ def move_alias(
     client, name: str, to: str | int, by: str, reason: str, alias: str = CHAMPION, pipeline_run: str = ""
 ) -> dict[str, Any]:
     """Point ``alias`` of ``name`` at version ``to`` and record the move on that version; returns the record.
+    Movers of the same alias take turns (:func:`tasks.kit.alias_lock.alias_lock`): each records the holder it
+    moved the alias from.
 
     Raises:
         RegistryError: the reason is empty or longer than :data:`MAX_REASON`, ``by`` longer than :data:`MAX_BY`
             (nothing moves: a record cut short would not say what the person wrote), the version does not
-            exist, already holds the alias or has no model files (pruned, :func:`require_files`), or the registry
-            cannot be reached.
+            exist, already holds the alias or has no model files (pruned, :func:`require_files`), another move
+            held the alias for a minute, or the registry cannot be reached.
     """
     reason = reason.strip()
     if not reason:
@@ -331,6 +334,11 @@ def move_alias(
         )
     if len(by) > MAX_BY:
         raise RegistryError(f"registry: who moved it is {len(by):,} characters, over {MAX_BY}; nothing moved")
+    with alias_lock(client, name, alias):  # the holder read, the move and its record: one step for other movers
+        return _move_locked(client, name, to, by, reason, alias, pipeline_run)
+
+
+def _move_locked(client, name: str, to: str | int, by: str, reason: str, alias: str, pipeline_run: str):
     target = version(client, name, to)
     require_files(target, alias)
     previous = holder(client, name, alias)
