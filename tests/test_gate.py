@@ -410,15 +410,19 @@ def test_a_version_deleted_by_hand_keeps_its_history_and_its_content_stays_out_u
     assert client().search_model_versions(f"name = '{NAME}'") == []  # nothing registered again
     runner = CliRunner()
     result = runner.invoke(registry_cli.app, ["restore", "reward", "--version", "1", "--reason", "deleted by mistake"])
-    assert result.exit_code == 0 and "may be registered again" in result.output, result.output
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines()[1:] == [
+        f"{NAME}: version 1 restored as version 2 (gate: pass), tags kept",  # the model exists: MLflow numbers it
+        f"{NAME}: champion -> version 2, as before the deletion",
+    ]
     again = runner.invoke(registry_cli.app, ["restore", "reward", "--version", "1", "--reason", "twice"])
-    assert (
-        again.exit_code == 1
-        and again.output.strip() == f"registry: {NAME} version 1 was restored already; run the gate (dvc repro)"
-    )
-    report = run_gate()  # registered anew and gated like any candidate
-    assert (report["candidate"]["version"], report["decision"], report["champion"]["version"]) == ("2", "pass", "2")
-    assert [m["to"] for m in registry.history(client(), NAME)] == ["1", "2"]
+    assert again.output.strip() == f"registry: {NAME} version 1 was restored as version 2; nothing to do"
+    restored = client().get_model_version(NAME, "2")
+    assert json.loads(restored.tags[registry.RESTORED_TAG])["version"] == "1"
+    assert restored.tags[registry.SHA_TAG] and restored.description.startswith("reward gate passed all 5 checks.")
+    report = run_gate()  # the restored version's decision came back with it: not decided again, champion kept
+    assert (report["candidate"]["version"], report["decided"], report["champion"]["version"]) == ("2", "before", "2")
+    assert [(m["to"], m["by"]) for m in registry.history(client(), NAME)] == [("1", "gate"), ("2", "restore")]
 
 
 def test_a_registered_model_deleted_whole_stays_deleted_and_keeps_its_history_until_restored(registry_project):
@@ -440,10 +444,46 @@ def test_a_registered_model_deleted_whole_stays_deleted_and_keeps_its_history_un
     )
     assert client().search_registered_models(f"name = '{NAME}'") == []  # not created again
     restored = CliRunner().invoke(registry_cli.app, ["restore", "reward", "--reason", "a mistake"])  # all of it
-    assert restored.exit_code == 0 and "deleted version 1, 2 may be registered again" in restored.output
-    report = run_gate()  # a new registered model: MLflow numbers its versions from 1 again; gated like any
-    assert (report["candidate"]["version"], report["decision"], report["champion"]["version"]) == ("1", "pass", "1")
-    assert [m["to"] for m in registry.history(client(), NAME)] == ["1", "2", "1"]
+    assert restored.exit_code == 0 and restored.output.splitlines()[1:] == [
+        f"{NAME}: version 1 restored as version 1 (gate: pass), tags kept",
+        f"{NAME}: version 2 restored as version 2 (gate: pass), tags kept",
+        f"{NAME}: champion -> version 2, as before the deletion",
+    ]
+    report = run_gate()  # models/reward is version 2's content, decided before: nothing re-decided
+    assert (report["candidate"]["version"], report["decided"], report["champion"]["version"]) == ("2", "before", "2")
+    assert [m["to"] for m in registry.history(client(), NAME)] == ["1", "2", "2"]
+
+
+def test_a_restore_brings_back_a_promotion_by_hand_and_a_rerun_keeps_it(registry_project):
+    # the issue's case: v2 failed its gate and a person promoted it from v1; the model was deleted whole; restore
+    # and a rerun used to register only models/reward's content and hand the champion back to v1's
+    new_candidate(GOOD, 1)
+    run_gate()
+    new_candidate(BAD, 2)
+    assert run_gate()["decision"] == "fail"
+    runner = CliRunner()
+    assert (
+        runner.invoke(registry_cli.app, ["promote", "reward", "--version", "2", "--reason", "read it"]).exit_code == 0
+    )
+    before = {v.version: v.tags for v in client().search_model_versions(f"name = '{NAME}'")}
+    client().delete_registered_model(NAME)
+    result = runner.invoke(registry_cli.app, ["restore", "reward", "--reason", "deleted by mistake"])
+    assert result.exit_code == 0 and f"{NAME}: champion -> version 2, as before the deletion" in result.output
+    after = {v.version: v.tags for v in client().search_model_versions(f"name = '{NAME}'")}
+
+    def kept(tags: dict) -> dict:  # every tag as it was, but the move records (the ledger keeps them) and where from
+        return {k: v for k, v in tags.items() if not k.startswith((registry.MOVE_PREFIX, registry.RESTORED_TAG))}
+
+    assert {number: kept(tags) for number, tags in after.items()} == {n: kept(t) for n, t in before.items()}
+    status = runner.invoke(registry_cli.app, ["status", "reward"])
+    assert (
+        "deleted from the registry whole" not in status.output and "champion = version 2 (gate: fail)" in status.output
+    )
+    new_candidate(BAD, 2)  # the same bytes as version 2 (models/reward as a dvc repro leaves it)
+    report = run_gate()
+    assert (report["candidate"]["version"], report["decided"], report["champion"]["version"]) == ("2", "before", "2")
+    moves = [(m["from"], m["to"], m["by"]) for m in registry.history(client(), NAME)]
+    assert moves == [(None, "1", "gate"), ("1", "2", "promote"), (None, "2", "restore")]
 
 
 def test_inside_a_dvc_experiment_a_passing_candidate_is_only_a_challenger(registry_project, monkeypatch):

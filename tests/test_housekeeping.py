@@ -283,7 +283,7 @@ def test_two_moves_at_once_take_turns_and_each_records_the_holder_it_moved_from(
     client = tracking()[0]
     registry.move_alias(client, NAME, 1, "gate", "passed")
     holder = registry.holder
-    monkeypatch.setattr(registry, "holder", lambda *a, **k: (found := holder(*a, **k), time.sleep(1))[0])
+    monkeypatch.setattr(registry, "holder", lambda *a, **k: (holder(*a, **k), time.sleep(1))[0])
     threads = [
         threading.Thread(target=registry.move_alias, args=(tracking()[0], NAME, number, "promote", "by hand"))
         for number in (2, 3)
@@ -299,8 +299,8 @@ def test_two_moves_at_once_take_turns_and_each_records_the_holder_it_moved_from(
     # a lock whose holder was killed while it held it is broken after STALE_S; a live one makes the mover wait
     client.create_registered_model(alias_lock.lock_name(NAME, "champion"), description="a killed process")
     monkeypatch.setattr(alias_lock, "WAIT_S", 0.5)
-    with pytest.raises(registry.RegistryError, match=r"another move of champion of .* \(a killed process\); nothing"):
-        with alias_lock.alias_lock(client, NAME, "champion", wait_s=0.5):
-            pass
+    busy = r"another move of champion of .* \(a killed process\); nothing"
+    with pytest.raises(registry.RegistryError, match=busy), alias_lock.alias_lock(client, NAME, "champion", wait_s=0.5):
+        pass
     with alias_lock.alias_lock(client, NAME, "champion", stale_s=0.0):
         pass

@@ -36,7 +36,16 @@ from rich.filesize import decimal
 
 from tasks.kit.common import echo
 from tasks.kit.dvclock import repair_dvc_rwlock
-from tasks.kit.registry import APPROVAL_TAG, PRUNED_TAG, RegistryError, _guard, _project, previous_holder, pruned
+from tasks.kit.registry import (
+    APPROVAL_TAG,
+    PRUNED_TAG,
+    RegistryError,
+    _guard,
+    _project,
+    previous_holder,
+    pruned,
+    set_version_tag,
+)
 
 CHECKPOINTS = "checkpoints"
 DVC_SCOPE = ("--workspace", "--all-branches", "--all-tags", "--all-experiments")
@@ -170,8 +179,7 @@ def prune_versions(client, name: str, keep: int, apply: bool, say) -> tuple[list
                 "rule": f"registry.keep_versions {keep}",
                 "bytes": size,
             }
-            tag = (name, str(version.version), PRUNED_TAG, json.dumps(record))
-            _guard(f"tag {name} version {version.version} pruned", client.set_model_version_tag, *tag)
+            set_version_tag(client, name, version.version, PRUNED_TAG, json.dumps(record), version.run_id)
         repo = get_artifact_repository(version.source)
         _guard(f"delete the files of {name} version {version.version}", repo.delete_artifacts)
     return removals, {version.run_id for version, _ in kept}

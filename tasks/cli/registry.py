@@ -22,9 +22,9 @@ from tasks.kit.registry import (
     move_alias,
     previous_holder,
     pruned,
-    restore,
     version,
 )
+from tasks.kit.restore import restore
 
 app = typer.Typer(
     rich_markup_mode="markdown",  # the docstrings' `code` shown as code, not as backticks
@@ -131,22 +131,29 @@ def rollback(
 def restore_command(
     model: str = typer.Argument("reward", help="reward or policy"),
     version_: str = typer.Option(
-        None, "--version", help="the deleted version whose content may be registered again (default: every one)"
+        None, "--version", help="the deleted version to bring back (default: every deleted version)"
     ),
     reason: str = typer.Option(..., help="why (recorded)"),
     project: str = typer.Option(None, help="the project folder (default: found from here)"),
 ) -> None:
-    """Let the content of a version deleted from the registry, or of every version of a model deleted whole, be
-    registered again by the next gate run."""
+    """Bring back a version deleted from the registry, or every version of a model deleted whole: content, tags,
+    gate decision and description, then each alias that last moved to one of them (unless another version took
+    it since)."""
 
     def action() -> None:
         client, name, where = _open(model, project)
-        numbers = restore(client, name, version_, reason)
+        restored, aliases = restore(client, name, version_, reason)
         echo(where)
-        echo(
-            f"{name}: the content of deleted version {', '.join(numbers)} may be registered again; the next gate "
-            "run (dvc repro) registers it as a new version and gates it like any candidate"
-        )
+        for one in restored:
+            if one.new is None:
+                echo(
+                    f"{name}: the content of deleted version {one.old} may be registered again (its record predates "
+                    "the kept runs): the next gate run (dvc repro) registers it as a new version and gates it"
+                )
+            else:
+                echo(f"{name}: version {one.old} restored as version {one.new} (gate: {one.decision}), tags kept")
+        for line in aliases:
+            echo(f"{name}: {line}")
 
     _command(action)
 
@@ -166,7 +173,7 @@ def status(
         if not model_exists(client, name):
             echo(
                 f"{name}: deleted from the registry whole; its content stays out until a person restores it "
-                f"(rlhf-registry restore {model} --version N --reason ...); its history:"
+                f"(rlhf-registry restore {model} --reason ... brings every version back); its history:"
             )
         elif found is None:
             latest = _guard(f"search {name}", client.search_model_versions, f"name = '{name}'")

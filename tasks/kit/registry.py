@@ -49,6 +49,8 @@ PARAMS_TAG = "rlhf.params_sha256"  # sha256 of the params (canonical JSON); the 
 PARAMS_ARTIFACT = "params.json"
 CONTENT_PREFIX = "rlhf.content."  # on the registered model: rlhf.content.<version> = the version's content hash
 RESTORED_PREFIX = "rlhf.restored."  # on the registered model: rlhf.restored.<version> = JSON {reason, at}
+RESTORED_TAG = "rlhf.restored_from"  # on a version brought back: JSON {version, reason, at} of the one deleted
+MIRROR_PREFIX = "rlhf.registry."  # a version's tags and description, mirrored on its run: a restore reads them
 
 
 class RegistryError(ValueError):
@@ -148,8 +150,9 @@ def register(client, name: str, folder: str, run_id: str, tags: dict[str, str], 
         _guard("log the params", client.log_text, run_id, _params_json(params), PARAMS_ARTIFACT)
     source = f"runs:/{run_id}/{ARTIFACT_PATH}"  # relative to the run: the store's location is not written here
     found = _guard(f"register {name}", client.create_model_version, name, source, run_id=run_id, tags=tags)
-    if tags.get(SHA_TAG):  # kept where deleting the version or the model cannot take it: refuse_deleted() reads it
-        record = {"version": str(found.version), "at": ledger.now()}
+    mirror_tags(client, run_id, tags)
+    if tags.get(SHA_TAG):  # kept where deleting the version or the model cannot take it: refuse_deleted() and
+        record = {"version": str(found.version), "at": ledger.now(), "run_id": run_id}  # a restore read it
         _guard("record the content", ledger.write, client, f"content.{name}.{tags[SHA_TAG]}", record)
     return found
 
@@ -229,32 +232,6 @@ def model_exists(client, name: str) -> bool:
         return False
 
 
-def restore(client, name: str, number: str | None, reason: str) -> list[str]:
-    """Let the content of deleted version ``number`` (a version deleted, or the whole registered model) be
-    registered again, or with ``number`` None that of every deleted version not restored yet (a model deleted
-    whole comes back): the next gate run registers and gates it anew. Returns the versions restored.
-
-    Raises:
-        RegistryError: no such version was recorded, it still exists, it was restored already, nothing deleted
-            is left to restore, or no reason.
-    """
-    if not reason.strip() or len(reason.strip()) > MAX_REASON:
-        raise RegistryError(f"registry: --reason must say why, in at most {MAX_REASON:,} characters; nothing done")
-    if number is not None and str(number) not in _recorded(client, name).values():
-        raise RegistryError(f"registry: {name} has no record of a version {number}; nothing to restore")
-    deleted = [r for r in _deleted(client, name) if number is None or r["version"] == str(number)]
-    if number is not None and not deleted:
-        raise RegistryError(f"registry: {name} version {number} exists; nothing to restore")
-    if not [r for r in deleted if not r["restored"]]:
-        what = f"version {number} was restored already" if number is not None else "has no deleted version left"
-        raise RegistryError(f"registry: {name} {what}; run the gate (dvc repro)")
-    restored = sorted({r["version"] for r in deleted if not r["restored"]}, key=int)
-    for record in [r for r in deleted if not r["restored"]]:
-        entry = {"version": record["version"], "reason": reason.strip(), "at": ledger.now()}
-        _guard("record the restore", ledger.write, client, f"restored.{name}.{record['sha']}", entry)
-    return restored
-
-
 def find_by_sha(client, name: str, sha: str):
     """The newest version of ``name`` whose content hash tag is ``sha``, or None. Raises RegistryError (one line)."""
     found = _guard(f"search {name}", client.search_model_versions, f"name = '{name}' and tags.`{SHA_TAG}` = '{sha}'")
@@ -284,10 +261,25 @@ def existing_version(client, name: str, number: str | int):
     return next((v for v in _versions(client, name) if str(v.version) == str(number)), None)
 
 
-def set_version_tag(client, name: str, number: str | int, key: str, value: str) -> None:
-    """Set tag ``key`` of version ``number`` of ``name``. Raises RegistryError (one line) when the version is gone or
-    the registry cannot be reached."""
+def set_version_tag(client, name: str, number: str | int, key: str, value: str, run_id: str | None = None) -> None:
+    """Set tag ``key`` of version ``number`` of ``name``, and its mirror on the version's run (``run_id``, read
+    from the version when None): deleting the version cannot take it (:func:`tasks.kit.restore.restore`).
+
+    Raises:
+        RegistryError: the version is gone or the registry cannot be reached (one line).
+    """
     _guard(f"tag {name} version {number}", client.set_model_version_tag, name, str(number), key, value)
+    mirror_tags(client, run_id or version(client, name, number).run_id, {key: value})
+
+
+def mirror_tags(client, run_id: str, tags: dict[str, str]) -> None:
+    """Copy a version's ``tags`` (a description under ``description``) onto its run as ``rlhf.registry.<key>``
+    (one call a hundred). Raises RegistryError (one line)."""
+    from mlflow.entities import RunTag  # noqa: PLC0415 (MLflow: seconds to import)
+
+    mirrored = [RunTag(f"{MIRROR_PREFIX}{key}", value) for key, value in tags.items()]
+    for start in range(0, len(mirrored), 100):
+        _guard("mirror the version's tags on its run", client.log_batch, run_id, tags=mirrored[start : start + 100])
 
 
 def pruned(found) -> dict[str, Any] | None:
@@ -423,14 +415,7 @@ def decide_once(
             # a challenger of a DVC experiment whose model now runs outside one (the experiment was applied
             # and committed): its pass takes effect, once
             experiment, stored["experiment"] = stored["experiment"], None
-            _guard(
-                "store the decision",
-                client.set_model_version_tag,
-                name,
-                str(candidate.version),
-                CHECKS_TAG,
-                json.dumps(stored),
-            )
+            set_version_tag(client, name, candidate.version, CHECKS_TAG, json.dumps(stored), candidate.run_id)
             move_alias(client, name, str(candidate.version), "gate", f"{reason}; decided in experiment {experiment}")
         return {**stored, "decided": "before"}
     checks, extra = judge()
@@ -443,17 +428,18 @@ def decide_once(
         "pipeline_run": pipeline_run_id(),
         "experiment": experiment_name(),
     }
-    version_ = str(candidate.version)
-    _guard("store the decision", client.set_model_version_tag, name, version_, CHECKS_TAG, json.dumps(record))
-    _guard("store the decision", client.set_model_version_tag, name, version_, DECISION_TAG, record["decision"])
+    version_, run_id = str(candidate.version), candidate.run_id
+    set_version_tag(client, name, version_, CHECKS_TAG, json.dumps(record), run_id)
+    set_version_tag(client, name, version_, DECISION_TAG, record["decision"], run_id)
     sentence = decision_sentence(record, what)
-    _guard("store the decision", client.set_model_version_tag, name, version_, REASON_TAG, sentence)
+    set_version_tag(client, name, version_, REASON_TAG, sentence, run_id)
     description = f"{sentence}.\n\n" + "\n".join(f"- {line}" for line in record["lines"])
     _guard("describe the decision", client.update_model_version, name, version_, description=description)
+    mirror_tags(client, run_id, {"description": description})
     if record["decision"] == "pass" and record["experiment"]:
-        _guard("tag the challenger", client.set_model_version_tag, name, version_, CHALLENGER_TAG, record["experiment"])
+        set_version_tag(client, name, version_, CHALLENGER_TAG, record["experiment"], run_id)
     elif record["decision"] == "pass" and not move:
-        _guard("tag the approval", client.set_model_version_tag, name, version_, APPROVAL_TAG, "awaiting")
+        set_version_tag(client, name, version_, APPROVAL_TAG, "awaiting", run_id)
         record["awaiting_approval"] = True
     elif record["decision"] == "pass":
         move_alias(client, name, version_, "gate", reason, pipeline_run=record["pipeline_run"])
