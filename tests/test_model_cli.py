@@ -184,17 +184,17 @@ def test_export_of_the_champion_carries_the_registry_lineage_and_metrics(registr
     result = runner.invoke(model_cli.app, ["export", "--out", "hf"])  # nothing registered yet
     assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1
     assert result.output.strip() == (
-        'rlhf-policy: no version holds the champion alias; pass a folder (e.g. --model models/policy) or promote '
-        'one (rlhf-registry promote policy --version N --reason "...")'
-    )  # fmt: skip
+        "rlhf-policy: no version is registered yet (run the pipeline: make pipeline); or pass a folder"
+    )
     project_files(registry_project)
     evaluate_run, parent, ppo_run = register_policy(tiny_dir)
     os.chdir(registry_project / "data")  # the project is found from a folder inside it
     result = runner.invoke(model_cli.app, ["export", "--out", str(registry_project / "champion")])
     assert result.exit_code == 0, result.output
+    assert "using rlhf-policy version 1 (gate: pass)" in result.output
     card = check_folder(registry_project / "champion", tiny_dir, tokenizer.eos_token_id)
     sections = card_sections(card)
-    assert "from models:/rlhf-policy@champion" in card and ModelCard(card).data.model_name == "rlhf-policy v1"
+    assert "from models:/rlhf-policy/1" in card and ModelCard(card).data.model_name == "rlhf-policy v1"
     metrics = sections["Metrics"]
     assert "Source: the `rlhf.metric.*` tags of rlhf-policy v1" in metrics
     assert "| Judge win rate over SFT | 0.610 (95% CI 0.520-0.700) | registry v1 |" in metrics
@@ -217,6 +217,43 @@ def test_export_of_the_champion_carries_the_registry_lineage_and_metrics(registr
     out = registry_project / "v1"
     result = runner.invoke(model_cli.app, ["export", "--out", str(out), "--model", "models:/rlhf-policy/1"])
     assert result.exit_code == 0 and "| Registered model | rlhf-policy version 1" in (out / "README.md").read_text()
+
+
+def test_without_a_champion_every_command_uses_the_newest_version_and_says_which_and_its_verdict(
+    registry_project, tiny_dir, monkeypatch
+):
+    # the demo's run: its policy gate fails by design, so no version holds champion; the README's commands work
+    project_files(registry_project)
+    register_policy(tiny_dir)
+    client = tracking_client()[0]
+    client.delete_registered_model_alias("rlhf-policy", "champion")
+    client.set_model_version_tag("rlhf-policy", "1", "rlhf.gate.decision", "fail")
+    client.set_model_version_tag("rlhf-policy", "1", "rlhf.gate.reason", "policy gate failed 1 of 8 checks: EOS")
+    using = "using rlhf-policy version 1 (no version holds champion, so the newest; gate: fail (policy gate failed 1 of"
+    result = runner.invoke(model_cli.app, ["chat"], input="/exit\n")
+    assert result.exit_code == 0 and using in result.output and "chatting with models:/rlhf-policy/1" in result.output
+    result = runner.invoke(model_cli.app, ["export", "--out", "hf"])
+    assert result.exit_code == 0 and using in result.output and "failed its gate" in result.output
+    result = runner.invoke(model_cli.app, ["chat", "models:/rlhf-policy@champion"], input="/exit\n")
+    assert result.exit_code == 1 and result.output.strip() == (
+        "rlhf-policy: no version holds the alias champion; the newest is version 1 (gate: fail (policy gate failed 1 "
+        "of 8 checks: EOS)): use models:/rlhf-policy/latest or models:/rlhf-policy/1"
+    )
+    result = runner.invoke(model_cli.app, ["chat", "models:/rlhf-policy/latest"], input="/exit\n")
+    assert result.exit_code == 0 and "using rlhf-policy version 1 (gate: fail" in result.output
+    served = []
+    monkeypatch.setattr(os, "execvpe", lambda file, args, env: served.append((file, args, env)))
+    monkeypatch.setenv("PATH", "/usr/bin")  # a fresh shell: the environment's tools are not on it
+    result = runner.invoke(model_cli.app, ["serve", "--port", "5011"])
+    assert result.exit_code == 0 and using in result.output, result.output
+    ((file, args, env),) = served
+    tools = os.path.dirname(sys.executable)
+    assert file == os.path.join(tools, "mlflow") and env["PATH"].split(os.pathsep)[0] == tools
+    assert args[1:] == ["models", "serve", "-m", "models:/rlhf-policy/1", "--env-manager", "local", "-h",
+                        "127.0.0.1", "-p", "5011"]  # fmt: skip
+    assert env["MLFLOW_TRACKING_URI"] == tracking_client()[0].tracking_uri
+    result = runner.invoke(model_cli.app, ["serve", "models/policy"])
+    assert result.exit_code == 1 and "serve takes a registered version" in result.output
 
 
 def test_chat_keeps_the_conversation_in_the_chat_template(tiny_dir, tokenizer, monkeypatch):

@@ -13,25 +13,25 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
+import sys
 import tempfile
 from collections.abc import Iterator
 from typing import Any
 
 import typer
 
-from tasks.kit.common import one_line
+from tasks.cli.versions import UserError, default_version, find_version, using_line
+from tasks.kit.common import one_line, terminal_text
 
 app = typer.Typer(
     rich_markup_mode="markdown",  # the docstrings' `code` shown as code, not as backticks
     help="Use the aligned policy: export it (with a model card), chat with it, generate responses; "
     "score a reward model on a pairs file.",
 )
-MODEL_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/@]+)|/(?P<version>\d+))$")
-
-
-class UserError(ValueError):
-    """A bad argument, folder or prompts row: printed as one line, exit 1."""
+MODEL_HELP = (
+    "a folder, models:/NAME@ALIAS, models:/NAME/VERSION or models:/NAME/latest "
+    "(default: the policy's champion, else its newest version, said which)"
+)
 
 
 def _project(project: str | None) -> str:
@@ -58,48 +58,59 @@ def _store():
     return mlflow.MlflowClient(tracking_uri=uri)
 
 
-def find_version(uri: str, client):
-    """The ``ModelVersion`` a ``models:/name@alias`` or ``models:/name/N`` URI names.
-
-    Raises:
-        UserError: not such a URI, or no version holds the alias. RegistryError: the version does not exist.
-    """
-    from tasks.kit.registry import holder, version
-
-    match = MODEL_URI.match(uri)
-    if match is None:
-        raise UserError(f"{uri}: not a model URI; use models:/<name>@<alias> or models:/<name>/<version>")
-    if match["version"]:
-        return version(client, match["name"], match["version"])
-    found = holder(client, match["name"], match["alias"])
-    if found is None:
-        raise UserError(f"{match['name']}: no version holds the alias {match['alias']}")
-    return found
-
-
 @contextlib.contextmanager
-def model_folder(model: str, project: str | None) -> Iterator[str]:
-    """Yield a local folder holding ``model``: the folder itself, or a registered version downloaded into a
-    temporary folder (removed afterwards).
+def model_folder(model: str | None, project: str | None) -> Iterator[tuple[str, Any]]:
+    """Yield ``(folder, version)``: the folder itself (version None), or a registered version downloaded into a
+    temporary folder (removed afterwards), after a line on stderr naming the version and its gate verdict. No
+    ``model``: the policy's champion, else its newest version (:func:`tasks.cli.versions.default_version`).
 
     Raises:
-        UserError: not a model folder, or an unknown alias. RegistryError: the registry cannot give it.
+        UserError: not a model folder, an unknown alias, nothing registered. RegistryError: the registry cannot
+            give it.
     """
-    if not model.startswith("models:/"):
+    if model is not None and not model.startswith("models:/"):
         if not os.path.isfile(os.path.join(model, "config.json")):
             raise UserError(f"{model}: not a model folder (no config.json); pass a folder or models:/<name>@<alias>")
-        yield model
+        yield model, None
         return
     _project(project)
     client = _store()
     if client is None:
-        raise UserError(f"{model}: this project has no tracking store yet (no stage has run); pass a folder")
+        raise UserError(
+            f"{model or 'the policy'}: this project has no tracking store yet (no stage has run); pass a folder"
+        )
     from tasks.kit.registry import download
 
-    found = find_version(model, client)
+    found = registered(model, client)
     with tempfile.TemporaryDirectory(prefix="rlhf-model-") as tmp:
         download(client, found, tmp)  # checked against the registered hash
-        yield tmp
+        yield tmp, found
+
+
+def policy_name() -> str | None:
+    """``registry.policy_model`` of the project's params.yaml (the current folder), or None."""
+    from tasks.kit.params import read_params, stage_params
+
+    return stage_params("registry").get("policy_model") if "registry" in read_params() else None
+
+
+def registered(model: str | None, client):
+    """The version ``model`` (a ``models:/`` URI) names, or with None the policy's champion, else its newest
+    version; says which on stderr, with its gate verdict.
+
+    Raises:
+        UserError: see :func:`tasks.cli.versions.find_version`, or no ``registry.policy_model`` for None.
+    """
+    note = ""
+    if model is None:
+        name = policy_name()
+        if not name:
+            raise UserError("params.yaml: no registry.policy_model to use the champion of; pass a model")
+        found, note = default_version(client, name)
+    else:
+        found = find_version(model, client)
+    typer.echo(terminal_text(using_line(found, note)), err=True)
+    return found
 
 
 def load(folder: str, device: str = "auto"):
@@ -226,19 +237,16 @@ def writable_file(path: str, option: str) -> None:
 @app.command()
 def export(
     out: str = typer.Option(..., help="the folder to write (must not exist, or be empty)"),
-    model: str = typer.Option(
-        None,
-        help="models:/<name>@<alias>, models:/<name>/<version> or a folder "
-        "(default: the champion of params.yaml registry.policy_model)",
-    ),
+    model: str = typer.Option(None, help=MODEL_HELP),
     dtype: str = typer.Option("bfloat16", help="the weights' dtype: bfloat16 (half the size) or float32"),
     project: str = typer.Option(None, help="the project folder (default: found from here)"),
 ) -> None:
     """Export a policy as a Hugging Face folder that transformers 4.57 and 5 load: safetensors, tokenizer with chat
     template, generation config and README.md, the model card. Written into a temporary folder beside --out and
-    renamed at the end. A version that failed its gate is exported with a warning naming it."""
+    renamed at the end. Without --model: the policy's champion, else its newest version (said on stderr, with its
+    gate verdict); a version that failed its gate is exported with a warning naming it, and its card says so."""
     from tasks.kit.model_card import card_facts, render_card
-    from tasks.kit.params import read_params, stage_params
+    from tasks.kit.params import stage_params
     from tasks.kit.portable import make_portable
     from tasks.kit.registry import DECISION_TAG, find_by_sha, folder_sha256
 
@@ -250,22 +258,11 @@ def export(
             raise UserError(f"{out}: exists and is not an empty folder; choose another --out")
         given = os.path.abspath(model) if model and not model.startswith("models:/") else model
         project = _project(project)  # absolute from here on
-        name = stage_params("registry").get("policy_model") if "registry" in read_params() else None
-        if given is None:
-            if not name:
-                raise UserError("params.yaml: no registry.policy_model to export the champion of; pass --model")
-            given = f"models:/{name}@champion"
-            client = _store()
-            if client is None or find_version_or_none(given, client) is None:
-                raise UserError(
-                    f"{name}: no version holds the champion alias; pass a folder (e.g. --model models/policy) or "
-                    f'promote one (rlhf-registry promote policy --version N --reason "...")'
-                )
+        name = policy_name()
         os.makedirs(os.path.dirname(out), exist_ok=True)
         with tempfile.TemporaryDirectory(dir=os.path.dirname(out), prefix=".export-") as tmp:
-            with model_folder(given, project) as source:
+            with model_folder(given, project) as (source, found):
                 sha, client = folder_sha256(source), _store()
-                found = find_version(given, client) if given.startswith("models:/") else None
                 if found is None and client is not None and name:  # a folder: is its content a registered version?
                     found = find_by_sha(client, name, sha)
                 policy, tokenizer = load(source, "cpu")
@@ -289,7 +286,10 @@ def export(
             policy.to(getattr(torch, dtype)).save_pretrained(staged, safe_serialization=True)
             save_tokenizer(tokenizer, staged)
             make_portable(staged)
-            origin = given if given.startswith("models:/") else f"the folder {shown_path(given, project)}"
+            if given is None or given.startswith("models:/"):
+                origin = given or f"models:/{found.name}/{found.version}"
+            else:
+                origin = f"the folder {shown_path(given, project)}"
             render_card(card_facts(sha, found, client, origin)).save(os.path.join(staged, "README.md"))
             umask = os.umask(0)
             os.umask(umask)
@@ -298,7 +298,7 @@ def export(
             if os.path.isdir(out):
                 os.rmdir(out)  # empty (checked above): the rename takes its place
             os.rename(staged, out)
-    typer.echo(f"exported {given} to {out}")
+    typer.echo(f"exported {given or f'{found.name} version {found.version}'} to {out}")
     decision = found.tags.get(DECISION_TAG) if found is not None else None
     if decision == "fail":
         typer.echo(
@@ -324,7 +324,7 @@ def find_version_or_none(uri: str, client):
 
 @app.command()
 def chat(
-    model: str = typer.Argument(..., help="a folder, models:/<name>@<alias> or models:/<name>/<version>"),
+    model: str = typer.Argument(None, help=MODEL_HELP),
     max_new_tokens: int = typer.Option(128, min=1, help="tokens per answer at most"),
     temperature: float = typer.Option(0.7, min=1e-3, help="sampling temperature"),
     greedy: bool = typer.Option(False, help="greedy decoding instead of sampling"),
@@ -334,7 +334,7 @@ def chat(
     project: str = typer.Option(None, help="the project folder, for models:/ URIs (default: found from here)"),
 ) -> None:
     """Chat in the terminal with the model's chat template. /reset clears the conversation; /exit or Ctrl-D ends."""
-    with _one_line(), model_folder(model, project) as folder:
+    with _one_line(), model_folder(model, project) as (folder, found):
         policy, tokenizer = load(folder)
         budget = prompt_budget(policy, max_new_tokens, max_prompt_tokens)
     import torch  # here, after the checks: a bad argument is reported in a second
@@ -344,7 +344,8 @@ def chat(
     torch.manual_seed(seed)
     opening = [{"role": "system", "content": system}] if system else []
     messages = list(opening)
-    typer.echo(f"chatting with {model}; /reset clears the conversation, /exit or Ctrl-D ends")
+    who = model or f"models:/{found.name}/{found.version}"
+    typer.echo(f"chatting with {who}; /reset clears the conversation, /exit or Ctrl-D ends")
     while True:
         try:
             text = typer.prompt("you", default="", show_default=False, prompt_suffix="> ")
@@ -371,7 +372,7 @@ def chat(
 
 @app.command()
 def generate(
-    model: str = typer.Argument(..., help="a folder, models:/<name>@<alias> or models:/<name>/<version>"),
+    model: str = typer.Argument(None, help=MODEL_HELP),
     prompts: str = typer.Option(..., help='jsonl: {"prompt": text or messages} or {"messages": [...]} rows'),
     out: str = typer.Option(..., help="jsonl written atomically: each row's prompt or messages and its response"),
     batch_size: int = typer.Option(8, min=1, help="prompts generated together"),
@@ -387,7 +388,7 @@ def generate(
     with _one_line():
         rows = read_prompts(prompts)
         writable_file(out, "--out")
-        with model_folder(model, project) as folder:
+        with model_folder(model, project) as (folder, _):
             policy, tokenizer = load(folder)
         import torch  # here, after the checks: a bad argument is reported in a second
 
@@ -421,7 +422,7 @@ def generate(
 
 @app.command("score-pairs")
 def score_pairs(
-    model: str = typer.Argument(..., help="a reward-model folder, models:/<name>@<alias> or models:/<name>/<version>"),
+    model: str = typer.Argument(..., help="a reward-model folder, models:/NAME@ALIAS, models:/NAME/VERSION or /latest"),
     pairs: list[str] = typer.Argument(
         ..., help="jsonl[.gz] files of preference rows: any path or URL the prepare stage reads; several: a block each"
     ),
@@ -464,7 +465,7 @@ def score_pairs(
                 path, fmt, scoring.parse_mapping(mapping), max_rows, skip_bad_rows, file_kind, kind_field
             )
             examples, rows, left_out = examples + read[0], rows + read[1], left_out + read[2]
-        with model_folder(model, project) as folder:
+        with model_folder(model, project) as (folder, _):
             reward_model, tokenizer, length = scoring.load_reward_model(folder, max_length)
         metrics = scoring.score(reward_model, tokenizer, examples, length, batch_size)
         if json_out is not None:
@@ -478,6 +479,35 @@ def score_pairs(
         typer.echo(line)
     if json_out is not None:
         typer.echo(f"wrote the metrics to {json_out}")
+
+
+@app.command()
+def serve(
+    model: str = typer.Argument(None, help=MODEL_HELP.replace("a folder, ", "")),
+    port: int = typer.Option(5001, min=1, max=65535, help="the port to listen on"),
+    host: str = typer.Option("127.0.0.1", help="the address to listen on (0.0.0.0: every interface)"),
+    project: str = typer.Option(None, help="the project folder (default: found from here)"),
+) -> None:
+    """Serve a registered version with `mlflow models serve` (REST: POST /invocations), from any shell: this
+    environment's tools come first on the PATH (MLflow starts `uvicorn` by name), the project's tracking store is
+    the one read, and the version is named by its number so it serves what the first line says."""
+    from tasks.kit.runs import tracking_uri
+
+    with _one_line():
+        if model is not None and not model.startswith("models:/"):
+            raise UserError(f"{model}: serve takes a registered version (models:/...); a folder has no MLflow Model")
+        _project(project)
+        client = _store()
+        if client is None:
+            raise UserError("this project has no tracking store yet (no stage has run)")
+        found = registered(model, client)
+        tools = os.path.dirname(sys.executable)
+        env = {**os.environ, "PATH": os.pathsep.join([tools, os.environ.get("PATH", "")])}
+        env["MLFLOW_TRACKING_URI"] = tracking_uri()
+        uri = f"models:/{found.name}/{found.version}"
+        command = [os.path.join(tools, "mlflow"), "models", "serve", "-m", uri, "--env-manager", "local"]
+    typer.echo(f"serving {uri} on http://{host}:{port}/invocations (Ctrl-C stops it)", err=True)
+    os.execvpe(command[0], [*command, "-h", host, "-p", str(port)], env)
 
 
 if __name__ == "__main__":
