@@ -16,6 +16,7 @@ from prefect.flow_runs import pause_flow_run
 from prefect.input import RunInput
 from pydantic import Field
 
+from flows.console import say
 from tasks.kit.registry import (
     APPROVAL_TAG,
     MAX_BY,
@@ -47,7 +48,7 @@ def awaiting(report: dict[str, Any]) -> bool:
     return found is not None and found.tags.get(APPROVAL_TAG) == "awaiting"
 
 
-def await_approval(report: dict[str, Any], timeout_s: int, poll_s: int = 10, say=print) -> str:
+def await_approval(report: dict[str, Any], timeout_s: int, poll_s: int = 10, say=say) -> str:
     """Pause the running flow until a person approves or rejects the policy of ``report``; act on the answer.
 
     Args:

@@ -1,11 +1,13 @@
 """What a person running the pipeline sees of a stage: a line as it starts, its loud lines (a WARNING, a GATE
 FAILED, an error), a line as it ends with its time and headline figures, and on a terminal its training loop's
 progress bar. Everything the stage's process and DVC write goes, whole, to ``logs/<stage>.log`` (git-ignored).
+Every line a person sees is also in the flow run's Prefect log (:func:`say`), where the UI and automations read it.
 """
 
 from __future__ import annotations
 
 import codecs
+import logging
 import os
 import re
 import sys
@@ -16,6 +18,32 @@ LOGS = "logs"
 LOUD = re.compile(r"^\[\w+\] (WARNING|GATE FAILED|error: |stopped by |FAILED|resuming from )")
 SKIPPED = re.compile(r"^Stage '[\w@.-]+' didn't change, skipping")  # DVC's line for an up-to-date stage
 CLEAR = "\r\x1b[K"  # back to the line's start and clear it (a terminal only)
+
+
+WARNS = re.compile(r"^\[\w+\] (WARNING|GATE FAILED)")
+ERRORS = re.compile(r"^\[\w+\] (error: |stopped by |FAILED)")
+
+
+def to_prefect_log(line: str) -> None:
+    """Send a console ``line`` to the running flow's (or task's) Prefect log, not to the console again (Prefect's
+    ``prefect.extra`` logger has only the API handler): WARNING and GATE FAILED lines at WARNING, error lines at
+    ERROR, the rest at INFO. Outside a flow run (a stage run by hand) it does nothing."""
+    from prefect.context import get_run_context  # noqa: PLC0415 (Prefect: a second to import)
+    from prefect.exceptions import MissingContextError  # noqa: PLC0415
+
+    try:
+        get_run_context()
+    except MissingContextError:
+        return
+    level = logging.ERROR if ERRORS.match(line) else logging.WARNING if WARNS.match(line) else logging.INFO
+    logging.getLogger("prefect.extra").log(level, line)
+
+
+def say(line: str, prefix: str = "") -> None:
+    """Print ``line`` for a person (after ``prefix``, e.g. :data:`CLEAR` over a progress bar) and put it in the
+    flow run's Prefect log (:func:`to_prefect_log`)."""
+    print(f"{prefix}{line}", flush=True)
+    to_prefect_log(line)
 
 
 def stage_log(stage: str) -> str:

@@ -22,9 +22,10 @@ import typer
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
-from prefect.states import Completed
+from prefect.states import Completed, Failed
 
 from flows.approval import await_approval, awaiting
+from flows.console import to_prefect_log
 from flows.deployments import clean_revision, run_on_pool, stage_pool
 from flows.pools import pool_limits
 from flows.stages import (
@@ -39,7 +40,7 @@ from flows.stages import (
     stale_reasons,
     stale_stages,
 )
-from flows.summary import print_summary, read_metrics, summary_markdown, verdict
+from flows.summary import COMPLETED, GATE_FAILED, print_summary, read_metrics, summary_markdown, verdict
 from tasks.kit import paths
 from tasks.kit.common import one_line
 from tasks.kit.outputs import load_json
@@ -51,13 +52,14 @@ from tasks.kit.runs import StageRun
 def rlhf_pipeline(stages: list[str] | None = None, pools: bool = False) -> Any:
     """:func:`run_pipeline` as a Prefect flow: prints the summary table once (:func:`flows.summary.print_summary`),
     publishes it as the flow run's Markdown artifact ``rlhf-summary``, and ends in a state named after the verdict
-    (:func:`flows.summary.verdict`: "Gate failed" when a gate refused, a designed outcome and not a crash, so the
-    run list shows it without opening a log). A failure logs ``FAILED: <reason>`` and the failed state's message
-    is that reason.
+    (:func:`flows.summary.verdict`), its message the verdict's sentence, also the last line of its Prefect log:
+    ``Completed`` (type COMPLETED) when every gate that ran passed, ``Gate failed`` (type FAILED, red in the UI,
+    FAILED in ``prefect flow-run ls``, what an automation or notification on failed runs acts on) when a gate
+    refused; a stage that failed ends the run Failed with the stage's error. ``make pipeline`` exits 0 on a gate
+    that refused (:func:`flow_metrics`): a designed outcome, not a crash.
 
     Returns:
-        a Completed state (named "Completed" or "Gate failed", its message the verdict's sentence) with the
-        metrics as data (a caller of the flow gets the metrics).
+        that state, with the metrics as data.
     """
     logger = get_run_logger()
     try:
@@ -70,7 +72,20 @@ def rlhf_pipeline(stages: list[str] | None = None, pools: bool = False) -> Any:
         key="rlhf-summary", markdown=summary_markdown(metrics), description="The pipeline run's figures"
     )
     name, sentence = verdict(metrics)
-    return Completed(name=name, message=sentence, data=metrics)
+    to_prefect_log(f"[flow] {sentence}")  # the console prints it last, after dvc status
+    return (Completed if name == COMPLETED else Failed)(name=name, message=sentence, data=metrics)
+
+
+def flow_metrics(stages: list[str] | None) -> dict[str, dict]:
+    """Run :func:`rlhf_pipeline`; its metrics when it completed or a gate refused (its ``Gate failed`` state).
+
+    Raises:
+        the error of the stage that failed (StageRefused, RuntimeError, ValueError), as the flow raised it.
+    """
+    state = rlhf_pipeline(stages=stages, return_state=True)
+    if state.is_failed() and state.name != GATE_FAILED:
+        state.result()  # raises what failed
+    return state.result(raise_on_failure=False)
 
 
 def first_line(err: BaseException) -> str:
@@ -206,7 +221,7 @@ def main(stage: list[str] = typer.Option(None, help="run only these stages (repe
         logging.getLogger(name).addFilter(without_traceback)
     leave_soon_after_ctrl_c()
     try:
-        metrics = rlhf_pipeline(stages=stage or None)
+        metrics = flow_metrics(stage or None)
     except (StageRefused, ValueError, RuntimeError) as err:
         print(f"[flow] FAILED: {first_line(err)}")
         raise SystemExit(1) from None

@@ -19,7 +19,7 @@ import psutil
 from filelock import FileLock, Timeout
 from prefect import task
 
-from flows.console import CLEAR, SKIPPED, relay, stage_log, terminal
+from flows.console import CLEAR, SKIPPED, relay, say, stage_log, terminal
 from flows.summary import headline, read_metrics, stage_seconds
 from tasks.kit import paths
 from tasks.kit.console import PROGRESS_ENV
@@ -133,7 +133,7 @@ def run_in_order(
     wanted: set[str],
     run: Callable[[str], None],
     why_stale: Callable[[str], str | None],
-    say: Callable[[str], None] = print,
+    say: Callable[[str], None] = say,
 ) -> list[str]:
     """Run the ``wanted`` stages in ``order``, each after every stage upstream of it that is stale when reached.
 
@@ -186,7 +186,7 @@ CHECKOUT_LOCK = os.path.join(".dvc", "tmp", "rlhf-checkout.lock")
 
 
 @contextlib.contextmanager
-def checkout_lock(say: Callable[[str], None] = print) -> Iterator[None]:
+def checkout_lock(say: Callable[[str], None] = say) -> Iterator[None]:
     """Hold this checkout while a stage changes it (``dvc repro``, ``pull``, ``push``, a worker's ``git
     checkout``), waiting as long as another run holds it and saying so once.
 
@@ -248,7 +248,7 @@ def run_stage(stage: str, pipeline_run_id: str) -> None:
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
 
     def show(line: str) -> None:
-        print(f"{CLEAR if bar else ''}{line}", flush=True)
+        say(line, CLEAR if bar else "")
 
     show(f"[{stage}] running (log: {log_path})")
     with checkout_lock(), open(log_path, "w", encoding="utf-8") as log:

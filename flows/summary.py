@@ -216,6 +216,9 @@ def summary_markdown(metrics: dict[str, dict], timings: dict[str, float | None] 
     return "\n".join([f"**{verdict(metrics)[1]}**", "", *rows, *([""] + warnings if warnings else [])])
 
 
+COMPLETED, GATE_FAILED = "Completed", "Gate failed"  # the flow's final state names (flows.pipeline.rlhf_pipeline)
+
+
 def verdict(metrics: dict[str, dict]) -> tuple[str, str]:
     """What the run decided, as ``(state name, one sentence)``: the policy gate's decision when evaluate ran, else
     the reward gate's (:func:`rlhf.evaluation.gate_rules.decision_sentence`, with the report that holds its figures);
@@ -230,5 +233,5 @@ def verdict(metrics: dict[str, dict]) -> tuple[str, str]:
         sentence = decision_sentence(metrics.get(stage), what)
         if sentence is not None:
             passed = metrics[stage]["decision"] == "pass"
-            return ("Completed", sentence) if passed else ("Gate failed", f"{sentence} ({report})")
-    return "Completed", "no gate ran"
+            return (COMPLETED, sentence) if passed else (GATE_FAILED, f"{sentence} ({report})")
+    return COMPLETED, "no gate ran"

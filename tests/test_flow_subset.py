@@ -170,7 +170,7 @@ def test_a_subset_run_after_an_upstream_param_change_runs_the_stale_stage_first(
         assert result.returncode == 0
 
     monkeypatch.setattr(pipeline, "run_stage", run_stage)
-    monkeypatch.setattr(pipeline, "rlhf_pipeline", pipeline.run_pipeline)  # the flow's body, without Prefect
+    monkeypatch.setattr(pipeline, "flow_metrics", pipeline.run_pipeline)  # the flow's body, without Prefect
     pipeline.main(stage=["c"])
     output = capsys.readouterr().out
     assert "[flow] b is stale (changed deps params.yaml:b (modified)) and upstream of c: running it first" in output

@@ -226,6 +226,14 @@ def test_prefect_flow_runs_the_stale_stages_on_two_sharded_processes_and_groups_
     assert "evaluate: changed deps" in status  # evaluate, not asked for, reads the new policy: stale
     verdict = lines[lines.index(status) + 1]  # stdout's last line: the verdict (of the fixture's evaluate)
     assert verdict.startswith("[flow] policy gate failed ") and verdict.endswith("(reports/policy_gate.json)")
+    # Prefect holds the outcome a team acts on: a refused gate is a FAILED state (red, automations fire), exit 0
+    # above; its log holds every line the console showed, the verdict last
+    with sqlite3.connect(os.path.join(project, ".prefect-home", "prefect.db")) as db:
+        states = db.execute("select state_type, state_name, state_id from flow_run").fetchall()
+        logs = [row[0] for row in db.execute("select message from log order by timestamp").fetchall()]
+    assert [(kind, name) for kind, name, _ in states] == [("FAILED", "Gate failed")]
+    assert all(line in logs for line in lines if re.match(r"\[(\w+)\] (running|done)", line)), logs
+    assert [line for line in logs if line.startswith("[flow] ")][-1] == verdict
     with sqlite3.connect(os.path.join(project, "mlflow.db")) as db:
         parents = db.execute(  # the flow's pipeline run (the fixture's `dvc repro` made its own)
             "select run_uuid from tags where key = 'rlhf.pipeline_run_id' and value like 'prefect-%' and run_uuid in "
