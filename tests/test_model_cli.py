@@ -409,3 +409,21 @@ def typer_commands(app) -> list[str]:
     import typer
 
     return sorted(getattr(typer.main.get_command(app), "commands", {}))  # none: the app is its one command
+
+
+@pytest.mark.parametrize(
+    ("command", "argv", "line"),
+    [
+        ("model", ["chat", "--bogus"], "rlhf-model chat: No such option: --bogus (see rlhf-model chat --help)"),
+        ("model", ["generate"], "rlhf-model generate: Missing option '--prompts'. (see rlhf-model generate --help)"),
+        ("registry", ["promote"], "rlhf-registry promote: Missing option '--version'."),
+        ("housekeeping", ["--bogus"], "rlhf-housekeeping: No such option: --bogus (see rlhf-housekeeping --help)"),
+        ("review", ["import", "missing.csv"], "missing.csv: no such CSV file"),
+    ],
+)
+def test_a_console_commands_bad_command_line_is_one_line(command, argv, line, tmp_path):
+    # the installed command's path (pyproject's scripts -> console()), not typer's test runner: click drew a box
+    probe = f"import sys; sys.argv = ['rlhf-{command}', *{argv!r}]; from tasks.cli.{command} import console; console()"
+    result = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True)
+    assert result.returncode in (1, 2) and result.stdout == "", result
+    assert result.stderr.startswith(line) and len(result.stderr.strip().splitlines()) == 1, result.stderr

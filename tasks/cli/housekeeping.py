@@ -34,6 +34,7 @@ from typing import Any
 import typer
 from rich.filesize import decimal
 
+from tasks.cli import run_command
 from tasks.kit.common import echo
 from tasks.kit.dvclock import repair_dvc_rwlock
 from tasks.kit.registry import (
@@ -412,5 +413,10 @@ def main(
         echo(f"would free {decimal(total)}; removals: {len(removals)}; a dry run: nothing was removed (--yes)")
 
 
+def console() -> None:
+    """The console command (pyproject's scripts): :data:`app` through :func:`tasks.cli.run_command`."""
+    run_command(app)
+
+
 if __name__ == "__main__":
-    app()
+    console()

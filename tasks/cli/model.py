@@ -20,6 +20,7 @@ from typing import Any
 
 import typer
 
+from tasks.cli import run_command
 from tasks.cli.versions import UserError, default_version, find_version, using_line
 from tasks.kit.common import one_line, terminal_text
 
@@ -510,5 +511,10 @@ def serve(
     os.execvpe(command[0], [*command, "-h", host, "-p", str(port)], env)
 
 
+def console() -> None:
+    """The console command (pyproject's scripts): :data:`app` through :func:`tasks.cli.run_command`."""
+    run_command(app)
+
+
 if __name__ == "__main__":
-    app()
+    console()

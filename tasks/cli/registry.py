@@ -8,6 +8,7 @@ import os
 import typer
 import yaml
 
+from tasks.cli import run_command
 from tasks.kit import ledger
 from tasks.kit.common import echo, one_line
 from tasks.kit.registry import (
@@ -202,5 +203,10 @@ def status(
     _command(action)
 
 
+def console() -> None:
+    """The console command (pyproject's scripts): :data:`app` through :func:`tasks.cli.run_command`."""
+    run_command(app)
+
+
 if __name__ == "__main__":
-    app()
+    console()

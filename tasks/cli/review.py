@@ -31,6 +31,7 @@ from rlhf.evaluation.review_tally import (
     spreadsheet_safe,
     tally,
 )
+from tasks.cli import run_command
 from tasks.kit import paths
 from tasks.kit.common import one_line
 
@@ -339,6 +340,8 @@ def import_(
     Rows left blank count as not rated yet; a row that cannot be used is reported and left out.
     """
     try:
+        if not os.path.isfile(filled):  # the file named first is the one to name first
+            raise ReviewError(f"{filled}: no such CSV file (the file a rater filled, from rlhf-review export)")
         key_content = read_key(key)
         result, problems, notes = read_review(filled, key_content)
     except ReviewError as err:
@@ -355,5 +358,10 @@ def import_(
             raise _fail(err) from None
 
 
+def console() -> None:
+    """The console command (pyproject's scripts): :data:`app` through :func:`tasks.cli.run_command`."""
+    run_command(app)
+
+
 if __name__ == "__main__":
-    app()
+    console()
