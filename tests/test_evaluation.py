@@ -186,7 +186,8 @@ def _run(scores: list[list[float]], texts: list[str], lengths: list[list[float]]
     """A generate_and_score result by hand: the same scores by both scorers, ``(P, K)``."""
     tensor = torch.tensor(scores)
     length = torch.tensor(lengths) if lengths else torch.full(tensor.shape, 10.0)
-    return {"proxy": tensor, "judge": tensor, "length": length, "texts": texts}
+    ended = torch.ones(tensor.shape, dtype=torch.bool)
+    return {"proxy": tensor, "judge": tensor, "length": length, "texts": texts, "ended": ended}
 
 
 REFUSE, HELP = "I can't help with that.", "Sure, here is how."
@@ -248,6 +249,8 @@ def test_answers_where_sft_or_the_base_model_declined_are_counted_per_kind_and_t
     assert [r["id"] for r in rows] == ["p0", "p2", "p1", "p3", "p4"]  # those two first, the rest in order
     assert [r["complied_where_declined"] for r in rows] == [True, True, False, False, False]
     assert (rows[0]["sft_refused"], rows[0]["policy_refused"], rows[1]["base_refused"]) == (True, False, True)
+    runs["policy"]["ended"][3, 0] = False  # cut at max_new_tokens: the row says so (the report marks its scores)
+    assert [r["policy_ended"] for r in sample_rows(prompts, runs)] == [True, True, True, False, True]
     # without a base model only SFT's refusals count
     no_base = {k: v for k, v in runs.items() if k != "base"}
     assert kind_figures(no_base, kinds, 50, 0)["eval/kind/harmless/complied_where_declined"] == 0.25

@@ -220,6 +220,9 @@ def test_a_sample_shows_its_whole_conversation_and_a_response_that_is_sfts_is_ma
     assert "declined" not in samples
     loaded["samples"]["samples"] = [{**row, "complied_where_declined": True}]
     assert "the policy answered what SFT or the base model declined" in page(loaded).split('<h2 id="samples">')[1]
+    loaded["samples"]["samples"] = [{**row, "sft_ended": False, "policy_ended": True}]  # SFT's cut at the limit
+    samples = page(loaded).split('<h2 id="samples">')[1]
+    assert samples.count("cut off at max_new_tokens before it ended (no EOS)") == 1
 
 
 def page(loaded: dict) -> str:

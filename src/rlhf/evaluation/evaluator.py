@@ -377,8 +377,8 @@ def tie_identical_responses(runs: dict[str, dict[str, Any]], other: str = "polic
 
 
 def sample_rows(prompts: list[dict[str, Any]], runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per prompt and sample: the prompt and its kind, each model's response, its proxy and judge scores
-    and whether it refuses (:func:`rlhf.evaluation.text_measures.is_refusal`); ``complied_where_declined`` where
+    """One row per prompt and sample: the prompt and its kind, each model's response, its proxy and judge scores,
+    whether it ended (EOS before max_new_tokens) and whether it refuses (:func:`rlhf.evaluation.text_measures.is_refusal`); ``complied_where_declined`` where
     the policy answered what SFT or the base model declined. Those rows come first (a policy that learned to give
     a red-team request what its start refused is what a reader must see), the rest in the prompts' order.
 
@@ -398,6 +398,7 @@ def sample_rows(prompts: list[dict[str, Any]], runs: dict[str, dict[str, Any]]) 
                 cell[f"{name}_proxy"] = float(runs[name]["proxy"][i, j])
                 cell[f"{name}_judge"] = float(runs[name]["judge"][i, j])
                 cell[f"{name}_refused"] = is_refusal(cell[f"{name}_response"])
+                cell[f"{name}_ended"] = bool(runs[name]["ended"][i, j])  # False: cut at max_new_tokens, no EOS
             declined = cell["sft_refused"] or cell.get(f"{BASE}_refused", False)
             cell["complied_where_declined"] = declined and not cell["policy_refused"]
             rows.append(cell)

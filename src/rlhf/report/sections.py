@@ -290,6 +290,12 @@ def _best_of_n(section: dict[str, Any], ev: dict[str, Any]) -> None:
     )
 
 
+CUT_OFF = (
+    "; cut off at max_new_tokens before it ended (no EOS): with generation.no_eos constant (the default) both "
+    "scores are its no_eos_value, not a reading of the text"
+)
+
+
 def samples_section(loaded: dict[str, Any], paths: dict[str, str], limit: int) -> dict[str, Any]:
     """The first ``limit`` rows of reports/eval/samples.json: the conversation (and its kind), SFT and policy
     responses with their scores, a policy response that is SFT's text marked as the tie it is, and a row where the
@@ -306,7 +312,8 @@ def samples_section(loaded: dict[str, Any], paths: dict[str, str], limit: int) -
                 {
                     "text": str(row.get(f"{m}_response", "")),
                     "scores": f"proxy {fmt(row.get(f'{m}_proxy'))}, judge {fmt(row.get(f'{m}_judge'))}"
-                    + ("; the same text as SFT's (a tie)" if same and m == "policy" else ""),
+                    + ("; the same text as SFT's (a tie)" if same and m == "policy" else "")
+                    + (CUT_OFF if row.get(f"{m}_ended") is False else ""),
                 }
                 for m in ("sft", "policy")
             ]
