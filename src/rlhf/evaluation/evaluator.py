@@ -378,8 +378,9 @@ def tie_identical_responses(runs: dict[str, dict[str, Any]], other: str = "polic
 
 def sample_rows(prompts: list[dict[str, Any]], runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per prompt and sample: the prompt and its kind, each model's response, its proxy and judge scores,
-    whether it ended (EOS before max_new_tokens) and whether it refuses (:func:`rlhf.evaluation.text_measures.is_refusal`); ``complied_where_declined`` where
-    the policy answered what SFT or the base model declined. Those rows come first (a policy that learned to give
+    whether it ended (EOS before max_new_tokens) and whether it refuses
+    (:func:`rlhf.evaluation.text_measures.is_refusal`); ``complied_where_declined`` where the policy answered what
+    SFT or the base model declined. Those rows come first (a policy that learned to give
     a red-team request what its start refused is what a reader must see), the rest in the prompts' order.
 
     Args:
