@@ -439,8 +439,12 @@ def test_a_registered_model_deleted_whole_stays_deleted_and_keeps_its_history_un
         run_gate()
     assert str(failure.value) == (
         f"registry: this content was {NAME} version 2, which was deleted with the whole {NAME}; it is not "
-        'registered again until a person restores it: rlhf-registry restore reward --version 2 --reason "..." '
-        "(or retrain)"
+        'registered again until a person restores it: rlhf-registry restore reward --reason "..." (or retrain)'
+    )
+    promote = CliRunner().invoke(registry_cli.app, ["promote", "reward", "--version", "1", "--reason", "r"])
+    assert promote.exit_code == 1 and promote.output.strip() == (
+        f'registry: {NAME} was deleted from the registry whole; rlhf-registry restore reward --reason "..." brings '
+        "every version back with its aliases, then move it"
     )
     assert client().search_registered_models(f"name = '{NAME}'") == []  # not created again
     restored = CliRunner().invoke(registry_cli.app, ["restore", "reward", "--reason", "a mistake"])  # all of it
@@ -484,6 +488,52 @@ def test_a_restore_brings_back_a_promotion_by_hand_and_a_rerun_keeps_it(registry
     assert (report["candidate"]["version"], report["decided"], report["champion"]["version"]) == ("2", "before", "2")
     moves = [(m["from"], m["to"], m["by"]) for m in registry.history(client(), NAME)]
     assert moves == [(None, "1", "gate"), ("1", "2", "promote"), (None, "2", "restore")]
+
+
+def test_restores_keep_numbers_and_a_rollback_reads_the_history_through_them(registry_project):
+    # the helper's case: v3 promoted over v2, v2 deleted alone and restored (as v4), the model deleted whole and
+    # restored: the numbers came back 1, 2, 3 and a rollback to "2" named a version that did not exist
+    new_candidate(GOOD, 1)
+    run_gate()
+    new_candidate({**GOOD, "rm/balanced_accuracy": 0.66}, 2)
+    run_gate()
+    new_candidate(BAD, 3)
+    run_gate()
+    runner = CliRunner()
+    assert runner.invoke(registry_cli.app, ["promote", "reward", "--version", "3", "--reason", "x"]).exit_code == 0
+    client().delete_model_version(NAME, "2")
+    result = runner.invoke(registry_cli.app, ["restore", "reward", "--version", "2", "--reason", "r"])
+    assert f"{NAME}: version 2 restored as version 4 (gate: pass), tags kept" in result.output
+    client().delete_registered_model(NAME)
+    result = runner.invoke(registry_cli.app, ["restore", "reward", "--reason", "r"])
+    restored = (("1", "pass"), ("3", "fail"), ("4", "pass"))
+    assert result.exit_code == 0 and result.output.splitlines()[1:] == [
+        *(f"{NAME}: version {n} restored as version {n} (gate: {g}), tags kept" for n, g in restored),
+        f"{NAME}: champion -> version 3, as before the deletion",
+    ]
+    assert sorted(int(v.version) for v in client().search_model_versions(f"name = '{NAME}'")) == [1, 3, 4]
+    result = runner.invoke(registry_cli.app, ["rollback", "reward", "--reason", "back"])  # history: 2 -> 3
+    assert result.exit_code == 0 and "moved from version 3 to 4" in result.output  # and 2 is 4 now
+    new_candidate(BAD, 4)  # a new model takes the next number, never an old one
+    assert run_gate()["candidate"]["version"] == "5"
+    # a move tag added by hand in the UI is not a move (status and rollback read past it)
+    client().set_model_version_tag(NAME, "1", f"{registry.MOVE_PREFIX}champion.abc", "not json")
+    status = runner.invoke(registry_cli.app, ["status", "reward"])
+    assert status.exit_code == 0 and "champion = version 4" in status.output, status.output
+
+
+def test_a_restore_whose_run_was_deleted_is_refused_whole_in_one_line(registry_project):
+    new_candidate(GOOD, 1)
+    run_gate()
+    found = client().get_model_version(NAME, "1")
+    client().delete_run(found.run_id)
+    client().delete_model_version(NAME, "1")
+    result = CliRunner().invoke(registry_cli.app, ["restore", "reward", "--reason", "r"])
+    assert result.exit_code == 1 and result.output.strip() == (
+        f"registry: {NAME} version 1: the MLflow run that holds its files was deleted; restore the run first "
+        "(mlflow runs restore --run-id <id>, before mlflow gc), or retrain; nothing restored"
+    )
+    assert client().search_model_versions(f"name = '{NAME}'") == []
 
 
 def test_inside_a_dvc_experiment_a_passing_candidate_is_only_a_challenger(registry_project, monkeypatch):

@@ -91,10 +91,16 @@ def _move(model: str, to: str, by: str, reason: str, project: str | None) -> Non
     if not reason.strip():
         raise RegistryError("registry: --reason must say why the alias moves (it is recorded)")
     client, name, where = _open(model, project)
+    if not model_exists(client, name):
+        raise RegistryError(
+            f'registry: {name} was deleted from the registry whole; rlhf-registry restore {model} --reason "..." '
+            "brings every version back with its aliases, then move it"
+        )
     decision = version(client, name, to).tags.get(DECISION_TAG)
     record = move_alias(client, name, to, by, reason)  # a refusal (a pruned version, say) is its one line
     echo(where)
-    moved = f"moved from version {record['from']} to {record['to']} ({by}: {record['reason']})"
+    before = f"from version {record['from']}" if record["from"] is not None else "(no version held it)"
+    moved = f"moved {before} to {record['to']} ({by}: {record['reason']})"
     echo(f"{name}: {CHAMPION} {moved}")
     if decision != "pass":  # by hand a person may override the gate: say what was overridden
         echo(f"note: version {to} {'failed its gate' if decision == 'fail' else 'was never gated'}; moved by hand")

@@ -187,10 +187,12 @@ def refuse_deleted(client, name: str, sha: str, restore: str) -> None:
     for record in _deleted(client, name):
         if record["sha"] == sha and not record["restored"]:
             gone = "deleted from the registry" if record["model_exists"] else f"deleted with the whole {name}"
+            command = restore.format(version=record["version"])
+            if not record["model_exists"]:  # every version went: bring them all back, aliases with them
+                command = command.replace(f" --version {record['version']}", "")
             raise RegistryError(
                 f"registry: this content was {name} version {record['version']}, which was {gone}; it is not "
-                f"registered again until a person restores it: {restore.format(version=record['version'])} "
-                "(or retrain)"
+                f"registered again until a person restores it: {command} (or retrain)"
             )
 
 
@@ -360,10 +362,19 @@ def history(client, name: str, alias: str = CHAMPION) -> list[dict[str, Any]]:
     tags = _model_tags(client, name)  # moves recorded before the ledger kept them
     for found in _versions(client, name):
         tags |= found.tags  # and before the registered model did
-    moves = {int(key[len(prefix) :]): json.loads(value) for key, value in tags.items() if key.startswith(prefix)}
-    ledgered = _guard("read the ledger", ledger.read, client, f"move.{name}.{alias}.")
-    moves |= {int(at): record for at, record in ledgered.items()}
-    return [moves[at] for at in sorted(moves)]
+    moves = {key[len(prefix) :]: _record(value) for key, value in tags.items() if key.startswith(prefix)}
+    moves |= _guard("read the ledger", ledger.read, client, f"move.{name}.{alias}.")
+    # a tag a person added by hand (not nanoseconds, not a move record) is not a move: left out, never a traceback
+    kept = {int(at): move for at, move in moves.items() if at.isdigit() and isinstance(move, dict) and "to" in move}
+    return [kept[at] for at in sorted(kept)]
+
+
+def _record(value: str) -> Any:
+    """A move record's JSON, or None when the tag holds something else."""
+    try:
+        return json.loads(value)
+    except ValueError:
+        return None
 
 
 def previous_holder(client, name: str, alias: str = CHAMPION) -> str:
@@ -383,7 +394,23 @@ def previous_holder(client, name: str, alias: str = CHAMPION) -> str:
             earlier.append(str(move["from"]))
     if not earlier:
         raise RegistryError(f"registry: {name} has no earlier holder of {alias} to roll back to")
-    return earlier[-1]
+    return renumbered(client, name).get(earlier[-1], earlier[-1])
+
+
+def renumbered(client, name: str) -> dict[str, str]:
+    """Old number -> the number it has now, for each version a restore brought back under another number (the
+    ledger's ``renumber.<model>.<old>``; restored twice, 2 -> 4 -> 6, maps 2 to 6). Raises RegistryError."""
+    direct = {
+        old: record["to"] for old, record in _guard("read the ledger", ledger.read, client, f"renumber.{name}.").items()
+    }
+    final = {}
+    for old in direct:
+        new, seen = direct[old], {old}
+        while new in direct and new not in seen:
+            seen.add(new)
+            new = direct[new]
+        final[old] = new
+    return final
 
 
 def experiment_name() -> str | None:

@@ -3,10 +3,12 @@ content, tags and description, and the aliases as they were, from what deleting 
 (:mod:`tasks.kit.ledger`: each content with the run that holds it, every alias move) and the version's tags
 mirrored on that run (:func:`tasks.kit.registry.mirror_tags`).
 
-A version comes back as a new version of the model (MLflow gives the number: the same one when the model was
-deleted whole and its versions return in order), tagged :data:`~tasks.kit.registry.RESTORED_TAG` with the number
-it had. Its gate decision comes back with it, so the next gate run does not decide it again, and each alias whose
-last recorded move was to a restored version returns to it, unless another version took the alias since.
+A version comes back as a new version of the model, with the number it had when the model was deleted whole
+(numbers between are consumed by placeholders deleted at once), else the next number (recorded in the ledger as
+``renumber.<model>.<old>``, through which a rollback reads the history), tagged
+:data:`~tasks.kit.registry.RESTORED_TAG` with the number it had. Its gate decision comes back with it, so the
+next gate run does not decide it again, and each alias whose last recorded move was to a restored version returns
+to it, unless another version took the alias since.
 """
 
 from __future__ import annotations
@@ -69,18 +71,44 @@ def restore(client, name: str, number: str | None, reason: str) -> tuple[list[Re
         what = f"version {number} was restored already" if number is not None else "has no deleted version left"
         raise RegistryError(f"registry: {name} {what}; run the gate (dvc repro)")
     contents = _guard("read the ledger", ledger.read, client, f"content.{name}.")
-    if not model_exists(client, name):
+    runs = {r["sha"]: _live_run(client, contents.get(r["sha"], {}).get("run_id")) for r in todo}
+    gone = [r["version"] for r in todo if contents.get(r["sha"], {}).get("run_id") and runs[r["sha"]] is None]
+    if gone:  # checked before anything is registered: a restore is whole or nothing
+        raise RegistryError(
+            f"registry: {name} version {', '.join(gone)}: the MLflow run that holds its files was deleted; restore "
+            "the run first (mlflow runs restore --run-id <id>, before mlflow gc), or retrain; nothing restored"
+        )
+    fresh = not model_exists(client, name)
+    if fresh:
         create, read = partial(client.create_registered_model, name), partial(client.get_registered_model, name)
         _guard(f"create registered model {name}", create_if_missing, create, read)
-    done = [_restore_one(client, name, r["sha"], r["version"], contents.get(r["sha"], {}), reason) for r in todo]
+    done, last = [], 0
+    for r in todo:
+        run = runs[r["sha"]]
+        if fresh and run is not None:  # a model deleted whole: its versions get their numbers back
+            last = _skip_to(client, name, last, int(r["version"]), run)
+        done.append(_restore_one(client, name, r["sha"], r["version"], contents.get(r["sha"], {}), run, reason))
+        last = int(done[-1].new) if done[-1].new else last
     return done, _aliases_as_they_were(client, name, {r.old: r.new for r in done if r.new}, reason)
 
 
-def _restore_one(client, name: str, sha: str, old: str, content: dict, reason: str) -> Restored:
-    """Register the content of deleted version ``old`` again from its run, with its mirrored tags."""
-    run = _live_run(client, content.get("run_id"))
+def _skip_to(client, name: str, last: int, number: int, run) -> int:
+    """Consume the version numbers between ``last`` and ``number`` (versions deleted and never recorded, or
+    restored since under another number) with placeholders deleted at once: MLflow numbers a model's next version
+    after every version it ever had, so the restored one gets ``number``. Returns ``number - 1``."""
+    source = f"runs:/{run.info.run_id}/{ARTIFACT_PATH}"
+    for _ in range(last + 1, number):
+        placeholder = _guard(
+            f"keep {name}'s numbers", client.create_model_version, name, source, run_id=run.info.run_id
+        )
+        _guard(f"keep {name}'s numbers", client.delete_model_version, name, placeholder.version)
+    return number - 1
+
+
+def _restore_one(client, name: str, sha: str, old: str, content: dict, run, reason: str) -> Restored:
+    """Register the content of deleted version ``old`` again from its ``run``, with its mirrored tags."""
     entry = {"version": old, "reason": reason, "at": ledger.now()}
-    if run is None:  # recorded before the run was kept, or the run was deleted: the next gate run registers it
+    if run is None:  # recorded before the registry kept each content's run: the next gate run registers it
         _guard("record the restore", ledger.write, client, f"restored.{name}.{sha}", entry)
         return Restored(old, None, "")
     mirrored = {k[len(MIRROR_PREFIX) :]: v for k, v in run.data.tags.items() if k.startswith(MIRROR_PREFIX)}
@@ -99,6 +127,9 @@ def _restore_one(client, name: str, sha: str, old: str, content: dict, reason: s
     mirror_tags(client, run.info.run_id, {RESTORED_TAG: tags[RESTORED_TAG]})
     record = {**content, "version": str(found.version), "at": ledger.now()}
     _guard("record the content", ledger.write, client, f"content.{name}.{sha}", record)
+    if str(found.version) != old:  # the history names the old number: rollback reads it through this
+        renumber = {"to": str(found.version), "at": ledger.now()}
+        _guard("record the new number", ledger.write, client, f"renumber.{name}.{old}", renumber)
     return Restored(old, str(found.version), tags.get(DECISION_TAG, "none"))
 
 
