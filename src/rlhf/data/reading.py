@@ -37,17 +37,23 @@ _CODECS = {"gzip": "zlib", "bz2": "bz2", "xz": "lzma", "zstd": "zstandard"}
 them, zstandard from PyPI (the product's own dependency)."""
 
 
+_WIDE = (  # (a byte-order mark, the name iconv reads it by; a row's opening '{' or '[' without one, that name)
+    (b"\xff\xfe\x00\x00", "UTF-32", (b"{\x00\x00\x00", b"[\x00\x00\x00"), "UTF-32LE"),
+    (b"\x00\x00\xfe\xff", "UTF-32", (b"\x00\x00\x00{", b"\x00\x00\x00["), "UTF-32BE"),
+    (b"\xff\xfe", "UTF-16", (b"{\x00", b"[\x00"), "UTF-16LE"),  # after UTF-32: its mark starts the same
+    (b"\xfe\xff", "UTF-16", (b"\x00{", b"\x00["), "UTF-16BE"),
+)
+
+
 def _other_format(head: bytes) -> str | None:
     """What a (decompressed) stream is when its first bytes show it is not UTF-8 JSON lines, with what to do, or
-    None: UTF-16 or UTF-32 text (a byte-order mark, or ASCII with a NUL byte beside each character), a Parquet file,
-    one JSON array (its first non-blank byte is ``[``: rows are objects, one a line)."""
-    if head.startswith((b"\xff\xfe\x00\x00", b"\x00\x00\xfe\xff")):
-        return "UTF-32 text, not UTF-8: convert it (iconv -f UTF-32 -t UTF-8)"
-    pairs = head[: len(head) - len(head) % 2]
-    if head.startswith((b"\xff\xfe", b"\xfe\xff")) or (
-        len(pairs) >= 4 and (not any(pairs[1::2]) or not any(pairs[0::2])) and any(pairs)
-    ):
-        return "UTF-16 text, not UTF-8: convert it (iconv -f UTF-16 -t UTF-8)"
+    None: UTF-32 or UTF-16 text (a byte-order mark, or a row's opening ``{`` or ``[`` with NUL bytes beside it,
+    whatever the text after it), a Parquet file, one JSON array (its first non-blank byte is ``[``: rows are
+    objects, one a line)."""
+    for mark, name, opening, bare in _WIDE:
+        if head.startswith(mark) or head.startswith(opening):
+            encoding = name if head.startswith(mark) else bare
+            return f"{encoding} text, not UTF-8: convert it (iconv -f {encoding} -t UTF-8)"
     if head.startswith(b"PAR1"):
         return (
             "a Parquet file, not JSON lines: write its rows as JSON lines "
@@ -179,7 +185,8 @@ def read_jsonl(path: str, storage_options: dict[str, Any] | None = None) -> Iter
             )
         other = _other_format(head)
         if other is not None:
-            raise ValueError(f"{path}: the file is {other}")
+            first = f" ({compression}-compressed: decompress it first)" if compression else ""
+            raise ValueError(f"{path}: the file is {other}{first}")
         for number, line in enumerate(_lines(stream, path, compression), start=1):
             if number == 1:
                 line = line.removeprefix(b"\xef\xbb\xbf")
