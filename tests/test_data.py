@@ -697,10 +697,6 @@ GAME = "Recommend a board game for four."
     "row",
     [
         {
-            "chosen": f"\n\nHuman: {GAME}\n\nAssistant: Ticket to Ride.\n\nHuman: thanks",
-            "rejected": f"\n\nHuman: {GAME}\n\nAssistant: Play alone.",
-        },
-        {
             "chosen": [user(GAME), bot("Ticket to Ride."), user("thanks")],
             "rejected": [user(GAME), bot("Play alone.")],
         },
@@ -717,6 +713,16 @@ def test_trailing_user_turns_of_a_response_are_dropped(row):
     assert one(row) == {"prompt": [user(GAME)], "chosen": [bot("Ticket to Ride.")], "rejected": [bot("Play alone.")]}
 
 
+def test_a_human_turn_after_an_hh_answer_stays_for_validate_to_quarantine():
+    # an HH dialogue ends with the answer: a Human turn after it was written inside the answer (2 of HH's 7,397
+    # rows: "...artistic community\n\nHuman:  Thanks, ..."); dropping it silently cut the answer's text
+    row = {
+        "chosen": f"\n\nHuman: {GAME}\n\nAssistant: Ticket to Ride.\n\nHuman: thanks",
+        "rejected": f"\n\nHuman: {GAME}\n\nAssistant: Play alone.",
+    }
+    assert one(row)["chosen"] == [bot("Ticket to Ride."), user("thanks")]
+
+
 def test_a_user_turn_inside_a_response_stays_and_one_after_the_last_answer_goes():
     row = {
         "chosen": [user(GAME), bot("Ticket to Ride."), user("Why?"), bot("It plays well with four."), user("ok")],
@@ -727,8 +733,8 @@ def test_a_user_turn_inside_a_response_stays_and_one_after_the_last_answer_goes(
 
 def test_responses_equal_once_the_trailing_user_turn_is_dropped_are_quarantined():
     row = {
-        "chosen": hh(("Human", GAME), ("Assistant", "Catan."), ("Human", "thanks")),
-        "rejected": hh(("Human", GAME), ("Assistant", "Catan.")),
+        "chosen": [user(GAME), bot("Catan."), user("thanks")],
+        "rejected": [user(GAME), bot("Catan.")],
     }
     assert [q["reason"] for q in prepare([(1, row)]).quarantine] == ["chosen and rejected responses are identical"]
 
@@ -1015,9 +1021,15 @@ def test_a_zstd_file_without_zstandard_says_what_to_install_in_one_line(tmp_path
     "content, what",
     [
         ("utf-16", "UTF-16 text, not UTF-8: convert it (iconv -f UTF-16 -t UTF-8)"),  # with its byte-order mark
-        ("utf-16-le", "UTF-16 text, not UTF-8: convert it (iconv -f UTF-16 -t UTF-8)"),  # without
-        ("utf-16-be", "UTF-16 text, not UTF-8: convert it (iconv -f UTF-16 -t UTF-8)"),
+        ("utf-16-le", "UTF-16LE text, not UTF-8: convert it (iconv -f UTF-16LE -t UTF-8)"),  # without
+        ("utf-16-be", "UTF-16BE text, not UTF-8: convert it (iconv -f UTF-16BE -t UTF-8)"),
         ("utf-32", "UTF-32 text, not UTF-8: convert it (iconv -f UTF-32 -t UTF-8)"),
+        ("utf-32-le", "UTF-32LE text, not UTF-8: convert it (iconv -f UTF-32LE -t UTF-8)"),  # was called UTF-16
+        ("utf-32-be", "UTF-32BE text, not UTF-8: convert it (iconv -f UTF-32BE -t UTF-8)"),
+        (
+            "zst utf-16-le",
+            "UTF-16LE text, not UTF-8: convert it (iconv -f UTF-16LE -t UTF-8) (zstd-compressed: decompress it first)",
+        ),  # fmt: skip
         ("parquet", "a Parquet file, not JSON lines: write its rows as JSON lines"),
         ("array", "one JSON array, not JSON lines (one object a line): write one row a line (jq -c '.[]')"),
         ("pretty array", "one JSON array, not JSON lines (one object a line): write one row a line (jq -c '.[]')"),
@@ -1026,14 +1038,17 @@ def test_a_zstd_file_without_zstandard_says_what_to_install_in_one_line(tmp_path
 def test_a_file_of_another_encoding_or_format_is_refused_in_one_line_saying_what_it_is(
     tmp_path, monkeypatch, content, what
 ):
-    text = "".join(json.dumps(r) + "\n" for r in ROWS)
+    rows = [{**row, "chosen": "你好, " + row["chosen"]} for row in ROWS]  # not ASCII: no NUL beside every letter
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
     data = {
         "parquet": b"PAR1" + os.urandom(200) + b"PAR1",
         "array": json.dumps(ROWS).encode(),
         "pretty array": json.dumps(ROWS, indent=2).encode(),
-    }.get(content) or text.encode(content)
+    }.get(content) or text.encode(content.removeprefix("zst "))
     path = tmp_path / "pairs.jsonl.gz"  # the name says gzip'd JSON lines; the content decides
-    path.write_bytes(gzip.compress(data) if content == "array" else data)
+    path.write_bytes(
+        gzip.compress(data) if content == "array" else COMPRESS["zstd"](data) if "zst" in content else data
+    )
     with pytest.raises(ValueError) as failure:
         run_prepare(tmp_path, monkeypatch, source=str(path))
     assert str(failure.value).startswith(f"{path}: the file is {what}") and "\n" not in str(failure.value)

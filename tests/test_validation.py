@@ -393,14 +393,20 @@ def test_turn_rules(tokenizer, field, messages, rule):
         assert result.quarantined[0]["reasons"] == [rule]
 
 
+ROLE_MARKER = "role_marker_in_response"
+
+
 @pytest.mark.parametrize(
-    "answer, roles",
+    "answer, roles, rule",
     [
-        ("Sure.\n\nHuman: and then?\n\nAssistant: Then Rome.", ["assistant", "user", "assistant"]),
-        ("Sure.\n\nAssistant: Rome.", ["assistant", "assistant"]),
+        ("Sure.\n\nHuman: and then?\n\nAssistant: Then Rome.", ["assistant", "user", "assistant"], ROLE_MARKER),
+        ("Sure.\n\nAssistant: Rome.", ["assistant", "assistant"], ROLE_MARKER),
+        ("Sure.\n\nHuman: and then?", ["assistant", "user"], "response_last_turn"),  # was cut off silently
     ],
 )
-def test_an_hh_response_holding_a_speaker_tag_is_quarantined_as_the_same_text_is_in_pairs(tokenizer, answer, roles):
+def test_an_hh_response_holding_a_speaker_tag_is_quarantined_as_the_same_text_is_in_pairs(
+    tokenizer, answer, roles, rule
+):
     from rlhf.data.formats import to_examples
 
     hh_row = {
@@ -410,9 +416,9 @@ def test_an_hh_response_holding_a_speaker_tag_is_quarantined_as_the_same_text_is
     (hh,) = to_examples(hh_row, "hh")
     assert [m["role"] for m in hh["chosen"]] == roles  # what the markup parses to
     plain = pair(prompt="Capital of Italy?", chosen=answer)
-    for row in (hh, plain):
+    for row, expected in ((hh, rule), (plain, ROLE_MARKER)):
         result = validate_split("f.jsonl", [good(0), {**row, "id": "x"}], "pairs", tokenizer, LENIENT)
-        assert [q["reasons"] for q in result.quarantined] == [["role_marker_in_response"]]
+        assert [q["reasons"] for q in result.quarantined] == [[expected]]
     # the same row where prepare puts it in a ptx split: the same rule, not a user turn nobody wrote
     from rlhf.data.sources import Source, prepare_rows
 

@@ -92,7 +92,9 @@ def parse_hh_dialogue(text: str) -> list[Message]:
     return messages
 
 
-def split_pair(chosen: list[Message], rejected: list[Message]) -> tuple[list[Message], list[Message], list[Message]]:
+def split_pair(
+    chosen: list[Message], rejected: list[Message], hh_markup: bool = False
+) -> tuple[list[Message], list[Message], list[Message]]:
     """Split two dialogues at their longest common prefix into (prompt, chosen response, rejected response).
 
     The prompt is the shared messages up to and including the user turn before
@@ -100,11 +102,15 @@ def split_pair(chosen: list[Message], rejected: list[Message]) -> tuple[list[Mes
     it (several assistant turns in a row stay one response), less any trailing
     user or system turns: the reward model reads its score at the end of the
     last turn, so a response must end with an assistant turn (a "thanks" from
-    the user after the answer is dropped).
+    the user after the answer is dropped). With ``hh_markup`` they are kept: an HH
+    dialogue ends with the assistant's answer, so a Human turn after it was a
+    speaker tag written inside the answer, which validate quarantines
+    (``response_last_turn``; one in the middle: ``role_marker_in_response``).
 
     Args:
         chosen: messages of the preferred dialogue.
         rejected: messages of the dispreferred dialogue.
+        hh_markup: both were written in HH markup (:func:`parse_hh_dialogue`).
 
     Returns:
         ``(prompt, chosen_response, rejected_response)``, lists of messages.
@@ -122,7 +128,8 @@ def split_pair(chosen: list[Message], rejected: list[Message]) -> tuple[list[Mes
         cut -= 1
     if cut == 0:
         raise RowError("the dialogues share no user turn")
-    prompt, chosen_response, rejected_response = chosen[:cut], _trim_end(chosen[cut:]), _trim_end(rejected[cut:])
+    trim = (lambda response: response) if hh_markup else _trim_end
+    prompt, chosen_response, rejected_response = chosen[:cut], trim(chosen[cut:]), trim(rejected[cut:])
     if visible_turns(chosen_response) == visible_turns(rejected_response):
         raise RowError("chosen and rejected responses are identical")
     for name, response in (("chosen", chosen_response), ("rejected", rejected_response)):
@@ -343,7 +350,8 @@ def to_examples(row: Any, fmt: str = "auto", mapping: dict[str, str] | None = No
     fmt = detect_format(row) if fmt == "auto" else fmt
     try:
         if fmt == "hh":
-            prompt, chosen, rejected = split_pair(parse_hh_dialogue(row["chosen"]), parse_hh_dialogue(row["rejected"]))
+            dialogues = parse_hh_dialogue(row["chosen"]), parse_hh_dialogue(row["rejected"])
+            prompt, chosen, rejected = split_pair(*dialogues, hh_markup=True)
             return [{"prompt": prompt, "chosen": chosen, "rejected": rejected}]
         if fmt == "conversational":
             prompt, chosen, rejected = split_pair(
