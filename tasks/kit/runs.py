@@ -22,6 +22,7 @@ from tasks.kit.mlflow_params import mlflow_params, mlflow_text
 from tasks.kit.params import DEFAULT_PROFILE, PARAMS_FILE, read_params, stage_params
 
 PIPELINE_RUN_TAG = "rlhf.pipeline_run_id"
+PARENT_SETTLE_S = 1.0  # how long a new parent run waits before it looks for an older one (StageRun._adopt_parent)
 
 
 def pipeline_run_id(params_path: str = PARAMS_FILE) -> str:
@@ -408,7 +409,10 @@ class StageRun:
             profile = read_params().get("profile", DEFAULT_PROFILE)
             run_name = f"{profile} pipeline {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC"
             created = client.create_run(self.experiment_id, tags=tags, run_name=run_name)
-            # two stages of one pipeline run may start together: the oldest parent is the one, ours goes
+            # two stages of one pipeline run may start together: the oldest parent is the one, ours goes. Looked
+            # for a second later, when the other's create (a server's other worker) is visible to both of us: looked
+            # for at once, each saw only its own and both kept it (one in ~10 rounds on two server workers)
+            time.sleep(PARENT_SETTLE_S)
             parent = self._find_parent(client, self.experiment_id, pipeline_run)
             if parent.info.run_id != created.info.run_id:
                 client.delete_run(created.info.run_id)
