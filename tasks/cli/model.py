@@ -291,7 +291,7 @@ def export(
                 origin = given or f"models:/{found.name}/{found.version}"
             else:
                 origin = f"the folder {shown_path(given, project)}"
-            render_card(card_facts(sha, found, client, origin)).save(os.path.join(staged, "README.md"))
+            render_card(card_facts(sha, found, client, origin, dtype)).save(os.path.join(staged, "README.md"))
             umask = os.umask(0)
             os.umask(umask)
             for entry in os.listdir(staged):  # transformers writes the weights 0600: a shared folder is readable

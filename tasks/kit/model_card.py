@@ -29,6 +29,7 @@ from tasks.kit.registry import (
     COMMIT_TAG,
     DATA_TAG,
     DECISION_TAG,
+    REASON_TAG,
     SHA_TAG,
     RegistryError,
     files_sha256,
@@ -302,7 +303,9 @@ def _lineage(found, client, folder_sha: str, commit_now: str) -> list[tuple[str,
     return rows + [("MLflow pipeline (parent) run", UNKNOWN)]
 
 
-def card_facts(folder_sha: str, found=None, client=None, exported_from: str = "") -> dict[str, Any]:
+def card_facts(
+    folder_sha: str, found=None, client=None, exported_from: str = "", dtype: str = UNKNOWN
+) -> dict[str, Any]:
     """Everything the card says, as template values; run from the project root (params.yaml, metrics/, dvc.lock).
 
     Args:
@@ -311,6 +314,7 @@ def card_facts(folder_sha: str, found=None, client=None, exported_from: str = ""
             hash a version carries), or None.
         client: the ``MlflowClient`` of ``found``'s store (None without one).
         exported_from: where the weights came from, in words.
+        dtype: the dtype the weights are written in (``bfloat16`` or ``float32``).
 
     Raises:
         FileNotFoundError: no params.yaml. ValueError: params.yaml holds a credential or a bad section.
@@ -339,7 +343,15 @@ def card_facts(folder_sha: str, found=None, client=None, exported_from: str = ""
             f"{tags[COMMIT_TAG]}, whose params.yaml may differ."
         )
     metric_facts = _metric_facts(found, client, registry, folder_sha)
+    sft_steps = (section.get("sft") or {}).get("steps")
+    sft = (
+        "no SFT (sft.steps 0: the base model is the start)"
+        if sft_steps == 0
+        else "supervised fine-tuning (SFT) on the sft split"
+    )
     return {
+        "verdict": _verdict(tags, found),
+        "weights_dtype": dtype,
         "model_name": f"{found.name} v{found.version}" if found is not None else "RLHF policy (unregistered)",
         "exported_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "exported_from": exported_from or UNKNOWN,
@@ -347,9 +359,9 @@ def card_facts(folder_sha: str, found=None, client=None, exported_from: str = ""
         "base_detail": detail,
         "random_weights": f"random_init {json.dumps(model['random_init'])}" if model.get("random_init") else "",
         "training": (
-            f"supervised fine-tuning (SFT) on the sft split -> a Bradley-Terry reward model on rm_train (gated in "
-            f"the registry) -> PPO, preset `{preset}` ({PRESETS.get(preset, 'see Params')}), KL coefficient "
-            f"{ppo.get('kl_coef', UNKNOWN)} to the SFT model{lora}"
+            f"{sft} -> a Bradley-Terry reward model on rm_train (gated in the registry) -> PPO, preset `{preset}` "
+            f"({PRESETS.get(preset, 'see Params')}), KL coefficient {ppo.get('kl_coef', UNKNOWN)} to the start"
+            f"{lora}"
         ),
         **_data_facts(data, tags),
         "profile": params.get("profile", "demo"),
@@ -362,6 +374,20 @@ def card_facts(folder_sha: str, found=None, client=None, exported_from: str = ""
         "intended_use": list(INTENDED_USE),
         "limitations": limitations(bool(model.get("random_init")), metric_facts["judge_warning"], tags, found),
     }
+
+
+def _verdict(tags: dict[str, str], found) -> str:
+    """The card's first line: the policy gate's decision on this version, with its reasons when it failed."""
+    if found is None:
+        return "not a registered version: no policy gate decided on it."
+    decision = tags.get(DECISION_TAG)
+    if decision is None:
+        return f"{found.name} version {found.version} has no policy gate decision yet."
+    why = tags.get(REASON_TAG, "")
+    return (
+        f"{found.name} version {found.version} **{'passed' if decision == 'pass' else 'FAILED'}** its policy gate"
+        + (f": {why}." if decision != "pass" and why else ".")
+    )
 
 
 INTENDED_USE = (  # the card's "Intended use" section
@@ -422,6 +448,8 @@ def render_card(facts: dict[str, Any]):
     }
     for key, name in names.items():
         if key == "eval/win_rate" and "eval/proxy/win_rate" in metrics:
+            continue
+        if key.startswith("eval/judge/") and facts["judge_warning"]:  # the body says why it means nothing
             continue
         value = _number(metrics.get(key, ""))
         if value is not None and math.isfinite(value):
