@@ -190,7 +190,7 @@ HEADLINE = {  # the figures of a stage's one end line; {kind} repeats the figure
     "reward": ["rm/balanced_accuracy", "rm/kind/{kind}/balanced_accuracy"],
     "gate": ["gate/passed"],
     "judge": ["judge/balanced_accuracy", "judge/kind/{kind}/balanced_accuracy"],
-    "ppo": ["ppo/shipped_iteration", "ppo/last/kl"],  # dvc metrics show's ppo "kl" (the validation KL: the table)
+    "ppo": ["ppo/shipped_iteration", "ppo/last/kl"],  # the figure dvc metrics show's ppo row calls "kl"
     "evaluate": ["eval/judge/win_rate", "eval/judge/lc_win_rate", "eval/policy/kl", "eval/policy/refusal_rate"],
 }
 
