@@ -27,6 +27,7 @@ from tasks.kit.registry import (
     RegistryError,
     _deleted,
     _guard,
+    _record,
     _recorded,
     _versions,
     holder,
@@ -135,7 +136,8 @@ def _restore_one(client, name: str, sha: str, old: str, content: dict, run, reas
 
 def _restored_from(found) -> str | None:
     """The number version ``found`` had before a restore brought it back, or None."""
-    return json.loads(found.tags[RESTORED_TAG])["version"] if RESTORED_TAG in found.tags else None
+    record = _record(found.tags.get(RESTORED_TAG, "null"))  # a tag edited by hand is no record, not a traceback
+    return str(record["version"]) if isinstance(record, dict) and "version" in record else None
 
 
 def _live_run(client, run_id: str | None):
