@@ -160,6 +160,14 @@ def test_language_model_loss_by_hand():
     assert loss.item() == pytest.approx(math.log(4), abs=1e-6)
 
 
+def test_target_nll_by_hand():
+    # logprobs of 3 target tokens: log 1/2, log 1/4, log 1/4 -> NLL sum = 5 log 2; a part of a batch of 5 tokens
+    logprobs = torch.log(torch.tensor([0.5, 0.25, 0.25]))
+    assert losses.target_nll(logprobs, 3).item() == pytest.approx(5 * math.log(2) / 3, abs=1e-6)
+    assert losses.target_nll(logprobs, 5).item() == pytest.approx(math.log(2), abs=1e-6)
+    assert losses.target_nll(logprobs[:0], 0).item() == 0.0  # nothing to score: 0, not NaN
+
+
 def test_last_token_index_left_and_right_padding():
     mask = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 1, 1, 1], [0, 0, 0, 0, 0]])
     assert losses.last_token_index(mask).tolist() == [2, 4, 0]

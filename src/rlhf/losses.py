@@ -464,6 +464,24 @@ def language_model_loss(
     return -masked_mean(logprobs, mask, count=count)
 
 
+def target_nll(logprobs: torch.Tensor, count: torch.Tensor | int) -> torch.Tensor:
+    """Mean negative log-likelihood of target tokens given only their logprobs: ``-sum(logprobs) / count``.
+
+    :func:`language_model_loss` when the LM head ran on the target positions alone
+    (:func:`rlhf.models.forward.target_logprobs`): the SFT loss (tutorial stage 1).
+
+    Args:
+        logprobs: ``(N,)`` float, one per target token of this part of the batch.
+        count: target tokens of the whole batch this part belongs to (:func:`target_tokens` summed); below 1
+            counts as 1.
+
+    Returns:
+        Scalar float (nats/token): this part's share of the whole batch's mean.
+    """
+    total = torch.as_tensor(count, dtype=logprobs.dtype, device=logprobs.device).clamp(min=1.0)
+    return -logprobs.sum() / total
+
+
 def target_tokens(token_mask: list[bool] | list[int]) -> int:
     """The tokens :func:`language_model_loss` scores in one sequence: the masked ones after the first position
     (the first token has no logits predicting it)."""

@@ -1,6 +1,6 @@
-"""Forward passes over left-padded sequences: token and sequence scores of a scalar model, response logprobs
-of a causal LM. Masks always come from the attention mask (never from comparing ids to the pad id), and
-``position_ids`` from the attention mask too.
+"""Forward passes over padded sequences: token and sequence scores of a scalar model, response logprobs
+and target-token logprobs of a causal LM. Masks always come from the attention mask (never from comparing ids
+to the pad id), and ``position_ids`` from the attention mask too.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from transformers import PreTrainedModel
 from rlhf.losses import last_token_index, logprobs_from_logits
 from rlhf.models.kind_heads import head_kinds, head_scores, read_scores
 from rlhf.models.trunk import TrunkEntry, last_hidden_state
+from rlhf.runtime.sharding import is_sharded
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -111,3 +112,32 @@ def response_logprobs(
         logits = model.lm_head(hidden[:, -keep:])[:, :-1]
     logprobs = logprobs_from_logits(logits, input_ids[:, response_start:], temperature)
     return logprobs, (logits.float() / temperature if with_logits else None)
+
+
+def target_logprobs(
+    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, target_mask: torch.Tensor
+) -> torch.Tensor:
+    """Logprobs of the target tokens only, the LM head run on the positions that predict them and no other.
+
+    The backbone runs over every token; of its hidden states only those at ``t - 1`` for a target token ``t``
+    go through the LM head (SmolLM2's head is ~20% of a forward's arithmetic, and a ``(B, T, V)`` float logit
+    tensor is never built); a sharded (FSDP) model runs its whole forward, which alone gathers its weights.
+    Position ids come from the attention mask, so either padding side works. The result equals
+    :func:`rlhf.losses.next_token_logprobs` of the full logits at the mask's positions (``tests/test_levers.py``).
+
+    Args:
+        model: causal LM with an ``lm_head`` over its backbone's final hidden states.
+        input_ids: ``(B, T)`` int64.
+        attention_mask: ``(B, T)`` 0/1.
+        target_mask: ``(B, T)`` bool, True on the tokens to score; position 0 is never scored (nothing predicts it).
+
+    Returns:
+        ``(N,)`` float32, ``N`` = ``target_mask[:, 1:].sum()``, row-major order.
+    """
+    predicting, position_ids = target_mask[:, 1:].bool(), position_ids_from_mask(attention_mask)
+    if is_sharded(model):  # FSDP gathers the weights in the whole model's forward only: every position's logits
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+        logits = logits[:, :-1][predicting]
+    else:
+        logits = model.lm_head(last_hidden_state(model, input_ids, attention_mask, position_ids)[:, :-1][predicting])
+    return logprobs_from_logits(logits[None], input_ids[:, 1:][predicting][None])[0]

@@ -10,8 +10,8 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.data.chat import Encoded, encode_chat, pad, pad_masks
-from rlhf.losses import language_model_loss, target_tokens
-from rlhf.models.forward import position_ids_from_mask
+from rlhf.losses import target_nll, target_tokens
+from rlhf.models.forward import target_logprobs
 from rlhf.ranges import check_ranges
 from rlhf.runtime.device import Runtime
 from rlhf.training.checkpoint import Checkpointer
@@ -42,7 +42,8 @@ def sft_step(
 ) -> Callable[[list[int], list[int]], tuple[torch.Tensor, dict[str, torch.Tensor]]]:
     """The SFT ``step_fn(part, batch)`` of :func:`rlhf.training.supervised.supervised_loop` over ``encoded`` examples.
 
-    It returns the part's share of the batch's token-mean NLL of the response tokens: the part's NLL summed,
+    It returns the part's share of the batch's token-mean NLL of the response tokens (only their positions go
+    through the LM head: :func:`rlhf.models.forward.target_logprobs`): the part's NLL summed,
     divided by the response tokens of the *whole* batch (tutorial stage 1; :mod:`rlhf.runtime.distributed`), and the
     part's response tokens (``sft/tokens``).
     """
@@ -52,11 +53,9 @@ def sft_step(
         rows = [encoded[i] for i in part]
         input_ids, attention_mask = pad(tokenizer, [e.input_ids for e in rows], "right", runtime.device)
         target = pad_masks([e.response_mask for e in rows], input_ids.shape[1], "right", runtime.device)
-        logits = model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)
-        ).logits
+        logprobs = target_logprobs(model, input_ids, attention_mask, target)
         count = sum(targets[i] for i in batch)
-        return language_model_loss(logits, input_ids, target, count), {"sft/tokens": target.sum()}
+        return target_nll(logprobs, count), {"sft/tokens": target.sum()}
 
     return step
 
