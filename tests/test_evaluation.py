@@ -422,6 +422,23 @@ def test_a_sample_depends_on_its_prompt_and_index_not_on_the_batch_or_the_sample
     assert together["texts"][::2] != together["texts"][1::2]
 
 
+def test_prompts_sampled_in_length_order_come_back_in_the_input_order(tiny_dir, tokenizer):
+    """Batches are formed from length-sorted prompts; each prompt's greedy answer, scores and length are still
+    at its own place, as when sampled alone (the lengths are ordered so that the sort is a cycle, not its own
+    inverse)."""
+    sft = load_causal_lm(tiny_dir)
+    scorers = Scorers(load_scalar_model(tiny_dir), load_scalar_model(tiny_dir), tokenizer)
+    settings = GenerationSettings(max_new_tokens=5, temperature=1.0, no_eos="score", no_eos_value=None)
+    texts = ["Name three rivers in Europe, please.", "Hi", "Why is the sky blue, and why are sunsets red?", "Is it?"]
+    prompts = [[{"role": "user", "content": t}] for t in texts]
+    config = EvalConfig(batch_size=2, greedy=True, bootstrap_resamples=50)
+    together = generate_and_score(sft, sft, scorers, tokenizer, prompts, config, settings, CPU)
+    alone = [generate_and_score(sft, sft, scorers, tokenizer, [p], config, settings, CPU) for p in prompts]
+    assert together["texts"] == [a["texts"][0] for a in alone]
+    for key in ("proxy", "judge", "length"):
+        torch.testing.assert_close(together[key][:, 0], torch.cat([a[key][:, 0] for a in alone]), rtol=0, atol=1e-5)
+
+
 def test_best_of_n_of_sft_keeps_the_proxys_pick_scored_by_the_judge_at_its_analytic_kl(tiny_dir, tokenizer):
     from rlhf.evaluation.comparison import best_of_n
     from tasks.evaluate import best_of_n_figures

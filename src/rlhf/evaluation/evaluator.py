@@ -158,6 +158,7 @@ def generate_and_score(
 ) -> dict[str, Any]:
     """Sample ``samples`` responses per prompt (or decode greedily) and score them as PPO does, and by the judge.
 
+    Prompts are sampled in batches of like length (less padding), the results returned in the input order.
     Sample ``s`` of prompt ``i`` comes from its own generator (:func:`rlhf.models.sampling.prompt_seed` of
     ``config.seed``, ``s``, ``i``), so its random numbers do not depend on the batch size or the prompts beside it
     (in float32 neither does the sample; under bf16 autocast a batch's padding can round a logit differently and
@@ -180,18 +181,19 @@ def generate_and_score(
     encoded = [encode_prompt(tokenizer, p, config.max_prompt_length) for p in repeated]
     temperature = 1.0 if config.greedy else settings.temperature
     out: dict[str, list] = {key: [] for key in ("proxy", "unfinished", "ended", "kl", "kl_k3", "length", "texts")}
-    for start in range(0, len(encoded), config.batch_size):
+    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))  # batches of like length: little padding
+    for start in range(0, len(order), config.batch_size):
         with runtime.autocast():
-            batch = slice(start, start + config.batch_size)
+            batch = order[start : start + config.batch_size]
             scored = sample_and_score(
                 model,
                 scorers.proxy,
                 tokenizer,
-                encoded[batch],
+                [encoded[i] for i in batch],
                 settings,
                 config.greedy,
-                seeds=seeds[batch],
-                kinds=repeated_kinds[batch] if repeated_kinds is not None else None,
+                seeds=[seeds[i] for i in batch],
+                kinds=[repeated_kinds[i] for i in batch] if repeated_kinds is not None else None,
             )
             rollout = scored.rollout
             ids, attn, begin, mask = (
@@ -221,13 +223,13 @@ def generate_and_score(
         out["ended"].append(rollout.ended.cpu())
         out["length"].append(mask.sum(-1).float().cpu())
         out["texts"] += [tokenizer.decode(ids[i, begin:][mask[i]], skip_special_tokens=True) for i in range(len(ids))]
-    result = {key: torch.cat(value) for key, value in out.items() if key != "texts"}
+    back = torch.tensor(order).argsort()  # from length order back to the input order
+    result = {key: torch.cat(value)[back] for key, value in out.items() if key != "texts"}
+    texts = [out["texts"][i] for i in back.tolist()]
     unfinished = result.pop("unfinished")
-    result["judge"] = judge_scores(
-        scorers, repeated, out["texts"], unfinished, settings, config, runtime, repeated_kinds
-    )
+    result["judge"] = judge_scores(scorers, repeated, texts, unfinished, settings, config, runtime, repeated_kinds)
     shape = (len(prompts), samples - first)
-    return {**{key: value.reshape(shape) for key, value in result.items()}, "texts": out["texts"]}
+    return {**{key: value.reshape(shape) for key, value in result.items()}, "texts": texts}
 
 
 @torch.no_grad()
