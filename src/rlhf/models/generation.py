@@ -35,7 +35,7 @@ class GenerationSettings:
     no_eos: str = "constant"
     no_eos_value: float | None = -1.0
     empty_response: str = "no_eos"  # no_eos (an EOS-first or blank response counts as unfinished) | score
-    cache: str = "dynamic"  # the KV cache of sampling: dynamic | static (rlhf.models.sampling.sample): the same tokens
+    cache: str = "static"  # the KV cache of sampling: static | dynamic (rlhf.models.sampling.sample): the same tokens
 
     def __post_init__(self) -> None:
         """Refuse unknown choices and a value that the choice would not use.
