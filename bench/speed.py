@@ -14,7 +14,9 @@ Figures (each at both implementations' fp32, and each at its best precision; plu
 - PPO iteration (rollout + scoring + update) against ``trl.experimental.ppo.PPOTrainer``, with
   SmolLM2-135M as policy, reference, reward and value model;
 - reward-model training against ``trl.RewardTrainer``; SFT against ``trl.SFTTrainer``;
-- our PPO iteration at batch sizes and response lengths (scaling), with its per-phase seconds.
+- our PPO iteration at batch sizes and response lengths (scaling), with its per-phase seconds;
+- the memory bandwidth and our sampling's tokens/s against the weight-reading bound (:mod:`bench.sampling`,
+  row ``sampling``).
 
 Writes ``bench/out/speed/results.json`` (every run, raw) and ``bench/out/speed/table.md``
 (the tables for docs/results.md) and prints the tables. Worker logs go to ``bench/out/speed/logs/``.
@@ -37,6 +39,7 @@ from typing import Any
 
 import typer
 
+from bench.sampling import table as sampling_table
 from bench.speed_report import build_report, print_report, write_markdown
 from bench.speed_setup import OUT, ROOT, ensure_inputs, ensure_trl
 from bench.speed_worker import Spec
@@ -153,6 +156,16 @@ def matmul_peak() -> dict[str, float]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def sampling_rows(quick: bool) -> dict[str, Any]:
+    """The bandwidth and sampling rows of :mod:`bench.sampling`, measured in a worker process of their own."""
+    path = os.path.join(OUT, "sampling.json")
+    options = ["--batches", "4", "--new-tokens", "32"] if quick else []
+    command = [sys.executable, "-m", "bench.sampling", "--out", path, *options]
+    subprocess.run(command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, timeout=WORKER_TIMEOUT_S)
+    with open(path, encoding="utf-8") as handle:
+        return json.load(handle)
+
+
 def _describe(run: dict[str, Any]) -> str:
     spec: Spec = run["spec"]
     extra = f" sizes={spec.sizes}" if spec.sizes else f" batch={spec.batch}"
@@ -190,7 +203,7 @@ def main(
     scaling_responses: str = typer.Option("32,64,128", help="PPO response lengths of the scaling run (batch fixed)"),
     scaling_steps: int = typer.Option(2, help="timed iterations per scaling point (1 with --quick)"),
     scaling_precision: str = typer.Option("bf16", help="precision of the scaling run (fp32 or bf16)"),
-    rows: str = typer.Option("", help="run only these rows, e.g. ppo/fp32,ppo/lora (default: every row)"),
+    rows: str = typer.Option("", help="run only these rows, e.g. ppo/fp32,ppo/lora,sampling (default: every row)"),
     report_only: bool = typer.Option(False, help="only rebuild table.md and the tables from results.json"),
 ) -> None:
     """Run the speed benchmark and write bench/out/speed/results.json and table.md."""
@@ -243,6 +256,19 @@ def main(
         json.dump(results, handle, indent=1)
     write_markdown(report, os.path.join(OUT, "table.md"))
     print_report(report)
+    if not rows or "sampling" in rows.split(","):
+        results["sampling"] = sampling_rows(quick)
+        with open(os.path.join(OUT, "results.json"), "w", encoding="utf-8") as handle:
+            json.dump(results, handle, indent=1)
+        lines = [
+            "",
+            "## Sampling against the weight-reading bound (bench.sampling)",
+            "",
+            *sampling_table(results["sampling"]),
+        ]
+        with open(os.path.join(OUT, "table.md"), "a", encoding="utf-8") as handle:
+            handle.write("\n".join(lines) + "\n")
+        print("\n".join(lines))
     print(f"wall time {results['wall_s'] / 60:.1f} min; wrote {OUT}/results.json and {OUT}/table.md")
 
 
