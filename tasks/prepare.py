@@ -77,10 +77,10 @@ def run(params: dict[str, Any], outputs: StagedOutputs) -> dict[str, Any]:
     inputs: list[SourceConfig] = [config, *more]
     sources = []
     for spec in inputs:
-        rows = read_jsonl(spec.source, spec.storage_options)
+        rows = read_jsonl(paths.data_url(spec.source)[0], spec.storage_options)
         rows = islice(rows, spec.max_rows) if spec.max_rows else rows
         sources.append(Source(spec.source, rows, spec.format, spec.mapping, spec.name, spec.kind))
-    ptx_rows = read_jsonl(config.ptx_source, config.storage_options) if config.ptx_source else None
+    ptx_rows = read_jsonl(paths.data_url(config.ptx_source)[0], config.storage_options) if config.ptx_source else None
     ptx = [Source(config.ptx_source, ptx_rows, kind=PTX_KIND)] if config.ptx_source else []
     prepared = prepare_rows(sources, config.fractions, ptx, config.ptx_heldout_fraction)
     unusable = prepared.unusable_sources()

@@ -77,24 +77,26 @@ def _content_sha256(fs, path: str) -> str:
 def fingerprint(url: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """What identifies the content of the file at ``url``, asked of its fsspec filesystem.
 
-    A local file: its size and content sha256. Elsewhere, from ``fs.info()``: the size and whatever
-    changes with the content (:data:`CONTENT_FIELDS`: S3/HTTP/GCS/Azure ETag, Content-MD5, the hub's
-    ``blob_id``/``lfs`` sha256, a version id) or, when the filesystem reports none, its modification
-    time (HTTP Last-Modified, ``mtime``); with neither, the sha256 of the content (the file is read).
+    A relative path is looked for as :func:`tasks.kit.paths.data_url` says (in a queued DVC experiment, also in
+    the project it was queued from). A local file: its size and content sha256. Elsewhere, from ``fs.info()``:
+    the size and whatever changes with the content (:data:`CONTENT_FIELDS`: S3/HTTP/GCS/Azure ETag,
+    Content-MD5, the hub's ``blob_id``/``lfs`` sha256, a version id) or, when the filesystem reports none, its
+    modification time (HTTP Last-Modified, ``mtime``); with neither, the sha256 of the content (the file is read).
 
     Returns:
         e.g. ``{"size": 1234, "ETag": "\\"9b2c...\\""}`` or ``{"size": 1234, "sha256": "..."}``
         (JSON-ready: other values become text).
 
     Raises:
-        FileNotFoundError: no file there.
+        FileNotFoundError: no file there (a local path: names every place looked).
         ValueError: a folder, or the filesystem cannot be reached or is unknown (names the URL).
     """
     import fsspec  # noqa: PLC0415 (fsspec: only a read source needs it)
     from fsspec.implementations.local import LocalFileSystem  # noqa: PLC0415 (fsspec: only a read source needs it)
 
+    where, looked = paths.data_url(url)
     try:
-        fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        fs, path = fsspec.core.url_to_fs(where, **(storage_options or {}))
         info = fs.info(path)
         if info.get("type") == "directory":
             raise IsADirectoryError(path)
@@ -108,7 +110,10 @@ def fingerprint(url: str, storage_options: dict[str, Any] | None = None) -> dict
     except IsADirectoryError:
         raise ValueError(f"{url} is a folder; prepare reads one .jsonl or .jsonl.gz file") from None
     except FileNotFoundError as err:
-        raise FileNotFoundError(f"{url}: no such file ({err})") from err
+        local = "://" not in url
+        raise FileNotFoundError(
+            f"{url}: no such file" + (f" (looked in {', '.join(looked)})" if local else f" ({err})")
+        ) from err
     except Exception as err:  # unknown protocol, network, permission: one line naming the source, not a traceback
         raise ValueError(f"{url}: cannot read its fingerprint: {type(err).__name__}: {err}") from err
     return json.loads(json.dumps(found, sort_keys=True, default=str))

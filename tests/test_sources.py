@@ -24,6 +24,7 @@ import yaml
 from fsspec.implementations.memory import MemoryFileSystem
 
 from tasks import source
+from tasks.kit import paths
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED_PAIRS = os.path.join(os.path.dirname(REPO), "shared", "data", "hh-rlhf", "harmless-base", "pairs.jsonl.gz")
@@ -153,6 +154,35 @@ def test_errors_name_the_source(tmp_path):
         source.fingerprint("nope://x/y.jsonl")
     with pytest.raises(ValueError, match=r"is a folder"):
         source.fingerprint(str(tmp_path))
+
+
+def test_a_queued_dvc_experiment_reads_a_path_outside_the_project_from_the_project_it_was_queued_in(
+    tmp_path, monkeypatch
+):
+    # dvc exp run --queue runs the stages in <project>/.dvc/tmp/exps/<tmp>/, a copy of the project, with DVC_ROOT the
+    # project (seen with dvc 3 by hand): ../shared/... from there is not the file the project names; the copy's own
+    # files still come first
+    project, shared = tmp_path / "project", tmp_path / "shared"
+    copy = project / ".dvc" / "tmp" / "exps" / "tmpab12cd"
+    for folder in (shared, copy):
+        folder.mkdir(parents=True)
+    write(shared / "pairs.jsonl", b'{"a": 1}\n')
+    write(copy / "inside.jsonl", b'{"b": 2}\n')
+    write(project / "inside.jsonl", b'{"b": 3}\n')
+    monkeypatch.chdir(copy)
+    monkeypatch.setenv("DVC_ROOT", str(project))
+    assert source.fingerprint("../shared/pairs.jsonl") == source.fingerprint(str(shared / "pairs.jsonl"))
+    assert paths.data_url("inside.jsonl")[0] == "inside.jsonl"  # the copy's own, not the project's
+    with pytest.raises(FileNotFoundError) as raised:
+        source.fingerprint("../shared/none.jsonl")
+    assert str(raised.value) == (
+        f"../shared/none.jsonl: no such file (looked in {copy.parent / 'shared' / 'none.jsonl'}, "
+        f"{shared / 'none.jsonl'})"
+    )
+    monkeypatch.chdir(project)  # dvc repro in the project itself: looked for in one place
+    assert paths.data_url("../shared/pairs.jsonl") == ("../shared/pairs.jsonl", [str(shared / "pairs.jsonl")])
+    with pytest.raises(FileNotFoundError, match=r"none\.jsonl: no such file \(looked in [^,]*none\.jsonl\)$"):
+        source.fingerprint("../shared/none.jsonl")
 
 
 def test_the_record_changes_exactly_when_a_source_of_any_kind_changes(tmp_path, monkeypatch):

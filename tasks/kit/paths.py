@@ -3,9 +3,36 @@ report read their paths from, and that ``dvc.yaml``'s deps and outs agree with (
 
 from __future__ import annotations
 
+import os
+
 SOURCES = "data/sources.json"  # source: what each input was when read (its size, time, hash)
 PROCESSED = "data/processed"  # prepare: every split, parsed and assigned
 VALIDATED = "data/validated"  # validate: the splits that passed the rules; quarantine.jsonl holds the others
+
+
+def project_root() -> str:
+    """The project's root: ``DVC_ROOT`` (DVC sets it for every stage; inside an experiment's temporary copy,
+    ``<project>/.dvc/tmp/exps/<tmp>/`` for ``dvc exp run --queue`` or ``--temp``, it names the project) or the
+    current folder."""
+    return os.path.abspath(os.environ.get("DVC_ROOT") or os.getcwd())
+
+
+def data_url(url: str) -> tuple[str, list[str]]:
+    """Where a data source is read from, and every place looked: a relative local path from the current folder,
+    then, where that holds no file, from :func:`project_root` (a DVC experiment's copy of the project does not
+    hold a path outside it, such as ``../shared/...``). A URL with a protocol and an absolute path are read as
+    written.
+
+    Returns:
+        ``(path to read, [absolute paths looked at, in order])``: the path as written when the current folder
+        holds it or no place does.
+    """
+    if "://" in url or os.path.isabs(url):
+        return url, [url]
+    folders = dict.fromkeys([os.getcwd(), project_root()])
+    looked = [os.path.normpath(os.path.join(folder, url)) for folder in folders]
+    found = next((path for path in looked if os.path.exists(path)), looked[0])
+    return (url if found == looked[0] else found), looked
 
 
 def split(name: str) -> str:

@@ -18,6 +18,7 @@ from typing import Any
 
 from filelock import FileLock
 
+from tasks.kit import paths
 from tasks.kit.mlflow_params import mlflow_params, mlflow_text
 from tasks.kit.params import DEFAULT_PROFILE, PARAMS_FILE, read_params, stage_params
 
@@ -46,22 +47,16 @@ def git_commit() -> str:
         return "no-git"
 
 
-def project_root() -> str:
-    """The project's root: ``DVC_ROOT`` (DVC sets it for every stage; inside an experiment's temporary copy it
-    names the parent repository) or the current folder."""
-    return os.path.abspath(os.environ.get("DVC_ROOT") or os.getcwd())
-
-
 def tracking_uri() -> str:
     """``MLFLOW_TRACKING_URI``, else params.yaml's ``mlflow.tracking_uri``, with a relative local path made
-    absolute against :func:`project_root`: every stage, experiment and command of one project reaches the same
-    store whatever folder it runs in."""
+    absolute against :func:`tasks.kit.paths.project_root`: every stage, experiment and command of one project
+    reaches the same store whatever folder it runs in."""
     uri = os.environ.get("MLFLOW_TRACKING_URI") or read_params().get("mlflow", {}).get("tracking_uri", "")
     uri = uri or "sqlite:///mlflow.db"
     if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
-        return "sqlite:///" + os.path.join(project_root(), uri[len("sqlite:///") :])
+        return "sqlite:///" + os.path.join(paths.project_root(), uri[len("sqlite:///") :])
     if "://" not in uri and not os.path.isabs(uri):  # a folder: MLflow's file store
-        return os.path.join(project_root(), uri)
+        return os.path.join(paths.project_root(), uri)
     return uri
 
 
@@ -92,7 +87,7 @@ def tracking_client():
     name = settings.get("experiment", "rlhf")
     location = settings.get("artifact_location")
     if not location and uri.startswith(("sqlite:", "/")):
-        location = f"file://{os.path.join(project_root(), 'mlruns')}"
+        location = f"file://{os.path.join(paths.project_root(), 'mlruns')}"
     with store_setup_lock(uri):  # a new SQLite file: one process creates its tables, the others wait
         client = mlflow.MlflowClient()
         if location and client.get_experiment_by_name(name) is None:
