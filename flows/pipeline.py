@@ -45,7 +45,7 @@ from tasks.kit import paths
 from tasks.kit.common import one_line
 from tasks.kit.outputs import load_json
 from tasks.kit.params import read_params, stage_params
-from tasks.kit.runs import StageRun
+from tasks.kit.runs import VERDICT_TAG, StageRun
 
 
 @flow(name="rlhf-pipeline", log_prints=False)
@@ -130,7 +130,7 @@ def run_pipeline(stages: list[str] | None = None, pools: bool = False) -> dict[s
         else:
             run_stage(stage, run_id)
 
-    status = "FAILED"
+    status, tags = "FAILED", {}
     try:  # the flow knows how the whole run ended (a failure between stages, a cancelled flow): it ends the parent
         run_in_order(
             order,
@@ -146,14 +146,17 @@ def run_pipeline(stages: list[str] | None = None, pools: bool = False) -> dict[s
                 "stale after the run: " + "; ".join(f"{stage}: {why}" for stage, why in stale.items()) + " (dvc status)"
             )
         approve_policy()
+        specs = dvc_stages("dvc.yaml").items()
+        metrics = {stage: values for stage, spec in specs if (values := read_metrics(figure_files(spec)))}
+        name, sentence = verdict(metrics)
+        tags = {VERDICT_TAG: name, f"{VERDICT_TAG}.sentence": sentence}
         status = "FINISHED"
     except KeyboardInterrupt:
         status = "KILLED"
         raise
     finally:
-        StageRun.end_pipeline(run_id, status)
-    specs = dvc_stages("dvc.yaml").items()
-    return {stage: values for stage, spec in specs if (values := read_metrics(figure_files(spec)))}
+        StageRun.end_pipeline(run_id, status, tags)
+    return metrics
 
 
 def approve_policy(report_path: str = paths.POLICY_GATE) -> str | None:

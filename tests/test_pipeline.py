@@ -246,7 +246,12 @@ def test_prefect_flow_runs_the_stale_stages_on_two_sharded_processes_and_groups_
         (name,) = db.execute("select name from runs where run_uuid = ?", parents[0]).fetchone()
         params = dict(db.execute("select key, value from params where run_uuid = ?", parents[0]).fetchall())
         (kind,) = db.execute("select value from experiment_tags where key = 'mlflow.experimentKind'").fetchone()
+        tags = dict(db.execute("select key, value from tags where run_uuid = ?", parents[0]).fetchall())
     assert children == len(ran)
+    # the runs page reads the verdict, the source and the commit off the parent run as off any run
+    assert tags["rlhf.verdict"] == "Gate failed" and verdict == f"[flow] {tags['rlhf.verdict.sentence']}"
+    assert tags["mlflow.source.name"] == "dvc.yaml" and tags["mlflow.source.type"] == "PROJECT"
+    assert re.fullmatch(r"[0-9a-f]{40}", tags["mlflow.source.git.commit"])
     # the parent is named for people and holds the whole params as this run read them (the profile applied)
     assert re.fullmatch(r"tiny pipeline \d{4}-\d\d-\d\d \d\d:\d\d UTC", name)
     assert params["profile"] == "tiny" and params["ppo.iterations"] == "3" and params["device.num_processes"] == "2"

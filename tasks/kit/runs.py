@@ -23,6 +23,8 @@ from tasks.kit.mlflow_params import mlflow_params, mlflow_text
 from tasks.kit.params import DEFAULT_PROFILE, PARAMS_FILE, read_params, stage_params
 
 PIPELINE_RUN_TAG = "rlhf.pipeline_run_id"
+VERDICT_TAG = "rlhf.verdict"  # the parent run's: Completed | Gate failed (flows.summary.verdict), and .sentence
+SOURCE_TAGS = {"mlflow.source.name": "dvc.yaml", "mlflow.source.type": "PROJECT"}  # the parent run's Source column
 PARENT_SETTLE_S = 1.0  # how long a new parent run waits before it looks for an older one (StageRun._adopt_parent)
 
 
@@ -377,8 +379,9 @@ class StageRun:
         return min(found, key=lambda run: (run.info.start_time, run.info.run_id)) if found else None
 
     @staticmethod
-    def end_pipeline(pipeline_run: str, status: str) -> None:
-        """End the parent run of pipeline run ``pipeline_run`` with ``status`` (FINISHED, FAILED or KILLED).
+    def end_pipeline(pipeline_run: str, status: str, tags: dict[str, str] | None = None) -> None:
+        """End the parent run of pipeline run ``pipeline_run`` with ``status`` (FINISHED, FAILED or KILLED), its
+        ``tags`` set first (the verdict, :data:`VERDICT_TAG`, a column of MLflow's runs page).
 
         For the Prefect flow, which knows how a whole flow run ended (a failure
         between stages, a cancelled flow); nothing when the pipeline has no run.
@@ -386,6 +389,8 @@ class StageRun:
         client, experiment_id = StageRun._client()
         parent = StageRun._find_parent(client, experiment_id, pipeline_run)
         if parent is not None:
+            for key, value in (tags or {}).items():
+                client.set_tag(parent.info.run_id, key, mlflow_text(value))
             client.set_terminated(parent.info.run_id, status)
 
     def _on_stop(self, signum: int, frame) -> None:
@@ -400,7 +405,8 @@ class StageRun:
         if parent is None:
             from mlflow.entities import Param  # noqa: PLC0415 (MLflow: seconds to import)
 
-            tags = {PIPELINE_RUN_TAG: pipeline_run, "rlhf.kind": "pipeline"}
+            tags = {PIPELINE_RUN_TAG: pipeline_run, "rlhf.kind": "pipeline", **SOURCE_TAGS}
+            tags["mlflow.source.git.commit"] = git_commit()  # the UI's Version column, as a stage run's own
             profile = read_params().get("profile", DEFAULT_PROFILE)
             run_name = f"{profile} pipeline {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC"
             created = client.create_run(self.experiment_id, tags=tags, run_name=run_name)
