@@ -21,7 +21,7 @@ import mlflow
 import typer
 import yaml
 
-from rlhf.training.checkpoint import write_json
+from rlhf.files import write_json
 from tasks import ppo
 from tasks.kit.outputs import atomic_dir
 from tasks.kit.params import Yaml12Loader, read_params, stage_params

@@ -20,8 +20,8 @@ import typer
 from bench.ablation import overrides
 from rlhf.data.reading import load_jsonl
 from rlhf.evaluation.evaluator import EvalConfig, ptx_perplexity
+from rlhf.files import write_json
 from rlhf.models.loading import load_causal_lm, load_tokenizer
-from rlhf.training.checkpoint import write_json
 from tasks import ppo
 from tasks.evaluate import PTX_HELDOUT, SFT
 from tasks.kit.common import stage_runtime

@@ -22,8 +22,8 @@ import typer
 
 from bench.ablation import overrides
 from bench.dev_compare import compare_on_dev, dev_prompts_of
+from rlhf.files import write_json
 from rlhf.ppo.types import PPOResult
-from rlhf.training.checkpoint import write_json
 from tasks import ppo
 from tasks.kit import paths
 from tasks.kit.common import setup_torch

@@ -26,9 +26,9 @@ import typer
 from bench.ablation import overrides
 from rlhf.data.chat import encode_prompt
 from rlhf.data.reading import load_jsonl
+from rlhf.files import write_json
 from rlhf.models.loading import load_causal_lm, load_tokenizer
 from rlhf.models.sampling import prompt_seed, sample
-from rlhf.training.checkpoint import write_json
 from rlhf.training.sft import SFTConfig, train_sft
 from tasks.kit import paths
 from tasks.kit.common import setup_torch, stage_runtime

@@ -27,10 +27,10 @@ from bench.ablation import overrides
 from rlhf.data.kinds import kind_of, kinds_in, training_kinds
 from rlhf.data.reading import load_jsonl
 from rlhf.data.splitting import dev_split
+from rlhf.files import write_json
 from rlhf.models.loading import load_scalar_model, load_tokenizer
 from rlhf.reward.metrics import evaluate_reward_model
 from rlhf.reward.trainer import JudgeConfig, RewardConfig, center_rewards, encode_pairs, train_reward_model
-from rlhf.training.checkpoint import write_json
 from tasks.kit.common import setup_torch, stage_runtime
 from tasks.kit.configs import config_from_params
 from tasks.kit.params import stage_params

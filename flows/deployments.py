@@ -31,6 +31,7 @@ from prefect import flow, get_run_logger
 
 from flows.pools import PoolLimits, check_live_worker, wait_for_stage
 from flows.stages import DVC, checkout_lock, run_stage, stage_graph, stop_tree
+from rlhf.files import atomic_write_text
 from tasks.kit.dvclock import repair_dvc_rwlock
 from tasks.kit.params import load_yaml
 
@@ -102,8 +103,6 @@ def read_files(paths: list[str]) -> dict[str, str]:
 
 def write_files(files: dict[str, str]) -> None:
     """Write each ``{path: text}`` atomically (a folder is made where needed)."""
-    from rlhf.training.checkpoint import atomic_write_text  # noqa: PLC0415 (imports torch and transformers)
-
     for path, text in files.items():
         atomic_write_text(path, text)
 

@@ -36,9 +36,10 @@ from rlhf.evaluation.by_kind import KIND_PREFIX, kind_figures, stratified
 from rlhf.evaluation.comparison import best_of_n, best_of_n_kl, paired_difference
 from rlhf.evaluation.evaluator import EvalConfig, Scorers, evaluate_policy, generate_and_score, sample_rows
 from rlhf.evaluation.gate_rules import PolicyCriteria, judge_doubts, policy_gate
+from rlhf.files import write_json
 from rlhf.models.generation import GenerationSettings
 from rlhf.models.loading import load_causal_lm, load_scalar_model, load_tokenizer
-from rlhf.training.checkpoint import load_kept_policy, write_json
+from rlhf.training.checkpoint import load_kept_policy
 from tasks.kit import paths
 from tasks.kit.champion import is_champion, require_champion
 from tasks.kit.common import cli, setup_torch, stage_runtime

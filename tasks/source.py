@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from typing import Any
 
+from rlhf.files import atomic_write_text
 from tasks.kit import paths
 from tasks.kit.common import cli
 from tasks.kit.params import stage_params
@@ -131,13 +131,7 @@ def run(params: dict[str, Any]) -> dict[str, Any]:
             for param, url, options in sources(params)
         ]
     }
-    # written aside, then renamed; not rlhf.training.checkpoint.atomic_write_text, whose import (torch, transformers)
-    # would
-    # cost every `dvc repro` seconds
-    os.makedirs(os.path.dirname(OUT), exist_ok=True)
-    with open(f"{OUT}.tmp", "w", encoding="utf-8") as handle:
-        handle.write(json.dumps(record, indent=1, sort_keys=True) + "\n")
-    os.replace(f"{OUT}.tmp", OUT)
+    atomic_write_text(OUT, json.dumps(record, indent=1, sort_keys=True) + "\n")
     for entry in record["sources"]:
         print(f"[source] {entry['param']} {entry['url']}: {json.dumps(entry['fingerprint'], sort_keys=True)}")
     return record

@@ -21,8 +21,8 @@ from typing import Any
 from rlhf.data.reading import load_jsonl, write_jsonl
 from rlhf.data.splitting import SPLITS
 from rlhf.data.validation import ValidationConfig, split_kind, validate_split
+from rlhf.files import write_json
 from rlhf.models.loading import load_tokenizer
-from rlhf.training.checkpoint import write_json
 from tasks.kit import paths
 from tasks.kit.common import cli
 from tasks.kit.configs import config_from_params, derived_values

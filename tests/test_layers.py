@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORE = os.path.join("src", "rlhf")
 
 GROUPS = (  # lowest first: a group may import the groups before it, never one after it
-    "foundation",  # losses.py (the equations), stats.py (interval arithmetic), ranges.py (range checks)
+    "foundation",  # losses.py (the equations), stats.py (interval arithmetic), ranges.py (range checks), files.py
     "runtime",
     "data",
     "models",

@@ -4,7 +4,8 @@ Its groups, lowest first; a group imports only itself and the groups before it (
 holds the order, finds every import and fails on one going up or round in a circle):
 
 - foundation, the modules here: :mod:`rlhf.losses` (the equations, one pure function each),
-  :mod:`rlhf.stats` (the one binomial interval and tie rule), :mod:`rlhf.ranges` (range checks of settings);
+  :mod:`rlhf.stats` (the one binomial interval and tie rule), :mod:`rlhf.ranges` (range checks of settings),
+  :mod:`rlhf.files` (files written whole or not at all; no torch);
 - :mod:`rlhf.runtime`: device and precision, several processes, FSDP sharding, non-finite checks;
 - :mod:`rlhf.data`: reading sources, formats, chat encoding, splits, ptx rows, kinds of data, validation;
 - :mod:`rlhf.models`: loading, forward passes, sampling and generation, LoRA, shared trunk and prompts, kind heads;

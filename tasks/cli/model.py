@@ -20,6 +20,7 @@ from typing import Any
 
 import typer
 
+from rlhf.files import atomic_write_text, write_json
 from tasks.cli import run_command
 from tasks.cli.versions import UserError, default_version, find_version, using_line
 from tasks.kit.common import one_line, terminal_text
@@ -394,7 +395,6 @@ def generate(
         import torch  # here, after the checks: a bad argument is reported in a second
 
         from rlhf.data.chat import encode_prompt
-        from rlhf.training.checkpoint import atomic_write_text
         from tasks.kit.served import respond
 
         budget = prompt_budget(policy, max_new_tokens, max_prompt_tokens)
@@ -470,8 +470,6 @@ def score_pairs(
             reward_model, tokenizer, length = scoring.load_reward_model(folder, max_length)
         metrics = scoring.score(reward_model, tokenizer, examples, length, batch_size)
         if json_out is not None:
-            from rlhf.training.checkpoint import write_json  # imports torch: here, after the checks
-
             write_json(json_out, scoring.json_metrics(metrics))
     typer.echo(f"{model} on {', '.join(pairs)}: {len(examples)} pairs from {rows} rows, max length {length} tokens")
     if left_out:

@@ -31,6 +31,7 @@ from rlhf.evaluation.review_tally import (
     spreadsheet_safe,
     tally,
 )
+from rlhf.files import atomic_write_text, write_json
 from tasks.cli import run_command
 from tasks.kit import paths
 from tasks.kit.common import one_line
@@ -319,8 +320,6 @@ def export(
         table, key_content = build_review(content, sample, seed, samples)
     except ReviewError as err:
         raise _fail(err) from None
-    from rlhf.training.checkpoint import atomic_write_text, write_json  # imports torch: only when there is work to do
-
     key_content["samples_sha256"] = hashlib.sha256(raw).hexdigest()
     atomic_write_text(out, csv_text(table))
     write_json(key, key_content)

@@ -13,6 +13,8 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
+from rlhf.data.kinds import kinds_in
+from rlhf.files import atomic_write_text, write_json
 from tasks.kit import paths
 from tasks.kit.runs import StageRun, held_stop_signals, process_state
 
@@ -208,7 +210,6 @@ def write_metrics(
             ``{"iteration": i, signal: value, ...}`` rows in iteration order, numbers only, every row
             with every signal (null where an iteration has none: DVC's plots fail on a missing field).
     """
-    from rlhf.training.checkpoint import atomic_write_text, write_json  # noqa: PLC0415 (imports torch and transformers)
 
     def clean(value: Any) -> Any:
         return None if isinstance(value, float) and not math.isfinite(value) else value
@@ -273,8 +274,6 @@ def write_headline(outputs, stage: str, values: dict[str, Any]) -> None:
     """Stage ``stage``'s row of :data:`HEADLINE` from ``values`` (its metrics, per-kind ones included) into
     ``metrics/headline/<stage>.json``: numbers only, rounded to 3 decimals (a figure ``values`` lacks, or NaN, is
     left out: DVC shows ``-``)."""
-    from rlhf.data.kinds import kinds_in  # noqa: PLC0415 (as above)
-    from rlhf.training.checkpoint import write_json  # noqa: PLC0415 (imports torch and transformers)
 
     row = {}
     for column, key in HEADLINE[stage].items():

@@ -8,6 +8,7 @@ import os
 import shutil
 from typing import Any
 
+from rlhf.files import atomic_write_text
 from tasks.kit.mlflow_params import flatten_params
 from tasks.kit.outputs import load_json
 
@@ -145,7 +146,7 @@ def run_checkpointer(stage: str, params: dict[str, Any], inputs: list[str], runt
     Raises:
         FileNotFoundError: an input does not exist.
     """
-    from rlhf.training.checkpoint import Checkpointer, atomic_write_text  # noqa: PLC0415 (imports torch and transformers)
+    from rlhf.training.checkpoint import Checkpointer  # noqa: PLC0415 (imports torch and transformers)
 
     sharded = runtime is not None and runtime.sharding is not None
     manifest = fingerprint_manifest({**params, "fsdp": True} if sharded else params, inputs)

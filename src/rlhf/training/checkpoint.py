@@ -1,4 +1,5 @@
-"""Atomic files and resumable checkpoints: what a stage writes survives a crash whole or not at all.
+"""Resumable checkpoints: what a stage writes survives a crash whole or not at all (single files:
+:mod:`rlhf.files`).
 
 A :class:`Checkpointer` stores models with ``save_pretrained`` (safetensors) and
 trainer state with ``torch.save``, read back with ``weights_only=True``; a LoRA
@@ -7,7 +8,6 @@ policy stores only its adapters (:mod:`rlhf.models.lora`).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -18,37 +18,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
+from rlhf.files import atomic_write_text
 from rlhf.models.loading import load_causal_lm
 from rlhf.models.lora import add_lora, is_lora, load_adapter_weights, merged_copy
 from rlhf.runtime.distributed import Ranks
 from rlhf.runtime.sharding import full_state_dict, load_full_state_dict, model_class
-
-
-def atomic_write_text(path: str, text: str) -> None:
-    """Write a text file atomically (write a temporary file beside it, then rename).
-
-    The file gets the usual mode of a new file, ``0o666 & ~umask`` (``mkstemp``
-    alone would leave it 0600), as :func:`tasks.kit.outputs.atomic_dir` does for
-    folders. On an error the temporary file is removed and ``path`` is left as it was.
-
-    Args:
-        path: the file to write (its folder is created if needed).
-        text: the content, written as UTF-8.
-    """
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            umask = os.umask(0)
-            os.umask(umask)
-            os.fchmod(handle.fileno(), 0o666 & ~umask)
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
-        raise
 
 
 class Checkpointer:
@@ -134,11 +108,6 @@ class Checkpointer:
     def clear(self) -> None:
         """Delete every checkpoint (after the stage's final outputs are written)."""
         shutil.rmtree(self.root, ignore_errors=True)
-
-
-def write_json(path: str, payload: dict[str, Any]) -> None:
-    """Write ``payload`` as indented JSON, atomically."""
-    atomic_write_text(path, json.dumps(payload, indent=2, sort_keys=True) + "\n")
 
 
 KEPT_WEIGHTS, KEPT_META = "trained.safetensors", "kept.json"
