@@ -126,7 +126,8 @@ def test_sft_loss_with_the_head_on_targets_equals_the_full_logits_loss_with_grad
     for lean in (True, False):
         model = load_causal_lm(tiny_dir)
         if lean:
-            loss = losses.target_nll(target_logprobs(model, ids, attn, target), count)
+            rows, positions = torch.nonzero(target[:, 1:], as_tuple=True)  # position t predicts target t + 1
+            loss = losses.target_nll(target_logprobs(model, ids, attn, rows, positions), count)
         else:
             logits = model(input_ids=ids, attention_mask=attn, position_ids=position_ids_from_mask(attn)).logits
             loss = losses.language_model_loss(logits, ids, target, count)

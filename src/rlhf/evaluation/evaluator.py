@@ -223,9 +223,10 @@ def generate_and_score(
         out["ended"].append(rollout.ended.cpu())
         out["length"].append(mask.sum(-1).float().cpu())
         out["texts"] += [tokenizer.decode(ids[i, begin:][mask[i]], skip_special_tokens=True) for i in range(len(ids))]
-    back = torch.tensor(order).argsort()  # from length order back to the input order
-    result = {key: torch.cat(value)[back] for key, value in out.items() if key != "texts"}
-    texts = [out["texts"][i] for i in back.tolist()]
+    back = sorted(range(len(order)), key=order.__getitem__)  # from length order back to the input order
+    index = torch.tensor(back, device="cpu")  # the results are on the CPU
+    result = {key: torch.cat(value)[index] for key, value in out.items() if key != "texts"}
+    texts = [out["texts"][i] for i in back]
     unfinished = result.pop("unfinished")
     result["judge"] = judge_scores(scorers, repeated, texts, unfinished, settings, config, runtime, repeated_kinds)
     shape = (len(prompts), samples - first)

@@ -115,29 +115,36 @@ def response_logprobs(
 
 
 def target_logprobs(
-    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, target_mask: torch.Tensor
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
 ) -> torch.Tensor:
-    """Logprobs of the target tokens only, the LM head run on the positions that predict them and no other.
+    """Logprobs of chosen tokens only, the LM head run on the positions that predict them and no other.
 
-    The backbone runs over every token; of its hidden states only those at ``t - 1`` for a target token ``t``
-    go through the LM head (SmolLM2's head is ~20% of a forward's arithmetic, and a ``(B, T, V)`` float logit
-    tensor is never built); a sharded (FSDP) model runs its whole forward, which alone gathers its weights.
-    Position ids come from the attention mask, so either padding side works. The result equals
-    :func:`rlhf.losses.next_token_logprobs` of the full logits at the mask's positions (``tests/test_levers.py``).
+    The backbone runs over every token; of its hidden states only those at ``(rows[n], positions[n])`` go through
+    the LM head (SmolLM2's head is ~20% of a forward's arithmetic, and a ``(B, T, V)`` float logit tensor is never
+    built), each scoring the token after it, ``input_ids[rows[n], positions[n] + 1]``. The positions come from the
+    host (the SFT step's encodings), so no data-dependent shape costs a host round trip. A sharded (FSDP) model
+    runs its whole forward, which alone gathers its weights. Position ids come from the attention mask, so either
+    padding side works. The result equals :func:`rlhf.losses.next_token_logprobs` of the full logits at those
+    positions (``tests/test_levers.py``).
 
     Args:
         model: causal LM with an ``lm_head`` over its backbone's final hidden states.
         input_ids: ``(B, T)`` int64.
         attention_mask: ``(B, T)`` 0/1.
-        target_mask: ``(B, T)`` bool, True on the tokens to score; position 0 is never scored (nothing predicts it).
+        rows, positions: ``(N,)`` int64 on the model's device, each ``positions[n] < T - 1``.
 
     Returns:
-        ``(N,)`` float32, ``N`` = ``target_mask[:, 1:].sum()``, row-major order.
+        ``(N,)`` float32.
     """
-    predicting, position_ids = target_mask[:, 1:].bool(), position_ids_from_mask(attention_mask)
+    position_ids = position_ids_from_mask(attention_mask)
     if is_sharded(model):  # FSDP gathers the weights in the whole model's forward only: every position's logits
         logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
-        logits = logits[:, :-1][predicting]
+        logits = logits[rows, positions]
     else:
-        logits = model.lm_head(last_hidden_state(model, input_ids, attention_mask, position_ids)[:, :-1][predicting])
-    return logprobs_from_logits(logits[None], input_ids[:, 1:][predicting][None])[0]
+        hidden = last_hidden_state(model, input_ids, attention_mask, position_ids)
+        logits = model.lm_head(hidden[rows, positions])
+    return logprobs_from_logits(logits[None], input_ids[rows, positions + 1][None])[0]

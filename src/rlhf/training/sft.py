@@ -53,7 +53,9 @@ def sft_step(
         rows = [encoded[i] for i in part]
         input_ids, attention_mask = pad(tokenizer, [e.input_ids for e in rows], "right", runtime.device)
         target = pad_masks([e.response_mask for e in rows], input_ids.shape[1], "right", runtime.device)
-        logprobs = target_logprobs(model, input_ids, attention_mask, target)
+        predicting = [(r, t - 1) for r, e in enumerate(rows) for t, keep in enumerate(e.response_mask) if keep and t]
+        where = torch.tensor(predicting, dtype=torch.long, device=runtime.device).reshape(-1, 2)
+        logprobs = target_logprobs(model, input_ids, attention_mask, where[:, 0], where[:, 1])
         count = sum(targets[i] for i in batch)
         return target_nll(logprobs, count), {"sft/tokens": target.sum()}
 
