@@ -106,7 +106,7 @@ def _table(page: str, header: str) -> list[list[str]]:
     return rows
 
 
-def _readme_value(text: str):
+def _page_value(text: str):
     text = re.sub(r"\s*\(.*?\)", "", text).strip()  # "0 (off)" -> "0"
     words = {"on": True, "off": False, "none": None}
     if text in words:
@@ -121,7 +121,7 @@ PPO_TABLE = "| switch | what it does | source | default (`ppo_max`) | `vanilla` 
 
 
 @pytest.mark.parametrize("column, preset", [(-2, "ppo_max"), (-1, "vanilla")])
-def test_the_readme_ppo_table_shows_params_yaml_presets(column, preset):
+def test_the_configuration_page_ppo_table_shows_params_yaml_presets(column, preset):
     params = read_params(str(ROOT / "params.yaml"))
     params["ppo"]["preset"] = preset
     values = stage_params("ppo", params)
@@ -131,7 +131,7 @@ def test_the_readme_ppo_table_shows_params_yaml_presets(column, preset):
         keys = re.findall(r"`(\w+)`", re.sub(r"\(.*?\)", "", row[0]))  # keys in parentheses carry no value
         shown = row[column] if row[column] != "same" else row[-2]
         for key, text in zip(keys, re.split(r"[,;]\s*", shown), strict=False):
-            assert _readme_value(text) == values[key], (
+            assert _page_value(text) == values[key], (
                 f"docs/configuration.md {preset} column: {key} is {text}, params.yaml {values[key]}"
             )
 
@@ -140,7 +140,7 @@ SPLIT_TABLE = "| split | fraction (demo, `long`, `gpu`) | rows (prepared → val
 
 
 @pytest.mark.parametrize("column, profile", [(1, "demo"), (1, "long"), (1, "gpu")])
-def test_the_readme_split_table_shows_params_yaml_fractions(column, profile):
+def test_the_data_page_split_table_shows_params_yaml_fractions(column, profile):
     params = read_params(str(ROOT / "params.yaml"))
     params["profile"] = profile
     data = stage_params("data", params)

@@ -318,8 +318,9 @@ def ppo_clip_loss(
 
     Returns:
         ``(loss, stats)``: scalar loss; stats holds ``clipfrac`` (share of tokens
-        where the clipped term was taken), ``approx_kl`` (k3 of old vs new,
-        ``0.5 E[(log rho)^2]``) and ``ratio`` (mean rho, each clamped as above), all detached scalars.
+        where the clipped term was taken), ``approx_kl`` (Schulman's k2 estimator of old
+        vs new, ``0.5 E[(log rho)^2]``, as TRL's PPO logs it) and ``ratio`` (mean rho, each clamped as above),
+        all detached scalars.
     """
     # padded positions are filled before exp, so an inf there cannot make the loss NaN
     log_ratio = torch.where(mask, logprobs - old_logprobs, torch.zeros_like(logprobs))
