@@ -274,7 +274,6 @@ def write_headline(outputs, stage: str, values: dict[str, Any]) -> None:
     """Stage ``stage``'s row of :data:`HEADLINE` from ``values`` (its metrics, per-kind ones included) into
     ``metrics/headline/<stage>.json``: numbers only, rounded to 3 decimals (a figure ``values`` lacks, or NaN, is
     left out: DVC shows ``-``)."""
-
     row = {}
     for column, key in HEADLINE[stage].items():
         kinds = kinds_in(values, key.split("/", 1)[0]) if "{kind}" in key else [None]
