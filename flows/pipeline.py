@@ -45,7 +45,7 @@ from tasks.kit import paths
 from tasks.kit.common import one_line
 from tasks.kit.outputs import load_json
 from tasks.kit.params import read_params, stage_params
-from tasks.kit.runs import VERDICT_TAG, StageRun
+from tasks.kit.runs import VERDICT_SENTENCE_TAG, VERDICT_TAG, StageRun
 
 
 @flow(name="rlhf-pipeline", log_prints=False)
@@ -149,7 +149,7 @@ def run_pipeline(stages: list[str] | None = None, pools: bool = False) -> dict[s
         specs = dvc_stages("dvc.yaml").items()
         metrics = {stage: values for stage, spec in specs if (values := read_metrics(figure_files(spec)))}
         name, sentence = verdict(metrics)
-        tags = {VERDICT_TAG: name, f"{VERDICT_TAG}.sentence": sentence}
+        tags = {VERDICT_TAG: name, VERDICT_SENTENCE_TAG: sentence}
         status = "FINISHED"
     except KeyboardInterrupt:
         status = "KILLED"

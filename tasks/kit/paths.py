@@ -20,8 +20,8 @@ def project_root() -> str:
 def data_url(url: str) -> tuple[str, list[str]]:
     """Where a data source is read from, and every place looked: a relative local path from the current folder,
     then, where that holds no file, from :func:`project_root` (a DVC experiment's copy of the project does not
-    hold a path outside it, such as ``../shared/...``). A URL with a protocol and an absolute path are read as
-    written.
+    hold a path outside it, such as the shared data beside the project). A URL with a protocol and an absolute
+    path are read as written.
 
     Returns:
         ``(path to read, [absolute paths looked at, in order])``: the path as written when the current folder

@@ -23,7 +23,8 @@ from tasks.kit.mlflow_params import mlflow_params, mlflow_text
 from tasks.kit.params import DEFAULT_PROFILE, PARAMS_FILE, read_params, stage_params
 
 PIPELINE_RUN_TAG = "rlhf.pipeline_run_id"
-VERDICT_TAG = "rlhf.verdict"  # the parent run's: Completed | Gate failed (flows.summary.verdict), and .sentence
+VERDICT_TAG = "rlhf.verdict"  # the parent run's: Completed | Gate failed (flows.summary.verdict)
+VERDICT_SENTENCE_TAG = "rlhf.verdict.sentence"  # the parent run's: the verdict's sentence, the console's last line
 SOURCE_TAGS = {"mlflow.source.name": "dvc.yaml", "mlflow.source.type": "PROJECT"}  # the parent run's Source column
 PARENT_SETTLE_S = 1.0  # how long a new parent run waits before it looks for an older one (StageRun._adopt_parent)
 
