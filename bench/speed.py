@@ -258,6 +258,7 @@ def main(
     print_report(report)
     if not rows or "sampling" in rows.split(","):
         results["sampling"] = sampling_rows(quick)
+        results["wall_s"] = time.time() - started
         with open(os.path.join(OUT, "results.json"), "w", encoding="utf-8") as handle:
             json.dump(results, handle, indent=1)
         lines = [

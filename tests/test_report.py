@@ -188,7 +188,10 @@ def test_the_page_holds_every_section_its_figures_as_pngs_and_no_external_addres
     assert JUDGE_AT_CHANCE not in html  # the judge's interval lies above 0.5
     verdict = "policy gate failed 1 of 1 checks: rm_eval accuracy lower 95% bound (Wilson)"  # first, and why
     assert html.index(f"<th>verdict</th><td>{verdict}</td>") < html.index("reward-model accuracy [95%]")
-    assert "<th>reward gate</th><td>reward gate passed all 1 checks</td>" in html
+    # each gate's row: its failed checks' figures, not the verdict's sentence again
+    assert "<th>reward gate</th><td>passed all 1 checks</td>" in html
+    policy_row = "<th>policy gate</th><td>failed 1 of 1: rm_eval accuracy lower 95% bound (Wilson) n/a (bound 0.500)"
+    assert policy_row in html and html.count(verdict) == 1
     evaluation = html[html.index('<h2 id="evaluation">') : html.index('<h2 id="samples">')]
     assert "length-controlled win rate [95%]" in evaluation and "score difference, policy - SFT [95%]" in evaluation
     assert "0.560 [0.310, 0.800]" in evaluation and "0.520 [0.400, 0.630]" in evaluation and "1.250" in evaluation

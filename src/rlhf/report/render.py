@@ -28,6 +28,21 @@ from rlhf.report.sections import (
 )
 from rlhf.report.tables import NA, fmt, fmt_interval, number
 
+
+def gate_figures(record: dict[str, Any] | None) -> str:
+    """A gate's headline row: how many checks passed, and each failed one with its value and bound (the verdict
+    row says why in words; the gate's section has every check), e.g. ``failed 1 of 2: EOS rate 0.344 (bound
+    0.500)``; ``n/a`` when the gate has not decided."""
+    if not record or "decision" not in record:
+        return NA
+    checks = record.get("checks") or []
+    failed = [check for check in checks if not check.get("passed")]
+    if not failed:
+        return f"passed all {len(checks)} checks"
+    figures = [f"{c.get('criterion', '?')} {fmt(c.get('value'))} (bound {fmt(c.get('bound'))})" for c in failed]
+    return f"failed {len(failed)} of {len(checks)}: " + "; ".join(figures)
+
+
 TEMPLATE = (resources.files("rlhf.report") / "templates/report.html").read_text(encoding="utf-8")  # a Jinja template
 
 
@@ -73,7 +88,7 @@ def render_report(
         ("judge win rate of the policy [95%]", fmt_interval(ev, "eval/judge/win_rate") + judge_note),
         ("proxy win rate of the policy [95%]", fmt_interval(ev, "eval/proxy/win_rate")),
         ("KL of the policy to SFT (nats / response)", fmt(ev.get("eval/policy/kl"))),
-        *((what, sentence or NA) for (_, what), sentence in zip(GATES, gates, strict=True)),
+        *((what, gate_figures(loaded.get(name))) for name, what in GATES),
     ]
     header_rows = [
         ("pipeline run", pipeline_run),
