@@ -13,6 +13,7 @@ from rlhf.models.loading import load_scalar_model
 from rlhf.models.shared_prompt import score_groups, score_sequences
 from rlhf.reward.trainer import RewardConfig, encode_pairs, train_reward_model
 from rlhf.runtime.device import Runtime
+from rlhf.training import supervised
 
 KINDS = ["harmless", "helpful"]
 
@@ -113,3 +114,31 @@ def test_a_pair_trains_its_own_kinds_score_and_the_gate_learns_its_kind(tiny_dir
     train_reward_model(model, tokenizer, examples, more, lambda m, s: None, Runtime(), progress=False)
     moved = (model.score.weight.detach() != before).any(dim=1).tolist()
     assert moved == [True, False, True, True]
+
+
+def test_balanced_kinds_give_every_reward_batch_each_kinds_share(tiny_dir, tokenizer, monkeypatch):
+    examples = [
+        {
+            "prompt": [{"role": "user", "content": f"q{i}" + " more" * (20 * (kind == "helpful"))}],
+            "chosen": [{"role": "assistant", "content": f"good {i}"}],
+            "rejected": [{"role": "assistant", "content": f"bad answer {i}"}],
+            "kind": kind,
+        }
+        for i, kind in enumerate(["harmless", "harmless", "helpful", "helpful", "helpful", "helpful"])
+    ]
+    batches, original = [], supervised.minibatch_indices
+
+    def recorded(*args):
+        batches.append(original(*args))
+        return batches[-1]
+
+    monkeypatch.setattr(supervised, "minibatch_indices", recorded)
+    config = RewardConfig(
+        steps=4, batch_size=3, lr=0.0, warmup_steps=0, scheduler="constant", max_length=64, length_expert=False,
+        length_decorrelation=0.0, short_rejections=0.0, kind_heads=True, trainable_layers=None, balance_kinds=True,
+    )  # fmt: skip
+    train_reward_model(load_scalar_model(tiny_dir, KINDS), tokenizer, examples, config, lambda m, s: None, Runtime(),
+                       progress=False)  # fmt: skip
+    # two epochs of two batches of 3: one harmless and two helpful pairs each, every pair once an epoch
+    assert [sorted(examples[i]["kind"] for i in batch) for batch in batches] == [["harmless", "helpful", "helpful"]] * 4
+    assert sorted(batches[0] + batches[1]) == sorted(batches[2] + batches[3]) == list(range(6))

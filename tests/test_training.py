@@ -9,7 +9,7 @@ from rlhf.reward.trainer import JudgeConfig, RewardConfig, train_reward_model
 from rlhf.runtime.device import Runtime
 from rlhf.training.checkpoint import Checkpointer
 from rlhf.training.sft import SFTConfig, train_sft
-from rlhf.training.supervised import minibatch_indices
+from rlhf.training.supervised import interleave, minibatch_indices
 
 EXAMPLES = [
     {
@@ -43,6 +43,29 @@ def test_length_grouped_minibatches_cover_each_epoch_once_with_less_padding():
     assert minibatch_indices(16, 64, 4, 3, lengths) != minibatch_indices(0, 64, 4, 3, lengths)  # a new epoch
     with pytest.raises(ValueError, match="3 lengths for 64 examples"):
         minibatch_indices(0, 64, 4, 3, [1, 2, 3])
+
+
+def test_interleave_spreads_each_list_in_proportion_to_its_size():
+    # by hand: keys (j + 1/2) / m; a: 1/6, 1/2, 5/6; b: 1/2 (tie with a's 1/2: the earlier list first)
+    assert interleave([["a0", "a1", "a2"], ["b0"]]) == ["a0", "a1", "b0", "a2"]
+    # 1/8, 3/8, 5/8, 7/8 against 1/4, 3/4
+    assert interleave([[0, 1, 2, 3], [10, 11]]) == [0, 10, 1, 2, 11, 3]
+    assert interleave([[5, 3, 4]]) == [5, 3, 4]
+
+
+def test_stratified_minibatches_hold_each_kind_in_proportion_and_cover_each_epoch_once():
+    # 96 examples, a quarter of one kind and all of them the shortest: length grouping alone puts them together
+    strata = ["harmless" if i % 4 == 0 else "helpful" for i in range(96)]
+    lengths = [1 if kind == "harmless" else 100 + i for i, kind in enumerate(strata)]
+    grouped = [minibatch_indices(step, 96, 4, 0, lengths) for step in range(24)]
+    assert max(sum(strata[i] == "harmless" for i in batch) for batch in grouped) == 4  # batches of harmless only
+    for grouping in (None, lengths):
+        batches = [minibatch_indices(step, 96, 4, 0, grouping, strata) for step in range(24)]
+        assert sorted(i for batch in batches for i in batch) == list(range(96))  # every example once
+        assert [sum(strata[i] == "harmless" for i in batch) for batch in batches] == [1] * 24
+    assert minibatch_indices(30, 96, 4, 0, lengths, strata) == minibatch_indices(30, 96, 4, 0, lengths, strata)
+    with pytest.raises(ValueError, match="3 strata for 96 examples"):
+        minibatch_indices(0, 96, 4, 0, None, ["a", "b", "c"])
 
 
 def test_crash_while_writing_keeps_previous_checkpoint(tiny_dir, tmp_path, monkeypatch):

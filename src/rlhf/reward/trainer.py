@@ -44,6 +44,7 @@ class RewardConfig(LoopConfig):
     short_rejections: float = 0.25  # share of these kinds' pairs that also get a short reply as rejected (augment)
     short_rejection_kinds: tuple[str, ...] = ("helpful",)
     kind_heads: bool = True  # a score per kind of data, mixed by a learned kind gate (rlhf.models.kind_heads)
+    balance_kinds: bool = False  # every batch holds each kind's share of the pairs (not what length grouping brings)
     checkpoint_every: int = 53  # a checkpoint writes the whole model (~6 s on 2 cores): at half the demo's steps
 
     def __post_init__(self) -> None:
@@ -220,7 +221,9 @@ def train_reward_model(
     ``config.length_by_kind`` both are per kind of data (:func:`rlhf.data.kinds.kind_of`): a weight fitted on each
     kind's pairs, the preference taken within each kind. With ``config.short_rejections`` the examples gain the
     extra pairs of :func:`rlhf.reward.augment.short_rejections` (a short reply of the data as the rejected response, on
-    ``config.short_rejection_kinds``), which neither the expert nor the length term reads. A model with kind heads
+    ``config.short_rejection_kinds``), which neither the expert nor the length term reads. With
+    ``config.balance_kinds`` every batch holds each kind's share of the pairs (the ``strata`` of
+    :func:`rlhf.training.supervised.minibatch_indices`). A model with kind heads
     (:func:`rlhf.models.loading.load_scalar_model` given the kinds: :mod:`rlhf.models.kind_heads`) trains each pair's
     own kind's
     score and its kind gate (:func:`reward_step`). Plus
@@ -247,7 +250,8 @@ def train_reward_model(
     examples = [*examples, *extra]
     pairs = encode_pairs(tokenizer, examples, config.max_length)
     freeze_lower_layers(model, config.trainable_layers)
-    kinds = [kind_of(ex) if config.length_by_kind else DEFAULT_KIND for ex in examples]
+    data_kinds = [kind_of(ex) for ex in examples]
+    kinds = data_kinds if config.length_by_kind else [DEFAULT_KIND] * len(examples)
     names = sorted(set(kinds))
     groups = [-1 if ex.get(AUGMENTED) else names.index(kind) for ex, kind in zip(examples, kinds, strict=True)]
     chosen_lengths, rejected_lengths = response_lengths(pairs)
@@ -257,7 +261,7 @@ def train_reward_model(
         weights[g] = fit_length_expert([chosen_lengths[i] for i in members], [rejected_lengths[i] for i in members])
     expert = [weights[g] if g >= 0 else 0.0 for g in groups]  # the extra pairs: no expert, no length term
     heads = head_kinds(model)
-    kind_index = [heads.index(kind_of(ex)) for ex in examples] if heads else None
+    kind_index = [heads.index(kind) for kind in data_kinds] if heads else None
     step = reward_step(model, tokenizer, pairs, config, runtime, expert, groups, kind_index)
 
     summary = supervised_loop(
@@ -273,6 +277,7 @@ def train_reward_model(
             packed_length([c.input_ids, r.input_ids]) if can_pack(model) else max(len(c.input_ids), len(r.input_ids))
             for c, r in pairs
         ],
+        strata=data_kinds if config.balance_kinds else None,
         checkpointer=checkpointer,
         progress=progress,
     )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 from typing import ClassVar
 
 import torch
@@ -60,7 +60,14 @@ def make_scheduler(
     )
 
 
-def minibatch_indices(step: int, n: int, batch_size: int, seed: int, lengths: list[int] | None = None) -> list[int]:
+def minibatch_indices(
+    step: int,
+    n: int,
+    batch_size: int,
+    seed: int,
+    lengths: list[int] | None = None,
+    strata: Sequence[Hashable] | None = None,
+) -> list[int]:
     """Example indices of minibatch ``step``: epoch ``e`` visits ``range(n)`` in an order seeded by ``seed + e``.
 
     A pure function of the step, so a resumed run sees exactly the batches the
@@ -69,6 +76,9 @@ def minibatch_indices(step: int, n: int, batch_size: int, seed: int, lengths: li
     ``group_by_length`` of its Trainer): shuffled, cut into mega-batches, sorted by
     length within each, so a batch holds examples of similar length and little of
     its compute goes to padding; each example is still seen once per epoch.
+    With ``strata`` (each example's group, e.g. its kind of data) each group is ordered so apart and the groups
+    are interleaved in proportion to their sizes (:func:`interleave`): every batch holds each group's share of the
+    examples, within one example, instead of whichever group a length or a shuffle brought together.
 
     Args:
         step: 0-based optimiser step.
@@ -76,22 +86,38 @@ def minibatch_indices(step: int, n: int, batch_size: int, seed: int, lengths: li
         batch_size: > 0 (the last batch of an epoch may be shorter).
         seed: base seed.
         lengths: tokens of each example (``n`` of them), or None for a plain shuffle.
+        strata: each example's group label, any hashable (``n`` of them), or None: one group.
 
     Raises:
-        ValueError: ``n`` is 0, or ``lengths`` does not have ``n`` entries.
+        ValueError: ``n`` is 0, or ``lengths`` or ``strata`` does not have ``n`` entries.
     """
     if n == 0:
         raise ValueError("no examples to train on")
-    if lengths is not None and len(lengths) != n:
-        raise ValueError(f"{len(lengths)} lengths for {n} examples")
+    for name, values in (("lengths", lengths), ("strata", strata)):
+        if values is not None and len(values) != n:
+            raise ValueError(f"{len(values)} {name} for {n} examples")
     per_epoch = -(-n // batch_size)
     epoch, index = divmod(step, per_epoch)
-    if lengths is None:
-        order = random.Random(seed + epoch).sample(range(n), n)  # host-side bookkeeping: no tensor, no device
-    else:
-        generator = torch.Generator().manual_seed(seed + epoch)
-        order = get_length_grouped_indices(lengths, batch_size, generator=generator)
+    groups = [list(range(n))] if strata is None else [[i for i in range(n) if strata[i] == g] for g in set(strata)]
+    groups.sort(key=lambda members: members[0])  # host-side bookkeeping: no tensor, no device
+    orders = []
+    for g, members in enumerate(groups):
+        if lengths is None:
+            orders.append(random.Random(seed + epoch + g * 7919).sample(members, len(members)))
+        else:
+            generator = torch.Generator().manual_seed(seed + epoch + g * 7919)
+            grouped = get_length_grouped_indices([lengths[i] for i in members], batch_size, generator=generator)
+            orders.append([members[i] for i in grouped])
+    order = interleave(orders)
     return order[index * batch_size : (index + 1) * batch_size]
+
+
+def interleave(orders: list[list[int]]) -> list[int]:
+    """One sequence of every element of ``orders``, each list's in its own order, spread in proportion to its size:
+    the ``j``-th element of a list of ``m`` takes the place ``(j + 1/2) / m`` of the whole (ties: the earlier list),
+    so any run of ``k`` consecutive elements holds each list's share of ``k``, within one. One list: itself."""
+    keyed = [((j + 0.5) / len(order), g, x) for g, order in enumerate(orders) for j, x in enumerate(order)]
+    return [x for _, _, x in sorted(keyed)]
 
 
 @dataclasses.dataclass
@@ -154,6 +180,7 @@ def supervised_loop(
     log: LogFn,
     runtime: Runtime,
     lengths: list[int] | None = None,
+    strata: Sequence[Hashable] | None = None,
     checkpointer: Checkpointer | None = None,
     progress: bool = True,
     scaler_step: ScalerStep | None = None,
@@ -190,6 +217,8 @@ def supervised_loop(
         log: ``log(metrics, step)`` callback.
         runtime: device and precision (:class:`rlhf.runtime.device.Runtime`); ``model`` already placed on it.
         lengths: tokens of each example; the batches are grouped by length when ``config.group_by_length``.
+        strata: each example's group (e.g. its kind): every batch holds each group's share (:func:`minibatch_indices`);
+            None: one group.
         checkpointer: where to save (every rank calls it; rank 0 writes) and resume (every rank); None: neither.
         progress: show a tqdm bar.
         scaler_step: a mixed-precision loss scaler's step (see :class:`FiniteGuard`); None: no scaler.
@@ -235,7 +264,7 @@ def supervised_loop(
     shown = progress and runtime.ranks.main  # one bar, however many processes
     for step in tqdm(range(start, steps), desc=prefix, initial=start, total=steps, disable=not shown):
         where = f"step {step + 1} of {steps}"
-        batch = minibatch_indices(step, num_examples, config.batch_size, seed, grouping)
+        batch = minibatch_indices(step, num_examples, config.batch_size, seed, grouping, strata)
         optimizer.zero_grad(set_to_none=True)
         figures = batch_gradients(model, step_fn, batch, config.micro_batch_size, prefix, runtime)
         grad_norm = guard.clip(model, config.max_grad_norm)
