@@ -1,10 +1,13 @@
 """The rules on what may import what, as a test (README "Layout", docs/layout.md).
 
 The core (``src/rlhf``) is a stack of groups, each a subpackage but the foundation (the modules at the top of
-the package); a group may import its own modules and the groups below it, never one above, and no modules
-import each other in a circle. The core never imports the orchestration (Prefect, MLflow, DVC) nor the code
-around it (``tasks``, ``flows``). Around the core: a stage (``tasks/<stage>.py``) imports no other stage, the
-kit (``tasks/kit``) imports no stage and no command, and the flows run stages as processes, never import them.
+the package). :data:`MAY_IMPORT` says which groups each group may import, always lower ones: a group imports its
+own modules and those groups, never a group above it nor a sibling (``reward``, ``ppo`` and ``evaluation`` stand
+side by side: none imports another), and no modules import each other in a circle. The same map is the "may
+import" column of docs/layout.md and each package ``__init__``'s "Imports ..." sentence (tested here). The core
+never imports the orchestration (Prefect, MLflow, DVC) nor the code around it (``tasks``, ``flows``). Around the
+core: a stage (``tasks/<stage>.py``) imports no other stage, the kit (``tasks/kit``) imports no stage and no
+command, and the flows run stages as processes, never import them.
 
 Imports are read with ``ast``, every one of them: those inside functions and under ``TYPE_CHECKING`` too (a
 circle that only the type checker sees is still a circle a reader has to untangle).
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import shutil
 from collections import defaultdict
 from dataclasses import dataclass
@@ -22,7 +26,7 @@ from dataclasses import dataclass
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORE = os.path.join("src", "rlhf")
 
-GROUPS = (  # lowest first: a group may import the groups before it, never one after it
+GROUPS = (  # lowest first: the order of docs/layout.md's table
     "foundation",  # losses.py (the equations), stats.py (interval arithmetic), ranges.py (range checks), files.py
     "runtime",
     "data",
@@ -33,6 +37,18 @@ GROUPS = (  # lowest first: a group may import the groups before it, never one a
     "evaluation",
     "report",
 )
+_TRAINERS = ("foundation", "runtime", "data", "models", "training")
+MAY_IMPORT = {  # group -> the groups it may import (its own modules always): the one rule, written out
+    "foundation": (),
+    "runtime": ("foundation",),
+    "data": ("foundation", "runtime"),
+    "models": ("foundation", "runtime", "data"),
+    "training": ("foundation", "runtime", "data", "models"),
+    "reward": _TRAINERS,  # reward, ppo and evaluation are siblings: PPO reads the reward model as a model, and
+    "ppo": _TRAINERS,  # evaluation samples through rlhf.models, not through PPO
+    "evaluation": _TRAINERS,
+    "report": (*_TRAINERS, "reward", "ppo", "evaluation"),
+}
 ORCHESTRATION = ("prefect", "mlflow", "dvc", "tasks", "flows", "bench", "tests")  # never imported by the core
 
 
@@ -125,19 +141,20 @@ def core_graph(root: str) -> tuple[dict[str, str], dict[str, set[str]], list[Imp
     return modules, edges, read
 
 
-def upward_imports(root: str) -> list[str]:
-    """One line per import of a group above the importer's (``file:line: ...``)."""
+def forbidden_imports(root: str) -> list[str]:
+    """One line per import of a group that :data:`MAY_IMPORT` does not allow the importer's (``file:line: ...``)."""
     modules, _, read = core_graph(root)
-    rank = {group: position for position, group in enumerate(GROUPS)}
     lines = []
     for found in read:
         target = _resolve(found.target, modules)
         if target is None or target == "rlhf":
             continue
         mine, theirs = modules[found.source], modules[target]
-        if rank[theirs] > rank[mine]:
+        if theirs != mine and theirs not in MAY_IMPORT[mine]:
+            allowed = ", ".join(MAY_IMPORT[mine]) or "no other group"
             lines.append(
-                f"{found.path}:{found.line}: {found.source} ({mine}) imports {target} ({theirs}), a group above it"
+                f"{found.path}:{found.line}: {found.source} ({mine}) imports {target} ({theirs}); "
+                f"{mine} may import {allowed}"
             )
     return lines
 
@@ -187,7 +204,7 @@ def group_edges(modules: dict[str, str], edges: dict[str, set[str]]) -> dict[tup
     return dict(counted)
 
 
-def test_the_core_imports_downward_only_and_prints_its_house():
+def test_each_group_imports_only_what_its_map_allows_and_prints_its_house():
     modules, edges, _ = core_graph(ROOT)
     print("\nthe core's groups, lowest first, and their modules:")
     for group in GROUPS:
@@ -204,7 +221,7 @@ def test_the_core_imports_downward_only_and_prints_its_house():
         group_graph[source].add(target)
     group_circles = circles(group_graph)
     print(f"circles in the core: {len(module_circles)} between modules, {len(group_circles)} between groups")
-    assert not upward_imports(ROOT), "\n".join(upward_imports(ROOT))
+    assert not forbidden_imports(ROOT), "\n".join(forbidden_imports(ROOT))
     assert not module_circles, f"import circles in the core: {module_circles}"
     assert not group_circles, f"the groups import each other in a circle: {group_circles}"
 
@@ -215,21 +232,54 @@ def test_the_core_never_imports_the_orchestration():
     assert not wrong, "the core imports orchestration or the code around it:\n" + "\n".join(wrong)
 
 
-def test_a_planted_upward_import_and_a_planted_circle_fail(tmp_path):
-    """The checks above go through :func:`upward_imports` and :func:`circles` on a copy of the core with a bad
-    import planted: the equations importing the report (upward), then the report's tables importing its
-    sections, which import the tables (a circle inside one group)."""
+def _plant(root, module: str, line: str) -> None:
+    with open(os.path.join(root, CORE, *module.split(".")[1:]) + ".py", "a", encoding="utf-8") as handle:
+        handle.write(f"\n\ndef _planted():\n    {line}  # noqa\n")
+
+
+def test_planted_imports_the_map_refuses_and_a_planted_circle_fail(tmp_path):
+    """The checks go through :func:`forbidden_imports` and :func:`circles` on a copy of the core with bad imports
+    planted: the equations importing the report (up the stack), evaluation importing PPO and PPO the reward
+    trainer (siblings: a ladder of groups would let both pass), then the report's tables importing its sections,
+    which import the tables (a circle inside one group)."""
     shutil.copytree(os.path.join(ROOT, CORE), tmp_path / CORE)
     root = str(tmp_path)
-    assert upward_imports(root) == [] and circles(core_graph(root)[1]) == []
-    with open(tmp_path / CORE / "losses.py", "a", encoding="utf-8") as handle:
-        handle.write("\nfrom rlhf.report.render import render_report  # planted\n")
-    (line,) = upward_imports(root)
-    assert line.startswith("src/rlhf/losses.py:") and "rlhf.losses (foundation) imports rlhf.report.render" in line
-    with open(tmp_path / CORE / "report" / "tables.py", "a", encoding="utf-8") as handle:
-        handle.write("\n\ndef _planted():\n    from rlhf.report.sections import conversation  # noqa\n")
+    assert forbidden_imports(root) == [] and circles(core_graph(root)[1]) == []
+    _plant(root, "rlhf.losses", "from rlhf.report.render import render_report")
+    _plant(root, "rlhf.evaluation.comparison", "from rlhf.ppo.loop import train_ppo")
+    _plant(root, "rlhf.ppo.rollout", "from rlhf.reward.trainer import train_reward_model")
+    found = forbidden_imports(root)
+    assert [line.split(":")[0] for line in found] == [
+        "src/rlhf/evaluation/comparison.py",
+        "src/rlhf/losses.py",
+        "src/rlhf/ppo/rollout.py",
+    ]
+    assert (
+        "rlhf.losses (foundation) imports rlhf.report.render (report); foundation may import no other group" in found[1]
+    )
+    assert "rlhf.evaluation.comparison (evaluation) imports rlhf.ppo.loop (ppo)" in found[0]
+    assert "rlhf.ppo.rollout (ppo) imports rlhf.reward.trainer (reward)" in found[2]
+    _plant(root, "rlhf.report.tables", "from rlhf.report.sections import conversation")
     (circle,) = circles(core_graph(root)[1])  # the tables reach the sections, and the sections the tables
     assert {"rlhf.report.sections", "rlhf.report.tables"} <= set(circle) and "rlhf.losses" not in circle
+
+
+def test_the_docs_table_and_each_package_say_the_map():
+    """docs/layout.md's "may import" column and each group's ``__init__`` name exactly the groups of
+    :data:`MAY_IMPORT` (a ``:mod:`` reference or "the foundation"), so the three cannot drift apart."""
+
+    def named(text: str) -> set[str]:
+        return set(re.findall(r"\b(" + "|".join(GROUPS) + r")\b", text))
+
+    with open(os.path.join(ROOT, "docs", "layout.md"), encoding="utf-8") as handle:
+        rows = [line.split("|") for line in handle if line.startswith("| ") and "may import" not in line]
+    table = {cells[1].strip(" `/"): named(cells[3]) for cells in rows if cells[1].strip(" `/") in GROUPS}
+    assert set(table) == set(GROUPS), "docs/layout.md: the core's table lacks a group"
+    assert table == {group: set(allowed) for group, allowed in MAY_IMPORT.items()}
+    for group in GROUPS[1:]:
+        with open(os.path.join(ROOT, CORE, group, "__init__.py"), encoding="utf-8") as handle:
+            sentence = re.split(r"\.\s", handle.read().split("Imports ", 1)[1], maxsplit=1)[0]
+        assert named(sentence) == set(MAY_IMPORT[group]), f"src/rlhf/{group}/__init__.py: {sentence!r}"
 
 
 def test_a_module_outside_the_groups_fails(tmp_path):

@@ -1,7 +1,9 @@
 """The core of the RLHF pipeline: SFT, a Bradley-Terry reward model and PPO-max, in torch and transformers.
 
-Its groups, lowest first; a group imports only itself and the groups before it (``tests/test_layers.py``
-holds the order, finds every import and fails on one going up or round in a circle):
+Its groups, lowest first; a group imports only itself and the lower groups its package names
+(``tests/test_layers.py`` holds that map, finds every import and fails on one the map refuses or one that goes
+round in a circle; :mod:`rlhf.reward`, :mod:`rlhf.ppo` and :mod:`rlhf.evaluation` are siblings, none imports
+another):
 
 - foundation, the modules here: :mod:`rlhf.losses` (the equations, one pure function each),
   :mod:`rlhf.stats` (the one binomial interval and tie rule), :mod:`rlhf.ranges` (range checks of settings),

@@ -5,4 +5,5 @@ length-controlled win rate and best-of-N (:mod:`~rlhf.evaluation.comparison`), w
 and the arithmetic of a blind human review (:mod:`~rlhf.evaluation.review_tally`).
 
 Imports the foundation, :mod:`rlhf.runtime`, :mod:`rlhf.data`, :mod:`rlhf.models` and :mod:`rlhf.training`.
+Never its siblings, PPO and the reward trainer: it samples and scores through :mod:`rlhf.models`.
 """

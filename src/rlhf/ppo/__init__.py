@@ -3,6 +3,6 @@ experience of a rollout (:mod:`~rlhf.ppo.rollout`) and its monitoring signals (:
 update (:mod:`~rlhf.ppo.update`), the pattern-collapse guard (:mod:`~rlhf.ppo.guard`) and the loop on top
 (:mod:`~rlhf.ppo.loop`).
 
-Imports the foundation, :mod:`rlhf.runtime`, :mod:`rlhf.data`, :mod:`rlhf.models` and :mod:`rlhf.training`
-(never :mod:`rlhf.reward`: PPO reads the reward model as a model).
+Imports the foundation, :mod:`rlhf.runtime`, :mod:`rlhf.data`, :mod:`rlhf.models` and :mod:`rlhf.training`.
+Never its siblings, the reward trainer and evaluation: PPO reads the reward model as a model.
 """

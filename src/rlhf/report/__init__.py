@@ -3,5 +3,6 @@
 (:mod:`~rlhf.report.sections`), the page (:mod:`~rlhf.report.render`, a Jinja template in ``templates/``) and
 the training figures (:mod:`~rlhf.report.plots`, matplotlib).
 
-Imports any group below it; nothing in the core imports it.
+Imports the foundation, :mod:`rlhf.runtime`, :mod:`rlhf.data`, :mod:`rlhf.models`, :mod:`rlhf.training`,
+:mod:`rlhf.reward`, :mod:`rlhf.ppo` and :mod:`rlhf.evaluation`; nothing in the core imports it.
 """
