@@ -10,7 +10,7 @@ export DVC_NO_ANALYTICS := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export HF_HUB_DISABLE_TELEMETRY := 1
 
-.PHONY: setup pipeline test unit lint docs mutants speed gpu-check gpu-check-folder floors
+.PHONY: setup pipeline test unit lint docs dvc-deps mutants speed gpu-check gpu-check-folder floors
 
 setup: $(VENV)/.installed
 
@@ -49,6 +49,11 @@ lint: setup
 docs: setup
 	site="$(or $(SITE),$$(mktemp -d))"; NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir "$$site"; status=$$?; \
 	$(if $(SITE),,rm -rf "$$site";) exit $$status
+
+# Each dvc.yaml stage's code deps (the src/ and tasks/ .py files it runs), generated from the imports
+# (tasks/kit/code_deps.py); tests/test_dvc_deps.py fails until they are current.
+dvc-deps: setup
+	$(BIN)/python -m tasks.kit.code_deps
 
 unit: setup
 	$(BIN)/python -m pytest -m "not integration"

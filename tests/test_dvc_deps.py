@@ -1,23 +1,22 @@
-"""Every DVC stage depends on the code it runs: its deps cover each module ``python -m tasks.<stage>`` reaches.
+"""Every DVC stage's code deps are exactly the code it runs: the ``.py`` files ``python -m tasks.<stage>`` reaches.
 
-The modules are derived, not listed: starting from ``tasks/<stage>.py`` the
-imports are parsed with ``ast`` (every ``import``/``from ... import``, those
-inside functions included) and followed transitively through the project's own
-packages (``rlhf`` under ``src/``, ``tasks``). A package's ``__init__.py`` runs
-on import, so it counts too, unless it holds nothing but a docstring.
+The files are derived, not listed: :mod:`tasks.kit.code_deps` follows the imports and writes them into dvc.yaml
+(``make dvc-deps``); these tests require dvc.yaml to hold exactly that, so a module added, moved or no longer
+imported fails CI until the deps are generated again.
 """
 
 from __future__ import annotations
 
-import ast
 import os
 import re
+import textwrap
 
 import pytest
 import yaml
 
+from tasks.kit.code_deps import module_file, reached_files, stage_entry, with_code_deps
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGES = {"rlhf": "src/rlhf", "tasks": "tasks"}  # top-level import name -> folder (relative to ROOT)
 
 
 def _stages() -> dict:
@@ -27,67 +26,6 @@ def _stages() -> dict:
 
 def _paths(entries) -> list[str]:
     return [next(iter(e)) if isinstance(e, dict) else e for e in entries or []]
-
-
-def module_file(name: str) -> str | None:
-    """The project file of dotted module ``name`` (``rlhf.x`` -> ``src/rlhf/x.py``), or None if not ours."""
-    top, *rest = name.split(".")
-    if top not in PACKAGES:
-        return None
-    base = os.path.join(PACKAGES[top], *rest)
-    for candidate in (base + ".py", os.path.join(base, "__init__.py")):
-        if os.path.isfile(os.path.join(ROOT, candidate)):
-            return candidate
-    return None
-
-
-def _is_trivial(path: str) -> bool:
-    """An ``__init__.py`` with nothing but (at most) a docstring runs no code."""
-    with open(os.path.join(ROOT, path), encoding="utf-8") as handle:
-        body = ast.parse(handle.read()).body
-    return all(isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) for node in body)
-
-
-def _imported_names(module: str, path: str) -> set[str]:
-    """Dotted names of every module ``path`` (module ``module``) may import, at any depth of its code."""
-    with open(os.path.join(ROOT, path), encoding="utf-8") as handle:
-        tree = ast.parse(handle.read(), filename=path)
-    package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
-    names: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                parts = package.split(".")
-                base = ".".join(parts[: len(parts) - node.level + 1])
-                source = f"{base}.{node.module}" if node.module else base
-            else:
-                source = node.module
-            names.add(source)
-            names.update(f"{source}.{alias.name}" for alias in node.names)  # `from rlhf import losses`
-    return names
-
-
-def reached_files(entry: str) -> set[str]:
-    """Project files (relative to ROOT) that ``python -m <entry>`` runs, transitively; trivial ``__init__``s left out.
-
-    Raises:
-        SyntaxError: a reached module does not parse.
-    """
-    seen: set[str] = set()
-    queue = [entry]
-    while queue:
-        name = queue.pop()
-        parts = name.split(".")
-        for i in range(1, len(parts) + 1):  # importing a.b.c runs a/__init__, a/b/__init__, then a/b/c
-            prefix = ".".join(parts[:i])
-            path = module_file(prefix)
-            if path is None or path in seen:
-                continue
-            seen.add(path)
-            queue.extend(_imported_names(prefix, path))
-    return {p for p in seen if not (p.endswith("__init__.py") and _is_trivial(p))}
 
 
 def _covered(path: str, deps: list[str]) -> bool:
@@ -114,29 +52,65 @@ def _resolve(dep: str, params: dict) -> str:
 STAGES = _stages()
 
 
-def _entry(stage: str) -> str:
-    match = re.fullmatch(r"python -m (tasks\.\w+)", STAGES[stage]["cmd"].strip())
-    assert match, f"dvc.yaml stage {stage}: cmd {STAGES[stage]['cmd']!r} is not `python -m tasks.<stage>`"
-    return match.group(1)
-
-
 def test_reached_files_follow_imports_inside_functions_and_package_inits():
     # tasks.reward imports tasks.kit.common at the top; tasks.kit.common imports rlhf.training.supervised inside
     # functions
-    reached = reached_files("tasks.reward")
+    reached = reached_files(ROOT, "tasks.reward")
     assert {"tasks/reward.py", "tasks/kit/common.py", "src/rlhf/training/supervised.py", "src/rlhf/stats.py"} <= reached
     assert "tasks/__init__.py" in reached  # sets telemetry variables: it runs code
-    assert module_file("torch") is None and module_file("rlhf.nope") is None
+    assert module_file(ROOT, "torch") is None and module_file(ROOT, "rlhf.nope") is None
     assert _covered("src/rlhf/models/loading.py", ["src/rlhf"]) and not _covered(
         "src/rlhf/models/loading.py", ["src/rlhf/mod"]
     )
 
 
 @pytest.mark.parametrize("stage", sorted(STAGES))
-def test_stage_deps_cover_the_code_it_runs(stage):
-    deps = _paths(STAGES[stage].get("deps"))
-    missing = sorted(p for p in reached_files(_entry(stage)) if not _covered(p, deps))
-    assert not missing, f"dvc.yaml stage {stage}: `python -m {_entry(stage)}` runs {missing}, not in its deps"
+def test_stage_code_deps_are_exactly_the_code_it_runs(stage):
+    listed = {p for p in _paths(STAGES[stage].get("deps")) if re.match(r"(src|tasks)/.*\.py$", p)}
+    reached = reached_files(ROOT, stage_entry(stage, STAGES[stage]))
+    assert listed == reached, (
+        f"dvc.yaml stage {stage}: runs {sorted(reached - listed)} not in its deps, lists {sorted(listed - reached)} "
+        "it does not run; `make dvc-deps` writes them"
+    )
+
+
+def test_dvc_yaml_is_what_the_generator_writes():
+    with open(os.path.join(ROOT, "dvc.yaml"), encoding="utf-8") as handle:
+        text = handle.read()
+    assert with_code_deps(ROOT, text) == text, "dvc.yaml's code deps are not generated: run `make dvc-deps`"
+
+
+def test_the_generator_replaces_code_deps_and_keeps_every_other_line(tmp_path):
+    for path, body in {
+        "tasks/__init__.py": '"""Nothing runs."""\n',
+        "tasks/one.py": "from tasks import helper\n",
+        "tasks/helper.py": "def f():\n    import tasks.deep\n",
+        "tasks/deep.py": "",
+        "tasks/stale.py": "",
+    }.items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(body)
+    text = textwrap.dedent("""\
+        # the DAG
+        stages:
+          one:  # a stage
+            cmd: python -m tasks.one
+            deps:
+              - data/in.jsonl  # by hand
+              - tasks/stale.py
+              - tasks/one.py
+              - templates/page.html
+            outs:
+              - out/
+        """)
+    wanted = text.replace(
+        "      - tasks/stale.py\n      - tasks/one.py\n",
+        "      - tasks/deep.py\n      - tasks/helper.py\n      - tasks/one.py\n",
+    )
+    assert with_code_deps(str(tmp_path), text) == wanted
+    assert with_code_deps(str(tmp_path), wanted) == wanted  # generated once, it stays
+    with pytest.raises(ValueError, match="stage one: cmd 'make' is not `python -m tasks.<stage>`"):
+        with_code_deps(str(tmp_path), text.replace("python -m tasks.one", "make"))
 
 
 @pytest.mark.parametrize("stage", sorted(STAGES))
