@@ -21,7 +21,7 @@ import typer
 from rlhf.data.kinds import kind_of
 from rlhf.data.reading import load_jsonl
 from rlhf.evaluation.by_kind import kind_figures, stratified
-from rlhf.evaluation.evaluator import EvalConfig, Scorers, evaluate_policy
+from rlhf.evaluation.evaluator import EvalConfig, Sampling, Scorers, evaluate_policy
 from rlhf.models.generation import GenerationSettings
 from rlhf.models.loading import load_causal_lm, load_scalar_model, load_tokenizer
 from rlhf.training.checkpoint import load_kept_policy
@@ -69,10 +69,9 @@ def compare_on_dev(
         load_tokenizer(paths.JUDGE),
     )
     kinds = [kind_of(row) for row in rows]
-    metrics, runs = evaluate_policy(
-        reference, model, scorers, load_tokenizer(second), [row["prompt"] for row in rows],
-        load_jsonl(paths.split("ptx_heldout")), config, settings, runtime, kinds=kinds,
-    )  # fmt: skip
+    sampling = Sampling(scorers, load_tokenizer(second), config, settings, runtime)
+    prompts, heldout = [row["prompt"] for row in rows], load_jsonl(paths.split("ptx_heldout"))
+    metrics, runs = evaluate_policy(reference, model, prompts, heldout, sampling, kinds=kinds)
     metrics |= kind_figures(runs, kinds, config.bootstrap_resamples, config.seed)
     return {k: v for k, v in metrics.items() if k.startswith(SHOWN)}
 

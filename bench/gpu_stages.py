@@ -121,13 +121,13 @@ def stage_ppo(assets: str, work: str) -> dict[str, Any]:
         tokenizer,
         prompts,
         [],
-        ptx,
-        config,
-        settings,
-        lambda m, s: logged.update(m),
-        Checkpointer(work),
-        runtime,
-        False,
+        ptx_texts=ptx,
+        config=config,
+        settings=settings,
+        log=lambda m, s: logged.update(m),
+        checkpointer=Checkpointer(work),
+        runtime=runtime,
+        progress=False,
     )
     sizes = {"rollouts": config.rollout_batch_size, "new_tokens": settings.max_new_tokens, "epochs": config.ppo_epochs}
     return {**sizes, **_peak(started), "kl": logged.get("ppo/kl")}

@@ -250,11 +250,28 @@ def _ppo(folder, tokenizer, prompts, ptx, root, runtime, iterations=2, stop_at=N
 
     started = time.perf_counter()
     train_ppo(
-        models, tokenizer, prompts[2:], prompts[:2], ptx, config, settings, log, Checkpointer(root), runtime, False
+        models,
+        tokenizer,
+        prompts[2:],
+        prompts[:2],
+        ptx_texts=ptx,
+        config=config,
+        settings=settings,
+        log=log,
+        checkpointer=Checkpointer(root),
+        runtime=runtime,
+        progress=False,
     )
     seconds = time.perf_counter() - started
     experience, _ = make_experience(
-        models, tokenizer, prompts[: size["rollouts"]], config, settings, RunningMoments(), 0.05, runtime
+        models,
+        tokenizer,
+        prompts[: size["rollouts"]],
+        config,
+        settings=settings,
+        moments=RunningMoments(),
+        kl_coef=0.05,
+        runtime=runtime,
     )
     tensors = {f"experience.{f.name}": getattr(experience, f.name) for f in dataclasses.fields(experience)}
     tensors |= {"policy": models.policy, "value model": models.value_model}

@@ -227,10 +227,22 @@ def main(
         scaling_precision = "fp32"
         print("bf16 is slower than fp32 here: each is at its fastest in the fp32 rows, so no bf16 row runs", flush=True)
     runs = plan(
-        repeats, ppo_steps, train_steps, batch, response, epochs, minibatches, train_batch,
-        lever_layers if levers else None, lora_rank,
-        _ints(scaling_batches), _ints(scaling_responses), scaling_steps, scaling_precision, bf16_rows,
-    )  # fmt: skip
+        repeats=repeats,
+        ppo_steps=ppo_steps,
+        train_steps=train_steps,
+        batch=batch,
+        response=response,
+        epochs=epochs,
+        minibatches=minibatches,
+        train_batch=train_batch,
+        lever_layers=lever_layers if levers else None,
+        lora_rank=lora_rank,
+        scaling_batches=_ints(scaling_batches),
+        scaling_responses=_ints(scaling_responses),
+        scaling_steps=scaling_steps,
+        scaling_precision=scaling_precision,
+        bf16_rows=bf16_rows,
+    )
     if rows:
         runs = [run for run in runs if run["row"] in rows.split(",")]
     settings = {"quick": quick, "repeats": repeats, "ppo_steps": ppo_steps, "train_steps": train_steps}

@@ -114,20 +114,28 @@ def run_ppo(spec: Spec) -> dict[str, Any]:
         settings = GenerationSettings(max_new_tokens=response, temperature=0.7)
         batch = [prompts[(iteration * size + j) % len(prompts)] for j in range(size)]
         experience, stats = make_experience(
-            models, tokenizer, batch, config, settings, moments, config.kl_coef, runtime, calibrate_value=iteration == 0
+            models,
+            tokenizer,
+            batch,
+            config,
+            settings=settings,
+            moments=moments,
+            kl_coef=config.kl_coef,
+            runtime=runtime,
+            calibrate_value=iteration == 0,
         )
         update = ppo_update(
             policy,
             value_model,
             optimisers,
             experience,
-            config,
-            settings.temperature,
-            config.seed * 100003 + iteration,  # the minibatch order, as rlhf.ppo.loop fixes it
-            None,
-            True,
-            runtime,
-            iteration + 1,
+            config=config,
+            temperature=settings.temperature,
+            order_seed=config.seed * 100003 + iteration,  # the minibatch order, as rlhf.ppo.loop fixes it
+            ptx_batches=None,
+            update_policy=True,
+            runtime=runtime,
+            iteration=iteration + 1,
         )
         clock.tick()
         merged = {**stats, **update}

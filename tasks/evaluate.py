@@ -19,12 +19,12 @@ ones as they were.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from typing import Any
 
 import matplotlib
-import torch
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -33,9 +33,9 @@ from rlhf.data.chat import check_reads_whole
 from rlhf.data.kinds import kind_of, kinds_in
 from rlhf.data.reading import load_jsonl
 from rlhf.evaluation.by_kind import KIND_PREFIX, kind_figures, stratified
-from rlhf.evaluation.comparison import best_of_n, best_of_n_kl, paired_difference
-from rlhf.evaluation.evaluator import EvalConfig, Scorers, evaluate_policy, generate_and_score, sample_rows
+from rlhf.evaluation.evaluator import EvalConfig, Sampling, Scorers, evaluate_policy, sample_rows
 from rlhf.evaluation.gate_rules import PolicyCriteria, judge_doubts, policy_gate
+from rlhf.evaluation.overoptimisation import best_of_n_figures, curve
 from rlhf.files import write_json
 from rlhf.models.generation import GenerationSettings
 from rlhf.models.loading import load_causal_lm, load_scalar_model, load_tokenizer
@@ -112,119 +112,15 @@ def judge_figures(
     return {**metrics, "eval/judge/meaningful": float(not doubts), **kind_rows}, doubts
 
 
-def curve(
-    sft: Any,
-    scorers: Scorers,
-    tokenizer,
-    prompts: list,
-    config,
-    settings,
-    runtime,
-    sampled: dict[int, dict],
-    kinds: list[str] | None = None,
-) -> list[dict[str, float]]:
-    """The over-optimisation curve: one row per policy PPO kept (``models/policy_kept/iteration-NNNN``, the rollout
-    step) and the SFT model (iteration 0), each sampled the same way (one sample of each of the first
-    ``curve_prompts`` prompts, each from its own generator as the evaluation draws it): mean proxy and judge score
-    and the KL to the SFT model, nats per response: ``kl`` (k1, as ``eval/policy/kl``; its mean over a few
-    samples can come out below 0), ``kl_k3`` (never negative) and ``sqrt_kl`` = sqrt(``kl_k3``), the axis of
-    Gao et al. 2023. ``sampled``: the evaluation's own runs by iteration (SFT at 0, the shipped policy at its
-    iteration), whose first sample of those prompts is that point's: they are not drawn again. ``kinds``: each
-    prompt's kind of data, its responses read with that kind's score
-    (:func:`rlhf.evaluation.evaluator.generate_and_score`)."""
+def kept_policies(runtime) -> dict[int, Any]:
+    """Iteration -> a function that loads the policy PPO kept then (``models/policy_kept/iteration-NNNN``) on the
+    device, no gradients: the over-optimisation curve's points (:func:`rlhf.evaluation.overoptimisation.curve`)."""
 
-    def row(iteration: int, run: dict[str, Any]) -> dict[str, float]:
-        kl, kl_k3 = float(run["kl"][:, 0].mean()), float(run["kl_k3"][:, 0].mean())
-        proxy, judge = float(run["proxy"][:, 0].mean()), float(run["judge"][:, 0].mean())
-        return {
-            "iteration": iteration,
-            "kl": kl,
-            "kl_k3": kl_k3,
-            "sqrt_kl": math.sqrt(kl_k3),
-            "proxy": proxy,
-            "judge": judge,
-        }
+    def load(folder: str) -> Any:
+        return runtime.place(load_kept_policy(SFT, folder)).requires_grad_(False)
 
-    fixed = prompts[: config.curve_prompts]
-    fixed_kinds = kinds[: len(fixed)] if kinds is not None else None
-
-    def point(iteration: int, run: dict[str, Any]) -> dict[str, float]:
-        return row(iteration, {k: run[k][: len(fixed), :1] for k in ("kl", "kl_k3", "proxy", "judge")})
-
-    rows = [point(0, sampled[0])]
-    for name in sorted(os.listdir(KEPT)) if os.path.isdir(KEPT) else []:  # each sampled exactly as the SFT point
-        iteration = int(name.split("-")[-1])
-        if iteration in sampled:
-            rows.append(point(iteration, sampled[iteration]))
-            continue
-        policy = runtime.place(load_kept_policy(SFT, os.path.join(KEPT, name))).requires_grad_(False)
-        rows.append(
-            point(
-                iteration,
-                generate_and_score(
-                    policy, sft, scorers, tokenizer, fixed, config, settings, runtime, kinds=fixed_kinds
-                ),
-            )
-        )
-        del policy
-    return rows
-
-
-def best_of_n_figures(
-    sft: Any,
-    scorers: Scorers,
-    tokenizer,
-    prompts: list,
-    config,
-    settings,
-    runtime,
-    sampled: dict[str, Any],
-    kinds: list[str] | None = None,
-) -> dict:
-    """Best-of-N of the SFT model on the curve prompts, the reference point of the over-optimisation curve.
-
-    ``config.best_of_n`` samples of each of the first ``curve_prompts`` prompts (the first of each is the
-    evaluation's own, taken from ``sampled``, its SFT run, not drawn again); for N = 1, 4, 16, ... up to it,
-    the proxy keeps each prompt's best of the first N (:func:`rlhf.evaluation.comparison.best_of_n`), and the judge
-    scores
-    it (``kinds``: each prompt's kind of data, as :func:`curve`). KL to SFT is the analytic ``log N - (N-1)/N``
-    (:func:`rlhf.evaluation.comparison.best_of_n_kl`): what the reward
-    model can deliver at each KL without training, to read PPO's kept policies against.
-
-    Returns:
-        ``eval/best_of_n/N/{judge,proxy,kl,sqrt_kl}`` (mean judge and proxy score of the kept responses) and, for
-        the largest N, ``eval/best_of_n/judge_gain`` with ``_low``/``_high``: its judge score minus best-of-1's
-        (one sample of SFT) on the same prompts, bootstrap over prompts; ``{}`` when ``best_of_n`` is 0.
-    """
-    if config.best_of_n < 1:
-        return {}
-    fixed = prompts[: config.curve_prompts]
-    run = {k: sampled[k][: len(fixed), :1] for k in ("proxy", "judge")}
-    if config.best_of_n > 1:
-        fixed_kinds = kinds[: len(fixed)] if kinds is not None else None
-        more = generate_and_score(
-            sft, sft, scorers, tokenizer, fixed, config, settings, runtime, config.best_of_n, 1, kinds=fixed_kinds
-        )
-        run = {k: torch.cat([run[k], more[k]], dim=1) for k in run}
-    figures, n, kept = {}, 1, {}
-    while n <= config.best_of_n:
-        kept[n] = best_of_n(run["proxy"], run["judge"], n)
-        kl = best_of_n_kl(n)
-        figures |= {
-            f"eval/best_of_n/{n}/judge": float(kept[n].mean()),
-            f"eval/best_of_n/{n}/proxy": float(best_of_n(run["proxy"], run["proxy"], n).mean()),
-            f"eval/best_of_n/{n}/kl": kl,
-            f"eval/best_of_n/{n}/sqrt_kl": math.sqrt(kl),
-        }
-        n *= 4
-    largest = max(kept)
-    gain = paired_difference(kept[largest][:, None], kept[1][:, None], config.bootstrap_resamples, config.seed)
-    return figures | {
-        "eval/best_of_n/largest": float(largest),
-        "eval/best_of_n/judge_gain": gain.mean,
-        "eval/best_of_n/judge_gain_low": gain.low,
-        "eval/best_of_n/judge_gain_high": gain.high,
-    }
+    names = sorted(os.listdir(KEPT)) if os.path.isdir(KEPT) else []
+    return {int(name.split("-")[-1]): functools.partial(load, os.path.join(KEPT, name)) for name in names}
 
 
 def sampling_settings(config: EvalConfig, generation: GenerationSettings) -> tuple[GenerationSettings, tuple[str, int]]:
@@ -270,16 +166,14 @@ def run(
     ):
         length = config.judge_max_length if model is None else getattr(model.config, "reward_max_length", None)
         check_reads_whole(reader, length, ("ppo.max_prompt_length (evaluate's max_prompt_length)", reads), longest)
-    heldout = load_jsonl(PTX_HELDOUT)
-    metrics, runs = evaluate_policy(
-        sft, policy, scorers, tokenizer, prompts, heldout, config, settings, runtime, base=base, kinds=kinds
-    )
+    sampling = Sampling(scorers, tokenizer, config, settings, runtime)
+    metrics, runs = evaluate_policy(sft, policy, prompts, load_jsonl(PTX_HELDOUT), sampling, base=base, kinds=kinds)
     del policy, base
     metrics |= kind_figures(runs, kinds, config.bootstrap_resamples, config.seed)
     shipped = int(stage_metrics("ppo").get("ppo/shipped_iteration", 0))
     sampled = {shipped: runs["policy"], 0: runs["sft"]}
-    rows_of_curve = curve(sft, scorers, tokenizer, prompts, config, settings, runtime, sampled, kinds)
-    metrics |= best_of_n_figures(sft, scorers, tokenizer, prompts, config, settings, runtime, runs["sft"], kinds)
+    rows_of_curve = curve(sft, prompts, sampling, sampled=sampled, kept=kept_policies(runtime), kinds=kinds)
+    metrics |= best_of_n_figures(sft, prompts, sampling, sampled=runs["sft"], kinds=kinds)
     judge, doubts = judge_figures(stage_metrics("judge"), config.judge_min_length_accuracy, sorted(set(kinds)))
     metrics |= judge | {
         "eval/reward_model_version": float(champion["version"]),

@@ -51,11 +51,15 @@ def run(params: dict[str, Any], log, outputs: StagedOutputs | None, device: dict
     """
     source, knobs = params.get("source"), {k: v for k, v in params.items() if k != "source"}
     if source is None:
-        metrics, figure = train_scalar(knobs, log, outputs, device, (TRAIN, EVAL), BASE, OUT_DIR, "judge")
+        metrics, figure = train_scalar(
+            knobs, log, outputs, device, splits=(TRAIN, EVAL), init=BASE, out=OUT_DIR, stage="judge"
+        )
         return judge_metrics(metrics), figure
     with tempfile.TemporaryDirectory(dir=".") as backbone:  # the other backbone as a safetensors folder
         save_source(source, backbone, key="judge.source")
-        metrics, figure = train_scalar(knobs, log, outputs, device, (TRAIN, EVAL), backbone, OUT_DIR, "judge")
+        metrics, figure = train_scalar(
+            knobs, log, outputs, device, splits=(TRAIN, EVAL), init=backbone, out=OUT_DIR, stage="judge"
+        )
     return judge_metrics(metrics), figure
 
 

@@ -59,7 +59,9 @@ def main() -> None:
         {**params, "device": device},
         device,
         check,
-        lambda log, outputs: run(params, log, outputs, device, (TRAIN, EVAL), SFT, OUT_DIR, "reward"),
+        lambda log, outputs: run(
+            params, log, outputs, device, splits=(TRAIN, EVAL), init=SFT, out=OUT_DIR, stage="reward"
+        ),
         finish,
     )
 

@@ -54,7 +54,16 @@ def run(
     runtime = stage_runtime("sft", device)
     model = runtime.place(model)
     checkpointer = run_checkpointer("sft", params, [DATA, BASE], runtime)
-    metrics = train_sft(model, tokenizer, load_jsonl(DATA), config, log, runtime, checkpointer, progress_bars())
+    metrics = train_sft(
+        model,
+        tokenizer,
+        load_jsonl(DATA),
+        config,
+        log=log,
+        runtime=runtime,
+        checkpointer=checkpointer,
+        progress=progress_bars(),
+    )
     model = whole_model(model, runtime.ranks.main)  # FSDP: gathered on rank 0
     if not runtime.ranks.main:
         return metrics  # rank 0 writes the model

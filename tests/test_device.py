@@ -20,7 +20,7 @@ from test_ppo import PROMPTS, four_models, small_config
 from torch.overrides import TorchFunctionMode
 
 from rlhf.data.chat import encode_chat, encode_prompt
-from rlhf.evaluation.evaluator import EvalConfig, Scorers, evaluate_policy
+from rlhf.evaluation.evaluator import EvalConfig, Sampling, Scorers, evaluate_policy
 from rlhf.models.generation import GenerationSettings
 from rlhf.models.loading import load_causal_lm, load_scalar_model
 from rlhf.models.shared_prompt import score_sequences
@@ -278,17 +278,10 @@ def test_evaluation_and_reward_scoring_stay_on_device(tiny_dir, tokenizer, preci
     models = placed_models(tiny_dir, runtime)
     sequences = [encode_chat(tokenizer, e["prompt"], e["chosen"], 64).input_ids for e in EXAMPLES]
     with DeviceCheck(runtime.device) as check:
-        metrics, _ = evaluate_policy(
-            models.reference,
-            models.policy,
-            Scorers(models.reward_model, models.reward_model, tokenizer),
-            tokenizer,
-            PROMPTS[:2],
-            [],
-            EvalConfig(batch_size=2, bootstrap_resamples=10),
-            SETTINGS,
-            runtime,
-        )
+        scorers = Scorers(models.reward_model, models.reward_model, tokenizer)
+        config = EvalConfig(batch_size=2, bootstrap_resamples=10)
+        sampling = Sampling(scorers, tokenizer, config, SETTINGS, runtime)
+        metrics, _ = evaluate_policy(models.reference, models.policy, PROMPTS[:2], [], sampling)
         scores = score_sequences(models.reward_model, tokenizer, sequences, 3, runtime)
     assert scores.device.type == runtime.device.type and metrics["eval/prompts"] == 2.0
     assert check.violations == [], check.report()

@@ -10,6 +10,7 @@ from rlhf.data.chat import encode_chat
 from rlhf.evaluation.by_kind import compare_runs, kind_figures, stratified
 from rlhf.evaluation.evaluator import (
     EvalConfig,
+    Sampling,
     Scorers,
     evaluate_policy,
     generate_and_score,
@@ -18,6 +19,7 @@ from rlhf.evaluation.evaluator import (
     sample_rows,
     tie_identical_responses,
 )
+from rlhf.evaluation.overoptimisation import best_of_n_figures, curve
 from rlhf.evaluation.text_measures import distinct_n, is_refusal, refusal_rate
 from rlhf.models.generation import GenerationSettings
 from rlhf.models.loading import load_causal_lm, load_scalar_model
@@ -97,7 +99,8 @@ def test_the_judge_reads_the_text_as_it_was_trained_and_unfinished_responses_fol
     )
     settings = GenerationSettings(max_new_tokens=8, temperature=1.0, no_eos="constant", no_eos_value=-1.0)
     scorers = Scorers(judge, judge, tokenizer)
-    scores = judge_scores(scorers, PROMPTS, texts, torch.tensor([False, True]), settings, EvalConfig(), CPU)
+    sampling = Sampling(scorers, tokenizer, EvalConfig(), settings, CPU)
+    scores = judge_scores(sampling, PROMPTS, texts, torch.tensor([False, True]))
     assert scores[0] == pytest.approx(float(trained_way[0]), abs=1e-5) and scores[1] == -1.0  # cut: the constant
 
 
@@ -106,8 +109,8 @@ def test_evaluating_the_sft_model_against_itself_is_all_ties_and_zero_kl(tiny_di
     settings = GenerationSettings(max_new_tokens=4, temperature=1.0, no_eos="score", no_eos_value=None)
     config = EvalConfig(batch_size=4, samples_per_prompt=2, bootstrap_resamples=50)
     with pytest.warns(UserWarning, match="tied"):
-        metrics, runs = evaluate_policy(sft, sft, Scorers(judge, judge, tokenizer), tokenizer, PROMPTS,
-                                        [{"text": "Some text."}], config, settings, CPU)  # fmt: skip
+        sampling = Sampling(Scorers(judge, judge, tokenizer), tokenizer, config, settings, CPU)
+        metrics, runs = evaluate_policy(sft, sft, PROMPTS, [{"text": "Some text."}], sampling)
     assert metrics["eval/policy/kl"] == 0.0 and metrics["eval/prompts"] == 2 and metrics["eval/samples_per_prompt"] == 2
     assert metrics["eval/identical_responses"] == 4
     assert torch.equal(runs["policy"]["kl_k3"], torch.zeros(2, 2))  # the curve's axis: k3, 0 for the same model
@@ -131,8 +134,8 @@ def test_the_base_model_is_sampled_and_scored_as_sft_and_its_kl_is_not_computed(
     sft, base, judge = load_causal_lm(tiny_dir), load_causal_lm(tiny_dir), load_scalar_model(tiny_dir)
     settings = GenerationSettings(max_new_tokens=4, temperature=1.0, no_eos="score", no_eos_value=None)
     config = EvalConfig(batch_size=4, samples_per_prompt=2, bootstrap_resamples=50)
-    metrics, runs = evaluate_policy(sft, sft, Scorers(judge, judge, tokenizer), tokenizer, PROMPTS,
-                                    [{"text": "Some text."}], config, settings, CPU, base=base)  # fmt: skip
+    sampling = Sampling(Scorers(judge, judge, tokenizer), tokenizer, config, settings, CPU)
+    metrics, runs = evaluate_policy(sft, sft, PROMPTS, [{"text": "Some text."}], sampling, base=base)
     assert set(runs) == {"sft", "policy", "base"} and runs["base"]["texts"] == runs["sft"]["texts"]
     assert torch.equal(runs["base"]["judge"], runs["sft"]["judge"]) and metrics["eval/base/identical_responses"] == 4
     assert torch.isnan(runs["base"]["kl"]).all() and torch.isnan(runs["base"]["kl_k3"]).all()  # not computed
@@ -158,8 +161,8 @@ def test_without_sft_the_base_model_is_not_sampled_again(tiny_dir, tokenizer, mo
     )
     settings = GenerationSettings(max_new_tokens=4, temperature=1.0, no_eos="score", no_eos_value=None)
     config = EvalConfig(batch_size=4, samples_per_prompt=2, bootstrap_resamples=50)
-    metrics, runs = evaluate_policy(sft, sft, Scorers(judge, judge, tokenizer), tokenizer, PROMPTS,
-                                    [{"text": "Some text."}], config, settings, CPU, base=sft)  # fmt: skip
+    sampling = Sampling(Scorers(judge, judge, tokenizer), tokenizer, config, settings, CPU)
+    metrics, runs = evaluate_policy(sft, sft, PROMPTS, [{"text": "Some text."}], sampling, base=sft)
     assert len(sampled) == 2  # SFT and the policy, not the base model
     assert runs["base"]["texts"] == runs["sft"]["texts"] and torch.isnan(runs["base"]["kl"]).all()
     assert metrics["eval/base/identical_responses"] == 4 and metrics["eval/base/length"] == metrics["eval/sft/length"]
@@ -265,8 +268,8 @@ def test_a_changed_policy_gets_a_paired_difference_and_a_length_controlled_rate(
         weight.add_(torch.randn(weight.shape, generator=generator) * weight.std() * 3)
     settings = GenerationSettings(max_new_tokens=4, temperature=1.0, no_eos="score", no_eos_value=None)
     config = EvalConfig(batch_size=4, samples_per_prompt=2, bootstrap_resamples=50)
-    metrics, runs = evaluate_policy(sft, policy, Scorers(judge, judge, tokenizer), tokenizer, PROMPTS,
-                                    [{"text": "Some text."}], config, settings, CPU)  # fmt: skip
+    sampling = Sampling(Scorers(judge, judge, tokenizer), tokenizer, config, settings, CPU)
+    metrics, runs = evaluate_policy(sft, policy, PROMPTS, [{"text": "Some text."}], sampling)
     for who in ("proxy", "judge"):
         diff = [metrics[f"eval/{who}/score_diff{end}"] for end in ("", "_low", "_high")]
         # K equal for both models: the mean of per-prompt mean differences is the difference of the means
@@ -413,7 +416,9 @@ def test_a_sample_depends_on_its_prompt_and_index_not_on_the_batch_or_the_sample
 
     def run(batch_size: int, samples: int) -> dict:
         config = EvalConfig(batch_size=batch_size, bootstrap_resamples=50)
-        return generate_and_score(sft, sft, scorers, tokenizer, prompts, config, settings, CPU, samples)
+        return generate_and_score(
+            sft, sft, prompts, Sampling(scorers, tokenizer, config, settings, CPU), samples=samples
+        )
 
     one_by_one, together, single = run(1, 2), run(4, 2), run(4, 1)
     assert one_by_one["texts"] == together["texts"]
@@ -432,8 +437,9 @@ def test_prompts_sampled_in_length_order_come_back_in_the_input_order(tiny_dir, 
     texts = ["Name three rivers in Europe, please.", "Hi", "Why is the sky blue, and why are sunsets red?", "Is it?"]
     prompts = [[{"role": "user", "content": t}] for t in texts]
     config = EvalConfig(batch_size=2, greedy=True, bootstrap_resamples=50)
-    together = generate_and_score(sft, sft, scorers, tokenizer, prompts, config, settings, CPU)
-    alone = [generate_and_score(sft, sft, scorers, tokenizer, [p], config, settings, CPU) for p in prompts]
+    sampling = Sampling(scorers, tokenizer, config, settings, CPU)
+    together = generate_and_score(sft, sft, prompts, sampling)
+    alone = [generate_and_score(sft, sft, [p], sampling) for p in prompts]
     assert together["texts"] == [a["texts"][0] for a in alone]
     for key in ("proxy", "judge", "length"):
         torch.testing.assert_close(together[key][:, 0], torch.cat([a[key][:, 0] for a in alone]), rtol=0, atol=1e-5)
@@ -441,7 +447,6 @@ def test_prompts_sampled_in_length_order_come_back_in_the_input_order(tiny_dir, 
 
 def test_best_of_n_of_sft_keeps_the_proxys_pick_scored_by_the_judge_at_its_analytic_kl(tiny_dir, tokenizer):
     from rlhf.evaluation.comparison import best_of_n
-    from tasks.evaluate import best_of_n_figures
 
     sft, proxy = load_causal_lm(tiny_dir), load_scalar_model(tiny_dir)
     torch.manual_seed(1)
@@ -450,11 +455,12 @@ def test_best_of_n_of_sft_keeps_the_proxys_pick_scored_by_the_judge_at_its_analy
     scorers = Scorers(proxy, judge, tokenizer)
     settings = GenerationSettings(max_new_tokens=4, temperature=1.0, no_eos="score", no_eos_value=None)
     config = EvalConfig(batch_size=4, curve_prompts=2, best_of_n=4, bootstrap_resamples=50)
-    evaluated = generate_and_score(sft, sft, scorers, tokenizer, PROMPTS, config, settings, CPU)  # the SFT run
-    figures = best_of_n_figures(sft, scorers, tokenizer, PROMPTS, config, settings, CPU, evaluated)
+    sampling = Sampling(scorers, tokenizer, config, settings, CPU)
+    evaluated = generate_and_score(sft, sft, PROMPTS, sampling)  # the SFT run
+    figures = best_of_n_figures(sft, PROMPTS, sampling, sampled=evaluated)
     # the same samples as drawn all at once: 4 of each curve prompt, the first the evaluation's (not drawn again)
-    run = generate_and_score(sft, sft, scorers, tokenizer, PROMPTS[:2], config, settings, CPU, 4)
-    later = generate_and_score(sft, sft, scorers, tokenizer, PROMPTS[:2], config, settings, CPU, 4, first=1)
+    run = generate_and_score(sft, sft, PROMPTS[:2], sampling, samples=4)
+    later = generate_and_score(sft, sft, PROMPTS[:2], sampling, samples=4, first=1)
     assert later["texts"] == [t for i, t in enumerate(run["texts"]) if i % 4] and later["proxy"].shape == (2, 3)
     assert evaluated["texts"][:2] == run["texts"][::4]
     assert figures["eval/best_of_n/1/judge"] == pytest.approx(float(run["judge"][:, 0].mean()))
@@ -466,7 +472,31 @@ def test_best_of_n_of_sft_keeps_the_proxys_pick_scored_by_the_judge_at_its_analy
     assert figures["eval/best_of_n/1/kl"] == 0.0 and "eval/best_of_n/16/judge" not in figures
     gain = figures["eval/best_of_n/4/judge"] - figures["eval/best_of_n/1/judge"]
     assert figures["eval/best_of_n/judge_gain"] == pytest.approx(gain, abs=1e-6)
-    assert best_of_n_figures(sft, scorers, tokenizer, PROMPTS, EvalConfig(best_of_n=0), settings, CPU, run) == {}
+    no_best = Sampling(scorers, tokenizer, EvalConfig(best_of_n=0), settings, CPU)
+    assert best_of_n_figures(sft, PROMPTS, no_best, sampled=run) == {}
+
+
+def test_the_curve_reads_the_evaluations_runs_and_samples_only_the_kept_policies_it_lacks(tiny_dir, tokenizer):
+    sft, proxy = load_causal_lm(tiny_dir), load_scalar_model(tiny_dir)
+    settings = GenerationSettings(max_new_tokens=4, temperature=1.0, no_eos="score", no_eos_value=None)
+    config = EvalConfig(batch_size=4, curve_prompts=2, bootstrap_resamples=50)
+    sampling = Sampling(Scorers(proxy, proxy, tokenizer), tokenizer, config, settings, CPU)
+    # the evaluation's runs by hand: 3 prompts x 2 samples; the curve reads the first sample of the first 2 prompts
+    firsts = {"kl": (0.5, 1.5), "kl_k3": (1.0, 3.0), "proxy": (0.25, 0.75), "judge": (-1.0, 0.0)}
+    run = {key: torch.tensor([[a, 9.0], [b, 9.0], [9.0, 9.0]]) for key, (a, b) in firsts.items()}
+    loaded = []
+
+    def loader(iteration):
+        return lambda: loaded.append(iteration) or sft  # the SFT weights stand in for a kept policy
+
+    prompts = PROMPTS + [[{"role": "user", "content": "A third prompt"}]]
+    kept = {8: loader(8), 4: loader(4)}
+    rows = curve(sft, prompts, sampling, sampled={0: run, 8: run}, kept=kept)
+    assert [row["iteration"] for row in rows] == [0, 4, 8] and loaded == [4]  # 8 is the shipped run: not sampled
+    # by hand: kl (0.5 + 1.5) / 2 = 1.0, kl_k3 (1 + 3) / 2 = 2.0, sqrt_kl sqrt(2), proxy 0.5, judge -0.5
+    wanted = {"kl": 1.0, "kl_k3": 2.0, "sqrt_kl": math.sqrt(2.0), "proxy": 0.5, "judge": -0.5}
+    assert rows[0] == pytest.approx({"iteration": 0, **wanted}) and rows[2] == pytest.approx({"iteration": 8, **wanted})
+    assert rows[1]["kl"] == 0.0  # the SFT model against itself: KL 0, freshly sampled on the 2 curve prompts
 
 
 def test_evaluation_samples_at_its_own_token_limit_only_where_one_is_set():

@@ -316,3 +316,22 @@ def test_around_the_core_no_stage_imports_another_and_the_kit_and_flows_import_n
             if module.startswith("tasks") and _ours(("flows",), found):
                 wrong.append(f"{path}:{found.line}: {module} imports the flows, {found.target}")
     assert len(stages) >= 10 and not wrong, "\n".join(wrong)
+
+
+def test_no_call_passes_eight_or_more_arguments_by_position():
+    """At a wall of many parameters the call names them: ``f(a, b, c, d, config=config, runtime=runtime, ...)``,
+    never eight or more by position, where two swapped arguments of one type go unnoticed (the core, the stages,
+    the flows and the benchmarks)."""
+    wrong = []
+    for folder in (CORE, "tasks", "flows", "bench"):
+        for path in python_files(ROOT, folder):
+            if path.startswith(os.path.join("bench", "out")):
+                continue  # what bench.speed downloads (TRL's sources), not ours
+            with open(os.path.join(ROOT, path), encoding="utf-8") as handle:
+                tree = ast.parse(handle.read(), filename=path)
+            wrong += [
+                f"{path}:{node.lineno}: {ast.unparse(node.func)}(...) passes {len(node.args)} arguments by position"
+                for node in ast.walk(tree)
+                if isinstance(node, ast.Call) and len(node.args) >= 8
+            ]
+    assert not wrong, "\n".join(wrong)

@@ -63,7 +63,9 @@ def run(
     runtime = stage_runtime(stage, device)
     model = runtime.place(model)
     checkpointer = run_checkpointer(stage, params, [splits[0], init], runtime)
-    metrics = train_reward_model(model, tokenizer, train, config, log, runtime, checkpointer, progress_bars())
+    metrics = train_reward_model(
+        model, tokenizer, train, config, log=log, runtime=runtime, checkpointer=checkpointer, progress=progress_bars()
+    )
     model = whole_model(model, runtime.ranks.main)  # FSDP: gathered on rank 0
     if not runtime.ranks.main:
         return metrics, None  # rank 0 centres, measures and writes the model

@@ -83,6 +83,20 @@ class Scorers:
     judge_tokenizer: PreTrainedTokenizerBase
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How every response of the evaluation is sampled and scored: who scores, the policy's tokenizer, the
+    evaluation's settings, the generation settings PPO used and the device. One object shared by the evaluation
+    (:func:`evaluate_policy`, :func:`generate_and_score`), the over-optimisation curve and best-of-N
+    (:mod:`rlhf.evaluation.overoptimisation`), instead of the same five arguments at every call."""
+
+    scorers: Scorers
+    tokenizer: PreTrainedTokenizerBase
+    config: EvalConfig
+    settings: GenerationSettings
+    runtime: Runtime
+
+
 def win_rate(policy_scores: torch.Tensor, baseline_scores: torch.Tensor, resamples: int, seed: int) -> PairedRate:
     """Share of decisive comparisons where the policy's score beats the baseline's, with a 95% interval.
 
@@ -101,13 +115,10 @@ def win_rate(policy_scores: torch.Tensor, baseline_scores: torch.Tensor, resampl
 
 @torch.no_grad()
 def judge_scores(
-    scorers: Scorers,
+    sampling: Sampling,
     prompts: list[list[dict]],
     texts: list[str],
     unfinished: torch.Tensor,
-    settings: GenerationSettings,
-    config: EvalConfig,
-    runtime: Runtime,
     kinds: list[str] | None = None,
 ) -> torch.Tensor:
     """The judge's score of each response text, after the same unfinished-response rule as the proxy's.
@@ -120,6 +131,8 @@ def judge_scores(
     run once (:func:`rlhf.models.shared_prompt.score_groups`).
 
     Args:
+        sampling: the judge (``sampling.scorers``), its reading length and batch size (``sampling.config``), the
+            unfinished-response rule (``sampling.settings``) and the device.
         prompts: ``N`` message lists; texts: ``N`` responses; unfinished: ``(N,)`` bool.
         kinds: ``N`` kinds of data, each response read with its kind's score
             (:func:`rlhf.models.kind_heads.read_scores`);
@@ -128,6 +141,7 @@ def judge_scores(
     Returns:
         ``(N,)`` float32 on the CPU.
     """
+    scorers, config = sampling.scorers, sampling.config
     tokenizer = scorers.judge_tokenizer
     groups: list[list[list[int]]] = []
     group_kinds: list[str] = []
@@ -138,25 +152,23 @@ def judge_scores(
             group_kinds.append(kinds[i] if kinds is not None else "")
         groups[-1].append(ids.input_ids)
     read = group_kinds if kinds is not None else None
-    scores = score_groups(scorers.judge, tokenizer, groups, config.batch_size, runtime, read).float().cpu()
-    return treat_unfinished(scores, unfinished.cpu(), settings)
+    scores = score_groups(scorers.judge, tokenizer, groups, config.batch_size, sampling.runtime, read).float().cpu()
+    return treat_unfinished(scores, unfinished.cpu(), sampling.settings)
 
 
 @torch.no_grad()
 def generate_and_score(
     model: PreTrainedModel,
     reference: PreTrainedModel | None,
-    scorers: Scorers,
-    tokenizer: PreTrainedTokenizerBase,
     prompts: list[list[dict]],
-    config: EvalConfig,
-    settings: GenerationSettings,
-    runtime: Runtime,
+    sampling: Sampling,
+    *,
     samples: int = 1,
     first: int = 0,
     kinds: list[str] | None = None,
 ) -> dict[str, Any]:
-    """Sample ``samples`` responses per prompt (or decode greedily) and score them as PPO does, and by the judge.
+    """Sample ``samples`` responses per prompt (or decode greedily) with ``model`` and score them as PPO does, and
+    by the judge, as ``sampling`` says (:class:`Sampling`: the scorers, tokenizer, settings and device).
 
     Prompts are sampled in batches of like length (less padding), the results returned in the input order.
     Sample ``s`` of prompt ``i`` comes from its own generator (:func:`rlhf.models.sampling.prompt_seed` of
@@ -175,6 +187,13 @@ def generate_and_score(
         ``reference`` is None), ``length`` (tokens): ``(P, samples)`` float32 on the CPU; ``ended``
         ``(P, samples)`` bool; ``texts``: ``P * samples`` strings, prompt-major.
     """
+    scorers, tokenizer, config, settings, runtime = (
+        sampling.scorers,
+        sampling.tokenizer,
+        sampling.config,
+        sampling.settings,
+        sampling.runtime,
+    )
     repeated = [p for p in prompts for _ in range(first, samples)]
     repeated_kinds = None if kinds is None else [k for k in kinds for _ in range(first, samples)]
     seeds = [prompt_seed(config.seed, s, i) for i in range(len(prompts)) for s in range(first, samples)]
@@ -228,7 +247,7 @@ def generate_and_score(
     result = {key: torch.cat(value)[index] for key, value in out.items() if key != "texts"}
     texts = [out["texts"][i] for i in back]
     unfinished = result.pop("unfinished")
-    result["judge"] = judge_scores(scorers, repeated, texts, unfinished, settings, config, runtime, repeated_kinds)
+    result["judge"] = judge_scores(sampling, repeated, texts, unfinished, repeated_kinds)
     shape = (len(prompts), samples - first)
     return {**{key: value.reshape(shape) for key, value in result.items()}, "texts": texts}
 
@@ -264,13 +283,10 @@ def ptx_perplexity(
 def evaluate_policy(
     sft: PreTrainedModel,
     policy: PreTrainedModel,
-    scorers: Scorers,
-    tokenizer: PreTrainedTokenizerBase,
     prompts: list[list[dict]],
     ptx_heldout: list[dict[str, Any]],
-    config: EvalConfig,
-    settings: GenerationSettings,
-    runtime: Runtime,
+    sampling: Sampling,
+    *,
     base: PreTrainedModel | None = None,
     kinds: list[str] | None = None,
 ) -> tuple[dict[str, float], dict[str, dict[str, Any]]]:
@@ -284,12 +300,11 @@ def evaluate_policy(
     (:func:`rlhf.evaluation.by_kind.kind_figures` reads them per kind).
 
     Args:
-        sft, policy: causal LMs; scorers: proxy and judge; all with dropout off.
-        tokenizer: the policy's tokenizer.
+        sft, policy: causal LMs, with dropout off, already on ``sampling.runtime``'s device.
         prompts: message lists (each ends with a user turn); the first ``config.max_prompts``.
         ptx_heldout: held-out ptx rows (``{"messages"}`` or ``{"text"}``) for the perplexity.
-        config: :class:`EvalConfig`; settings: the shared generation settings.
-        runtime: device and precision; the models already on its device.
+        sampling: :class:`Sampling`: the proxy and the judge (dropout off), the policy's tokenizer,
+            :class:`EvalConfig` (``config`` below), the shared generation settings, the device and precision.
         base: the model SFT was trained from (``models/base``), or None; ``sft`` itself where there was no SFT
             (``sft.steps`` 0): not sampled again, its run is SFT's (every comparison of the two a tie).
         kinds: each prompt's kind of data, its responses read with that kind's score (:func:`generate_and_score`).
@@ -317,6 +332,7 @@ def evaluate_policy(
     """
     if not prompts:
         raise ValueError("no evaluation prompts")
+    scorers, config = sampling.scorers, sampling.config
     prompts = prompts[: config.max_prompts]
     kinds = kinds[: config.max_prompts] if kinds is not None else None
     models = {"sft": sft, "policy": policy} | ({BASE: base} if base is not None else {})
@@ -325,9 +341,7 @@ def evaluate_policy(
     k = config.samples_per_prompt
     references = {"sft": sft, "policy": sft, BASE: None}  # the base model's KL is not wanted: not computed
     runs = {
-        name: generate_and_score(
-            model, references[name], scorers, tokenizer, prompts, config, settings, runtime, k, kinds=kinds
-        )
+        name: generate_and_score(model, references[name], prompts, sampling, samples=k, kinds=kinds)
         for name, model in models.items()
         if not (name == BASE and base is sft)  # no SFT (sft.steps 0): the base model is SFT, its run is SFT's
     }
@@ -354,7 +368,9 @@ def evaluate_policy(
             f"eval/{name}/distinct_1": distinct_n(texts, 1),
             f"eval/{name}/distinct_2": distinct_n(texts, 2),
             f"eval/{name}/refusal_rate": refusal_rate(texts),
-            f"eval/{name}/ptx_perplexity": ptx_perplexity(model, tokenizer, ptx_heldout, config, runtime),
+            f"eval/{name}/ptx_perplexity": ptx_perplexity(
+                model, sampling.tokenizer, ptx_heldout, config, sampling.runtime
+            ),
         }
     metrics["eval/policy/kl"] = float(runs["policy"]["kl"].mean())
     return metrics, runs

@@ -180,20 +180,20 @@ def train_ppo(
     shown = progress and runtime.ranks.main  # one bar and one set of lines, however many processes
     bar = tqdm(desc="ppo", total=config.iterations, disable=not shown)
     loop = _Loop(
-        models,
-        tokenizer,
-        prompts,
-        validation if validate else [],
-        ptx_texts,
-        config,
-        settings,
-        runtime,
-        make_optimisers(models.policy, models.value_model, config, scaler_step),
-        RunningMoments(),
-        os.path.join(checkpointer.root, "best"),
-        bar.write if runtime.ranks.main else (lambda line: None),
-        prompt_kinds,
-        validation_kinds if validate else None,
+        models=models,
+        tokenizer=tokenizer,
+        prompts=prompts,
+        validation=validation if validate else [],
+        ptx_texts=ptx_texts,
+        config=config,
+        settings=settings,
+        runtime=runtime,
+        opt=make_optimisers(models.policy, models.value_model, config, scaler_step),
+        moments=RunningMoments(),
+        best_dir=os.path.join(checkpointer.root, "best"),
+        say=bar.write if runtime.ranks.main else (lambda line: None),
+        prompt_kinds=prompt_kinds,
+        validation_kinds=validation_kinds if validate else None,
     )
     kept_dir = os.path.join(checkpointer.root, "kept")
     torch.manual_seed(config.seed)
@@ -302,10 +302,10 @@ def _rollout(loop: _Loop, state: PPOState) -> tuple[Experience, dict[str, float]
         loop.tokenizer,
         ranks.shard(batch),
         config,
-        loop.settings,
-        loop.moments,
-        state.kl_coef,
-        loop.runtime,
+        settings=loop.settings,
+        moments=loop.moments,
+        kl_coef=state.kl_coef,
+        runtime=loop.runtime,
         calibrate_value=calibrate,
         seeds=ranks.shard(seeds),
         kinds=ranks.shard(kinds) if kinds is not None else None,
@@ -366,13 +366,13 @@ def _update(loop: _Loop, state: PPOState, experience: Experience, stats: dict[st
                 models.value_model,
                 opt,
                 experience,
-                config,
-                loop.settings.temperature,
-                config.seed * 100003 + iteration,  # the minibatch order, fixed by the iteration
-                ptx,
-                update_policy,
-                loop.runtime,
-                iteration + 1,
+                config=config,
+                temperature=loop.settings.temperature,
+                order_seed=config.seed * 100003 + iteration,  # the minibatch order, fixed by the iteration
+                ptx_batches=ptx,
+                update_policy=update_policy,
+                runtime=loop.runtime,
+                iteration=iteration + 1,
             )
         )
     except NonFiniteError as err:
@@ -397,10 +397,10 @@ def _keep_best(loop: _Loop, state: PPOState, step: int) -> dict[str, float]:
             models.reference,
             models.reward_model,
             loop.tokenizer,
-            loop.validation,
-            loop.settings,
-            runtime,
-            loop.validation_kinds,
+            prompts=loop.validation,
+            settings=loop.settings,
+            runtime=runtime,
+            kinds=loop.validation_kinds,
         )
     reward = stats.get("ppo/validation/reward", -math.inf)
     if step == 0 or reward > state.best.reward:

@@ -242,18 +242,18 @@ def make_experience(
     else:
         advantages, returns = group_advantages(rewards, mask, config, runtime.ranks)
     experience = Experience(
-        ids,
-        attn,
-        start,
-        mask,
-        logprobs,
-        values,
-        advantages,
-        returns,
-        scored.raw_scores,
-        rollout.ended,
-        policy_entry,
-        value_entry,
+        input_ids=ids,
+        attention_mask=attn,
+        response_start=start,
+        mask=mask,
+        logprobs=logprobs,
+        values=values,
+        advantages=advantages,
+        returns=returns,
+        raw_scores=scored.raw_scores,
+        ended=rollout.ended,
+        policy_entry=policy_entry,
+        value_entry=value_entry,
     )
     table = runtime.ranks.gather(sequence_table(scored, scores, logprobs, logratio, entropy, experience))
     stats = {**rollout_stats(table), "ppo/kl_coef": kl_coef, **timer.stats("ppo/time")}

@@ -135,10 +135,28 @@ def ppo_update(
                     if update_policy:
                         ptx = next(ptx_iter, None)
                         policy_step(
-                            policy, optimisers, experience, idx, config, temperature, ptx, runtime, where, stats
+                            policy,
+                            optimisers,
+                            experience,
+                            idx,
+                            config=config,
+                            temperature=temperature,
+                            ptx_batch=ptx,
+                            runtime=runtime,
+                            where=where,
+                            stats=stats,
                         )
                     if value_model is not None:
-                        value_step(value_model, optimisers, experience, idx, config, runtime, where, stats)
+                        value_step(
+                            value_model,
+                            optimisers,
+                            experience,
+                            idx,
+                            config=config,
+                            runtime=runtime,
+                            where=where,
+                            stats=stats,
+                        )
                 except NonFiniteError as err:
                     err.metrics = {**stats, **err.metrics}
                     raise

@@ -262,7 +262,9 @@ def train_reward_model(
     expert = [weights[g] if g >= 0 else 0.0 for g in groups]  # the extra pairs: no expert, no length term
     heads = head_kinds(model)
     kind_index = [heads.index(kind) for kind in data_kinds] if heads else None
-    step = reward_step(model, tokenizer, pairs, config, runtime, expert, groups, kind_index)
+    step = reward_step(
+        model, tokenizer, pairs, config, runtime=runtime, expert_weight=expert, groups=groups, kind_index=kind_index
+    )
 
     summary = supervised_loop(
         model,
