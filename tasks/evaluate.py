@@ -283,8 +283,8 @@ def gate_policy(metrics: dict[str, float], run_id: str, doubts: list[str] | None
     candidate = find_by_sha(client, name, sha)
     if candidate is None:
         refuse_deleted(client, name, sha, 'rlhf-registry restore policy --version {version} --reason "..."')
-        tags = version_tags(POLICY, {**metrics, **ppo}, {"evaluate": params}, [PROMPTS])
-        candidate = register(client, name, POLICY, run_id, tags, {"evaluate": params})
+        tags = version_tags(POLICY, {"evaluate": params}, [PROMPTS])
+        candidate = register(client, name, POLICY, run_id, tags, {"evaluate": params}, {**metrics, **ppo})
     win = metrics.get(f"eval/{criteria.verdict}/win_rate")
     reason = f"passed the policy gate (win rate {win} by the {criteria.verdict})"
     move = not params["policy_approval"]["required"]  # else a person approves in the flow (flows/approval.py)

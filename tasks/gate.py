@@ -136,8 +136,8 @@ def run(params: dict[str, Any], reward: dict[str, Any], device: dict[str, Any] |
     candidate = find_by_sha(client, name, sha)
     if candidate is None:
         refuse_deleted(client, name, sha, 'rlhf-registry restore reward --version {version} --reason "..."')
-        tags = version_tags(REWARD, metrics, reward, [paths.split("rm_train"), EVAL])
-        candidate = register(client, name, REWARD, run_id, tags, reward)
+        tags = version_tags(REWARD, reward, [paths.split("rm_train"), EVAL])
+        candidate = register(client, name, REWARD, run_id, tags, reward, metrics)
     decision = decide(client, name, candidate, metrics, params, lambda found: rescore(client, found, reward, device))
     held = materialise(client, name, candidate, _outcome(decision), outputs, without_champion)
     return {

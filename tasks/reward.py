@@ -33,7 +33,8 @@ def register_version(folder: str, metrics: dict[str, float], params: dict[str, A
     """
     name = stage_params("registry")["reward_model"]
     client, _ = tracking_client()
-    found = register(client, name, folder, run_id, version_tags(folder, metrics, params, [TRAIN, EVAL]), params)
+    tags = version_tags(folder, params, [TRAIN, EVAL])
+    found = register(client, name, folder, run_id, tags, params, metrics)
     return f"[reward] registered {name} version {found.version} (the gate stage decides on it)"
 
 

@@ -80,8 +80,10 @@ def test_a_passing_candidate_becomes_champion_once_and_a_rerun_leaves_its_files_
     assert os.stat(os.path.join(OUT_DIR, "model.safetensors")).st_mtime_ns == stamp
     moves = registry.history(client(), NAME)
     assert [(m["from"], m["to"], m["by"]) for m in moves] == [(None, "1", "gate")]
-    tags = client().get_model_version(NAME, "1").tags
-    assert tags[registry.DECISION_TAG] == "pass" and tags["rlhf.metric.rm/pairs"] == "196"
+    found = client().get_model_version(NAME, "1")
+    tags = found.tags
+    assert tags[registry.DECISION_TAG] == "pass" and not [k for k in tags if k.startswith("rlhf.metric.")]
+    assert registry.version_metrics(client(), found)["rm/pairs"] == 196.0  # a metric of its run, not a tag
     assert tags[registry.SHA_TAG] == registry.folder_sha256("models/reward") and tags["rlhf.pipeline_run_id"]
 
 

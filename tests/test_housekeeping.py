@@ -252,8 +252,9 @@ def test_the_command_on_a_small_dvc_project_removes_what_nothing_uses_and_keeps_
 
 
 def test_every_field_registry_commands_print_is_escaped(registry_project):
-    # control characters planted in each field the registry commands read back: the gate's decision, a metric, the
-    # pruned record's rule, a move's reviewer, reason and pipeline run; none reaches the terminal raw
+    # control characters planted in each text field the registry commands read back: the gate's decision, the
+    # pruned record's rule, a move's reviewer, reason and pipeline run; none reaches the terminal raw (a metric is a
+    # number of its run, printed as one; an old version's metric tag that is not a number is not read)
     from tasks.kit.common import UNPRINTABLE
 
     raw = "x\x1b[2J\r\u202e"

@@ -172,12 +172,14 @@ def register_policy(tiny_dir: str) -> tuple[str, str, str]:
     parent = client.create_run(experiment).info.run_id
     runs = {stage: client.create_run(experiment, tags={"mlflow.parentRunId": parent, "rlhf.stage": stage}).info.run_id
             for stage in ("ppo", "evaluate")}  # fmt: skip
+    # the reward model as registered before figures became run metrics: as rlhf.metric.* tags, still read
     reward_tags = {f"rlhf.metric.{k}": str(v) for k, v in {**RM, "rm/accuracy": 0.60}.items()}
     register(client, "rlhf-reward-model", "models/reward", runs["ppo"], {SHA_TAG: "r", **reward_tags})
-    metrics = {f"rlhf.metric.{k}": f"{v:.6g}" for k, v in {**EVAL, "eval/policy/kl": 1.5}.items()}
     tags = {SHA_TAG: folder_sha256(tiny_dir), DATA_TAG: "d" * 64, COMMIT_TAG: "c0ffee" * 6 + "abcd",
-            PIPELINE_RUN_TAG: "pipeline-42", "rlhf.gate.decision": "pass", **metrics}  # fmt: skip
-    found = register(client, "rlhf-policy", tiny_dir, runs["evaluate"], tags)
+            PIPELINE_RUN_TAG: "pipeline-42", "rlhf.gate.decision": "pass"}  # fmt: skip
+    metrics = {**EVAL, "eval/policy/kl": 1.5}
+    found = register(client, "rlhf-policy", tiny_dir, runs["evaluate"], tags, metrics=metrics)
+    assert client.get_run(runs["evaluate"]).data.metrics == pytest.approx(metrics)  # metrics of its run
     client.set_registered_model_alias("rlhf-policy", "champion", found.version)
     return runs["evaluate"], parent, runs["ppo"]
 
@@ -199,7 +201,7 @@ def test_export_of_the_champion_carries_the_registry_lineage_and_metrics(registr
     assert "**Verdict:** rlhf-policy version 1 **passed** its policy gate." in card.split("## Model")[0]
     assert "from models:/rlhf-policy/1" in card and ModelCard(card).data.model_name == "rlhf-policy v1"
     metrics = sections["Metrics"]
-    assert "Source: the `rlhf.metric.*` tags of rlhf-policy v1" in metrics
+    assert "Source: the metrics of the MLflow run that registered rlhf-policy v1" in metrics
     assert "| Judge win rate over SFT | 0.610 (95% CI 0.520-0.700) | registry v1 |" in metrics
     assert "| Proxy (trained-against RM) win rate over SFT | 0.740 (95% CI 0.660-0.810) | registry v1 |" in metrics
     assert "| KL to SFT (nats per response) | 1.500 | registry v1 |" in metrics

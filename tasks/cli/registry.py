@@ -24,6 +24,7 @@ from tasks.kit.registry import (
     previous_holder,
     pruned,
     version,
+    version_metrics,
 )
 from tasks.kit.restore import restore
 
@@ -188,8 +189,8 @@ def status(
             last = f"; newest version {newest.version}, gate: {newest.tags.get(DECISION_TAG, 'none')}" if newest else ""
             echo(f"{name}: no version holds {CHAMPION}{last}")
         else:
-            metrics = {k[len("rlhf.metric.") :]: v for k, v in found.tags.items() if k.startswith("rlhf.metric.")}
-            shown = ", ".join(f"{k}={metrics[k]}" for k in STATUS_METRICS if k in metrics)
+            metrics = version_metrics(client, found)
+            shown = ", ".join(f"{k}={metrics[k]:.6g}" for k in STATUS_METRICS if k in metrics)
             decision = found.tags.get(DECISION_TAG, "none")
             echo(f"{name}: {CHAMPION} = version {found.version} (gate: {decision}); {shown}")
         for move in history(client, name):

@@ -2,7 +2,7 @@
 
 :func:`card_facts` gathers the facts (run from the project root): params.yaml (read with
 :func:`tasks.kit.params.read_params`, which refuses credentials), the data fingerprints, the metrics (the registered
-version's ``rlhf.metric.*`` tags, else ``metrics/*.json``), the lineage (git, ``dvc.lock``, MLflow runs).
+version's run's metrics, else ``metrics/*.json``), the lineage (git, ``dvc.lock``, MLflow runs).
 :func:`render_card` writes them as a Hugging Face ``ModelCard`` (YAML front matter + Markdown). Nothing is
 silently dropped: a fact nobody recorded reads ``unknown``. No environment variable is ever copied into a card.
 """
@@ -35,6 +35,7 @@ from tasks.kit.registry import (
     files_sha256,
     folder_sha256,
     version,
+    version_metrics,
 )
 from tasks.kit.runs import PIPELINE_RUN_TAG, git_commit
 from tasks.kit.secrets import find_secrets
@@ -45,7 +46,6 @@ EVAL, REWARD, JUDGE = paths.metrics("eval"), paths.metrics("reward"), paths.metr
 EVAL_KINDS = paths.EVAL_KINDS  # the same verdicts per kind of prompt (eval/kind/<kind>/...)
 PROMPTS, SOURCES = paths.split("eval_prompts"), paths.SOURCES
 DVC_LOCK, POLICY = "dvc.lock", paths.POLICY
-METRIC_PREFIX = "rlhf.metric."
 PRESETS = {
     "ppo_max": "reward normalisation and clipping, value clipping, critic pre-training, PPO-ptx",
     "vanilla": "PPO-clip with a KL penalty only",
@@ -105,10 +105,6 @@ def _dvc_out_md5(path: str) -> str:
     return UNKNOWN
 
 
-def _registry_metrics(found) -> dict[str, Any]:
-    return {k[len(METRIC_PREFIX) :]: v for k, v in found.tags.items() if k.startswith(METRIC_PREFIX)}
-
-
 def _reward_metrics(client, registry: dict[str, Any], metrics: dict[str, Any], found) -> tuple[dict[str, Any], str]:
     """The reward model's metrics: its registered version's tags (the version the evaluation names), else
     ``metrics/reward.json``; and where they came from."""
@@ -117,7 +113,7 @@ def _reward_metrics(client, registry: dict[str, Any], metrics: dict[str, Any], f
     if found is not None and client is not None and number is not None and math.isfinite(number):
         name = registry.get("reward_model", "")
         try:
-            return _registry_metrics(version(client, name, int(number))), f"registry {name} v{int(number)}"
+            return version_metrics(client, version(client, name, int(number))), f"registry {name} v{int(number)}"
         except RegistryError:
             pass  # not in this store: the project's own file below
     return (stage_metrics("reward"), REWARD) if os.path.isfile(REWARD) else ({}, UNKNOWN)
@@ -141,13 +137,14 @@ def _run_lineage(client, run_id: str) -> list[tuple[str, str]]:
 
 def _metric_facts(found, client, registry: dict[str, Any], folder_sha: str) -> dict[str, Any]:
     """The Metrics section: the key rows (name, value with interval, source), the other eval metrics, the judge
-    warning; from the registered version's tags, else the project's metrics files, but only for the model they
-    measured (the folder's content is that of ``models/policy``): another folder's metrics are unknown."""
+    warning; from the metrics of the run that registered the version, else the project's metrics files, but only
+    for the model they measured (the folder's content is that of ``models/policy``): another folder's metrics are
+    unknown."""
 
     evaluated = os.path.isdir(POLICY) and folder_sha256(POLICY) == folder_sha
     if found is not None:
-        metrics = _registry_metrics(found)
-        metrics_from = f"the `{METRIC_PREFIX}*` tags of {found.name} v{found.version}"
+        metrics = version_metrics(client, found)
+        metrics_from = f"the metrics of the MLflow run that registered {found.name} v{found.version}"
         where = dict.fromkeys(metrics, f"registry v{found.version}")
     elif evaluated:
         metrics, kinds = _load(EVAL), _load(EVAL_KINDS)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -45,6 +46,7 @@ PRUNED_TAG = "rlhf.pruned"  # JSON {at, by, rule, bytes}: rlhf-housekeeping dele
 ARTIFACT_PATH = "model"
 MAX_REASON = 1000  # characters of a reason; a longer one is refused before anything moves (MLflow tags hold 5,000)
 MAX_BY = 200  # characters of who moved an alias (``approved by <reviewer>``)
+LEGACY_METRIC_PREFIX = "rlhf.metric."  # versions registered before their figures became run metrics carry them so
 PARAMS_TAG = "rlhf.params_sha256"  # sha256 of the params (canonical JSON); the whole file is the run's params.json
 PARAMS_ARTIFACT = "params.json"
 CONTENT_PREFIX = "rlhf.content."  # on the registered model: rlhf.content.<version> = the version's content hash
@@ -90,20 +92,53 @@ def files_sha256(paths: list[str]) -> str:
     return digest.hexdigest()
 
 
-def version_tags(folder: str, metrics: dict[str, Any], params: dict[str, Any], data: list[str]) -> dict[str, str]:
+def version_tags(folder: str, params: dict[str, Any], data: list[str]) -> dict[str, str]:
     """The tags of a new version: content hashes of the model folder, its training data and its params
-    (:data:`PARAMS_TAG`; :func:`register` stores the params whole), the git commit, the pipeline run id and every
-    numeric metric (``rlhf.metric.<name>``)."""
+    (:data:`PARAMS_TAG`; :func:`register` stores the params whole), the git commit and the pipeline run id. Its
+    figures are metrics of the run it was registered from (:func:`register`, :func:`version_metrics`), not tags."""
 
-    tags = {
+    return {
         SHA_TAG: folder_sha256(folder),
         DATA_TAG: files_sha256(data),
         COMMIT_TAG: git_commit(),
         PIPELINE_RUN_TAG: pipeline_run_id(),
         PARAMS_TAG: hashlib.sha256(_params_json(params).encode()).hexdigest(),
     }
-    numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    return tags | {f"rlhf.metric.{k}": f"{v:.6g}" for k, v in numbers.items()}
+
+
+def version_metrics(client, found) -> dict[str, float]:
+    """The figures a version was judged on: the metrics of the run it was registered from (:func:`register` logs
+    the ones that run lacked), over the ``rlhf.metric.<name>`` tags that versions registered before carried.
+
+    Raises:
+        RegistryError: the run cannot be read (one line).
+    """
+    legacy = {k[len(LEGACY_METRIC_PREFIX) :]: v for k, v in found.tags.items() if k.startswith(LEGACY_METRIC_PREFIX)}
+    numbers = {}
+    for key, value in legacy.items():
+        try:
+            numbers[key] = float(value)
+        except ValueError:
+            continue  # a tag edited by hand into something that is not a number: not a figure
+    if not found.run_id:
+        return numbers
+    return numbers | dict(_guard(f"read run {found.run_id}", client.get_run, found.run_id).data.metrics)
+
+
+def _log_missing_metrics(client, run_id: str, metrics: dict[str, Any]) -> None:
+    """Log the numeric ``metrics`` run ``run_id`` does not hold at that value, at step 0, in one call."""
+    from mlflow.entities import Metric  # noqa: PLC0415 (MLflow: seconds to import)
+
+    have = _guard(f"read run {run_id}", client.get_run, run_id).data.metrics
+    numbers = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    stamp = int(time.time() * 1000)
+    missing = [
+        Metric(key, value, stamp, 0)
+        for key, value in numbers.items()
+        if key not in have or not (have[key] == value or (math.isnan(have[key]) and math.isnan(value)))
+    ]
+    for start in range(0, len(missing), 1000):  # MLflow's most per batch
+        _guard(f"log the metrics of run {run_id}", client.log_batch, run_id, metrics=missing[start : start + 1000])
 
 
 def _params_json(params: dict[str, Any]) -> str:
@@ -123,12 +158,21 @@ def _guard(what: str, call, *args, **kwargs):
         raise RegistryError(f"registry: {what}: tracking server unreachable ({cause})") from None
 
 
-def register(client, name: str, folder: str, run_id: str, tags: dict[str, str], params: dict[str, Any] | None = None):
+def register(
+    client,
+    name: str,
+    folder: str,
+    run_id: str,
+    tags: dict[str, str],
+    params: dict[str, Any] | None = None,
+    metrics: dict[str, Any] | None = None,
+):
     """Log ``folder`` as the artifacts of run ``run_id`` and register them as a new version of ``name``.
 
     The registered model is created on first use. ``params`` (the ones :func:`version_tags` hashed) are stored
-    whole as the run's :data:`PARAMS_ARTIFACT`: a tag would cut them at 5,000 characters. Returns the
-    ``ModelVersion``.
+    whole as the run's :data:`PARAMS_ARTIFACT`: a tag would cut them at 5,000 characters. ``metrics`` (the figures
+    the version is judged on) become metrics of that run where it lacks them (:func:`version_metrics` reads them
+    back), as the MLflow UI shows a version's figures: on its source run. Returns the ``ModelVersion``.
 
     Raises:
         RegistryError: the store or the artifact store cannot be reached or refuses (one line).
@@ -148,6 +192,8 @@ def register(client, name: str, folder: str, run_id: str, tags: dict[str, str], 
         _guard(f"log the artifacts of {folder}", client.log_artifacts, run_id, served, ARTIFACT_PATH)
     if params is not None:
         _guard("log the params", client.log_text, run_id, _params_json(params), PARAMS_ARTIFACT)
+    if metrics:
+        _log_missing_metrics(client, run_id, metrics)
     source = f"runs:/{run_id}/{ARTIFACT_PATH}"  # relative to the run: the store's location is not written here
     found = _guard(f"register {name}", client.create_model_version, name, source, run_id=run_id, tags=tags)
     mirror_tags(client, run_id, tags)
