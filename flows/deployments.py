@@ -250,4 +250,20 @@ def deploy() -> None:
         raise SystemExit(1) from None
     prefect = os.path.join(os.path.dirname(sys.executable), "prefect")
     command = [prefect, "--no-prompt", "deploy", "--all", "--prefect-file", PREFECT_FILE, *sys.argv[1:]]
-    raise SystemExit(subprocess.run(command, cwd=root).returncode)
+    done = subprocess.run(command, cwd=root, stderr=subprocess.PIPE, text=True)
+    boxed = boxed_error(done.stderr) if done.returncode else None
+    if boxed:  # Prefect's CLI frames a usage error in a box: one line, as every command of ours says it
+        print(f"rlhf-deploy: {boxed} (see rlhf-deploy --help)", file=sys.stderr)
+    else:
+        sys.stderr.write(done.stderr)
+    raise SystemExit(done.returncode)
+
+
+def boxed_error(text: str) -> str | None:
+    """The message of the framed ``Error`` box Prefect's CLI prints for a usage error (``╭─ Error ─╮``, lines
+    ``│ ... │``, ``╰─╯``) as one line, or None when ``text`` holds no such box (then it is shown as it is)."""
+    lines = text.strip().splitlines()
+    if not lines or not lines[0].startswith("╭─ Error"):
+        return None
+    inner = [line.strip().strip("│").strip() for line in lines[1:] if line.strip().startswith("│")]
+    return " ".join(part for part in inner if part) or None

@@ -436,3 +436,15 @@ def test_a_console_commands_bad_command_line_is_one_line(command, argv, line, tm
     result = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True)
     assert result.returncode in (1, 2) and result.stdout == "", result
     assert result.stderr.startswith(line) and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_rlhf_deploys_bad_option_is_one_line_where_prefect_draws_a_box():
+    from flows.deployments import boxed_error  # Prefect: seconds to import
+
+    box = "╭─ Error ─────╮\n│ Unknown option: --bogus.   │\n╰─────────────╯\n"
+    assert boxed_error(box) == "Unknown option: --bogus." and boxed_error("Traceback ...\n") is None
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    probe = "import sys; sys.argv = ['rlhf-deploy', '--bogus']; from flows.deployments import deploy; deploy()"
+    result = subprocess.run([sys.executable, "-c", probe], cwd=root, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert result.stderr.startswith("rlhf-deploy: Unknown option: --bogus. (see rlhf-deploy --help)"), result.stderr
