@@ -120,6 +120,14 @@ def test_an_experiment_compares_with_the_committed_baseline_in_dvc_exp_show_and_
             loaded = entry["data"]["metrics"][paths.headline(stage)]
             assert loaded.get("error") is None and loaded["data"], stage
             assert all(isinstance(v, (int, float)) for v in loaded["data"].values()), stage
+    # rlhf-experiments: the same data turned round, within 120 columns: the param swept, the headline figures
+    shown = subprocess.run([sys.executable, "-m", "tasks.cli.experiments"], cwd=os.path.join(project, "metrics"),
+                           env={**env, "COLUMNS": "120"}, capture_output=True, text=True)  # fmt: skip
+    assert shown.returncode == 0 and max(len(line) for line in shown.stdout.splitlines()) <= 120, shown
+    lines = [line.split() for line in shown.stdout.splitlines() if line.strip()]
+    assert lines[0] == ["param", "/", "figure", "workspace", baseline[:7], "kl-0.1"]  # the workspace holds kl-0.1
+    assert lines[1] == ["ppo.kl_coef", "0.1", "0.05", "0.1"] and not [line for line in lines if "profiles" in line[0]]
+    assert [line[:2] for line in lines[2:]][:2] == [["sft", "loss"], ["reward", "bal_acc"]]  # "<stage> <figure>"
     base_metrics, exp_metrics = base["data"]["metrics"], experiment["data"]["metrics"]
     assert base["data"]["params"]["params.yaml"]["data"]["ppo"]["kl_coef"] == 0.05
     assert experiment["data"]["params"]["params.yaml"]["data"]["ppo"]["kl_coef"] == 0.1

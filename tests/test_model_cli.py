@@ -396,7 +396,7 @@ def test_a_bad_argument_or_file_is_reported_before_torch_transformers_or_mlflow_
     assert status == "1 []" and line in output and len(output.strip().splitlines()) == 1, result.stdout
 
 
-@pytest.mark.parametrize("module", ["model", "registry", "review", "housekeeping"])
+@pytest.mark.parametrize("module", ["model", "registry", "review", "housekeeping", "experiments"])
 def test_every_help_reads_as_text_without_placeholders_or_markup(module, monkeypatch):
     import importlib
 
@@ -428,6 +428,7 @@ def typer_commands(app) -> list[str]:
         ("registry", ["promote"], "rlhf-registry promote: Missing option '--version'."),
         ("housekeeping", ["--bogus"], "rlhf-housekeeping: No such option: --bogus (see rlhf-housekeeping --help)"),
         ("review", ["import", "missing.csv"], "missing.csv: no such CSV file"),
+        ("experiments", ["--num", "0"], "rlhf-experiments: Invalid value for '--num' / '-n'"),
     ],
 )
 def test_a_console_commands_bad_command_line_is_one_line(command, argv, line, tmp_path):
@@ -448,3 +449,33 @@ def test_rlhf_deploys_bad_option_is_one_line_where_prefect_draws_a_box():
     result = subprocess.run([sys.executable, "-c", probe], cwd=root, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1 and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert result.stderr.startswith("rlhf-deploy: Unknown option: --bogus. (see rlhf-deploy --help)"), result.stderr
+
+
+def test_experiments_side_by_side_show_the_params_that_differ_and_every_headline_figure():
+    from tasks.cli.experiments import experiment_columns, table
+
+    def data(kl, extra=None, figures=None):
+        params = {"ppo": {"kl_coef": kl, "profiles": {"long": {"iterations": 80}}}, "profile": "demo", **(extra or {})}
+        metrics = {"metrics/headline/ppo.json": {"data": figures or {"kl": 0.5}}, "metrics/ppo.json": {"data": {}}}
+        return {"params": {"params.yaml": {"data": params}}, "metrics": metrics}
+
+    shown = [
+        {"rev": "workspace", "data": data(0.1), "experiments": None},
+        {"rev": "abcdef1234", "data": data(0.05), "experiments": [
+            {"revs": [{"rev": "9" * 40, "name": "kl-0.1", "data": data(0.1, {"new": [1, 2]}, {"kl": 0.25})}]},
+            {"revs": [{"rev": "8" * 40, "name": "broken", "data": None, "error": {"msg": "failed"}}]},
+        ]},
+    ]  # fmt: skip
+    columns = experiment_columns(shown)
+    assert [name for name, _, _ in columns] == ["workspace", "abcdef1", "kl-0.1"]  # the failed one left out
+    from rich.console import Console
+
+    console = Console(width=120, record=True)
+    console.print(table(columns))
+    lines = [line.split() for line in console.export_text().splitlines() if line.strip()]
+    assert lines[0] == ["param", "/", "figure", "workspace", "abcdef1", "kl-0.1"]
+    assert lines[1:] == [
+        ["new", "-", "-", "[1,", "2]"],
+        ["ppo.kl_coef", "0.1", "0.05", "0.1"],
+        ["ppo", "kl", "0.5", "0.5", "0.25"],
+    ]

@@ -1,5 +1,6 @@
-"""The console commands (pyproject's scripts): ``rlhf-registry``, ``rlhf-model``, ``rlhf-review`` and
-``rlhf-housekeeping``; each also runs as ``python -m tasks.cli.<command>``. Each runs through :func:`run_command`."""
+"""The console commands (pyproject's scripts): ``rlhf-registry``, ``rlhf-model``, ``rlhf-review``,
+``rlhf-housekeeping`` and ``rlhf-experiments``; each also runs as ``python -m tasks.cli.<command>``. Each runs
+through :func:`run_command`."""
 
 from __future__ import annotations
 
