@@ -101,7 +101,7 @@ def minibatch_indices(
     groups = [list(range(n))] if strata is None else [[i for i in range(n) if strata[i] == g] for g in set(strata)]
     groups.sort(key=lambda members: members[0])  # host-side bookkeeping: no tensor, no device
     orders = []
-    for g, members in enumerate(groups):
+    for g, members in enumerate(groups):  # each group its own seed (one group: seed + epoch, as before strata)
         if lengths is None:
             orders.append(random.Random(seed + epoch + g * 7919).sample(members, len(members)))
         else:
