@@ -210,11 +210,12 @@ def summary_lines(summary: dict[str, Any], shipped: int) -> list[str]:
         f"the rollouts' mean reward changed by {slope[0]:+.4f} [{slope[1]:+.4f}, {slope[2]:+.4f}] an iteration (95%); "
         f"critic pre-training: {summary.get('ppo/value/pretrain_iterations', 0):.0f} iterations, "
         f"explained variance {summary.get('ppo/value/pretrain_explained_variance', nan):.3f}",
-        f"[ppo] shipped policy: iteration {shipped} (0 = SFT); validation reward "
+        f"[ppo] shipped policy: iteration {shipped} (0 = SFT); on the validation prompts: reward "
         f"{summary.get('ppo/validation/reward', nan):.3f}, EOS rate {summary.get('ppo/validation/eos_rate', nan):.2f}, "
         f"KL {summary.get('ppo/validation/kl', nan):.3f}; "
         f"last rollout: reward {summary.get('ppo/last/reward/mean', nan):.3f}, "
-        f"EOS rate {summary.get('ppo/last/eos_rate', nan):.2f}, "
+        f"EOS rate {summary.get('ppo/last/eos_rate', nan):.2f}, KL {summary.get('ppo/last/kl', nan):.3f} "
+        f"(ppo/last/kl, the headline's), "
         f"explained variance {summary.get('ppo/last/value/explained_variance', nan):.3f}",
     ]
 

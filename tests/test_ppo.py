@@ -328,3 +328,12 @@ def test_a_group_estimator_trains_the_policy_alone_and_resumes_exactly(tiny_dir,
 def test_a_group_estimator_refuses_settings_it_cannot_serve(overrides, message):
     with pytest.raises(ValueError, match=message):
         PPOConfig(**{**GROUPS, **overrides})
+
+
+def test_the_stages_last_lines_say_which_kl_is_which():
+    from tasks.ppo import summary_lines
+
+    summary = {"ppo/iterations": 4, "ppo/policy_iterations": 3, "ppo/validation/kl": -0.054, "ppo/last/kl": -0.053}
+    _, shipped = summary_lines(summary, 0)
+    assert "on the validation prompts: reward nan, EOS rate nan, KL -0.054;" in shipped
+    assert "last rollout: reward nan, EOS rate nan, KL -0.053 (ppo/last/kl, the headline's)" in shipped
