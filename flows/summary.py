@@ -168,7 +168,7 @@ def print_summary(
         seconds = stage_seconds(stage) if timings is None else timings.get(stage)
         figures = ", ".join(f for f in (figure(values, k) for k in [*SUMMARY.get(stage, []), *kind_keys(values)]) if f)
         table.add_row(stage, f"{seconds:.0f}" if isinstance(seconds, (int, float)) else "-", figures)
-    console = console or Console(width=None if sys.stdout.isatty() else 160)  # a log file: no wrap at 80
+    console = console or Console(width=None if sys.stdout.isatty() else 120)  # a log file: 120 columns, not 80
     console.print(table)
     for line in summary_warnings(metrics) if warnings else []:
         console.print(line, style="bold red", markup=False, highlight=False, soft_wrap=True)
