@@ -34,7 +34,8 @@ from rlhf.data.kinds import kind_of, kinds_in
 from rlhf.data.reading import load_jsonl
 from rlhf.evaluation.by_kind import KIND_PREFIX, kind_figures, stratified
 from rlhf.evaluation.evaluator import EvalConfig, Sampling, Scorers, evaluate_policy, sample_rows
-from rlhf.evaluation.gate_rules import PolicyCriteria, judge_doubts, policy_gate
+from rlhf.evaluation.gate_rules import PolicyCriteria, policy_gate
+from rlhf.evaluation.judge_trust import judge_figures
 from rlhf.evaluation.overoptimisation import best_of_n_figures, curve
 from rlhf.files import write_json
 from rlhf.models.generation import GenerationSettings
@@ -76,42 +77,6 @@ def samples_markdown(samples: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def judge_figures(
-    judge: dict[str, Any], min_length_accuracy: float, kinds: list[str] | tuple[str, ...] = ()
-) -> tuple[dict[str, float], list[str]]:
-    """The judge's own judge_eval figures, shown beside each of its verdicts, and why they mean nothing (if so).
-
-    Args:
-        judge: the judge stage's metrics; min_length_accuracy: the length floor
-            (:func:`rlhf.evaluation.gate_rules.judge_doubts`); kinds: the evaluated prompts' kinds, each of which
-            needs a
-            judge above chance on its own judge_eval pairs.
-
-    Returns:
-        ``(metrics, doubts)``: ``eval/judge/accuracy`` with ``_low``/``_high`` (Wilson 95%),
-        ``eval/judge/balanced_accuracy`` with ``_low``/``_high`` (stratified bootstrap 95%),
-        ``eval/judge/length_accuracy`` (the smaller of its chosen-shorter and chosen-longer accuracies),
-        ``eval/judge/meaningful`` (1.0 when :func:`rlhf.evaluation.gate_rules.judge_doubts` finds nothing, per kind
-        included) and per kind ``eval/kind/<kind>/judge_balanced_accuracy`` with ``_low``/``_high`` (NaN where
-        the judge has no figure for it); ``doubts``: its reasons.
-    """
-    shown = ("accuracy", "accuracy_low", "accuracy_high")
-    shown += tuple(f"balanced_{k}" for k in shown)
-    names = (*shown, "accuracy_chosen_shorter", "accuracy_chosen_longer")
-    values = {k: math.nan if judge.get(f"judge/{k}") is None else float(judge[f"judge/{k}"]) for k in names}
-    per_kind = {
-        f"kind/{kind}/{k}": math.nan if judge.get(f"judge/kind/{kind}/{k}") is None else judge[f"judge/kind/{kind}/{k}"]
-        for kind in sorted(set(kinds) | set(kinds_in(judge, "judge")))
-        for k in shown[3:]
-    }
-    doubts = judge_doubts({f"judge/{k}": float(v) for k, v in (values | per_kind).items()}, min_length_accuracy, kinds)
-    metrics = {f"eval/judge/{k}": values[k] for k in shown}
-    lengths = [v for v in names[len(shown) :] if not math.isnan(values[v])]
-    metrics["eval/judge/length_accuracy"] = min((values[k] for k in lengths), default=math.nan)
-    kind_rows = {f"eval/{k.replace('/balanced_', '/judge_balanced_')}": float(v) for k, v in per_kind.items()}
-    return {**metrics, "eval/judge/meaningful": float(not doubts), **kind_rows}, doubts
-
-
 def kept_policies(runtime) -> dict[int, Any]:
     """Iteration -> a function that loads the policy PPO kept then (``models/policy_kept/iteration-NNNN``) on the
     device, no gradients: the over-optimisation curve's points (:func:`rlhf.evaluation.overoptimisation.curve`)."""
@@ -136,8 +101,9 @@ def run(
     params: dict[str, Any], generation: dict[str, Any], device: dict[str, Any] | None = None
 ) -> tuple[dict[str, float], list[dict[str, Any]], list[dict[str, float]], EvalConfig, list[str]]:
     """Evaluate with the ``generation`` section PPO used; returns ``(metrics, samples, curve rows, config, doubts)``
-    (doubts: why the judge's verdicts mean nothing, :func:`judge_figures`). ``metrics`` holds the per-kind
-    figures too (``eval/kind/...``: :func:`rlhf.evaluation.by_kind.kind_figures`, the judge's own per kind).
+    (doubts: why the judge's verdicts mean nothing, :func:`rlhf.evaluation.judge_trust.judge_figures`). ``metrics``
+    holds the per-kind figures too (``eval/kind/...``: :func:`rlhf.evaluation.by_kind.kind_figures`, the judge's own
+    per kind).
 
     ``device``: the params.yaml ``device`` section (None: read from params.yaml). The SFT model (the
     reference of the KL) and the policy are placed alike, so identical weights give identical logprobs.

@@ -19,6 +19,7 @@ from rlhf.evaluation.evaluator import (
     sample_rows,
     tie_identical_responses,
 )
+from rlhf.evaluation.judge_trust import judge_figures
 from rlhf.evaluation.overoptimisation import best_of_n_figures, curve
 from rlhf.evaluation.text_measures import distinct_n, is_refusal, refusal_rate
 from rlhf.models.generation import GenerationSettings
@@ -28,7 +29,7 @@ from rlhf.models.shared_prompt import score_sequences
 from rlhf.runtime.device import Runtime
 from rlhf.training.checkpoint import load_kept_policy, save_kept_policy
 from rlhf.training.supervised import freeze_lower_layers
-from tasks.evaluate import judge_figures, kind_lines, sampling_settings, summary_lines
+from tasks.evaluate import kind_lines, sampling_settings, summary_lines
 
 CPU = Runtime(torch.device("cpu"), "no")
 PROMPTS = [[{"role": "user", "content": "How do I bake bread?"}], [{"role": "user", "content": "Is it safe?"}]]

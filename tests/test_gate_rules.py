@@ -12,11 +12,11 @@ from rlhf.evaluation.gate_rules import (
     PolicyCriteria,
     as_records,
     decision_sentence,
-    judge_doubts,
     passed,
     policy_gate,
     reward_gate,
 )
+from rlhf.evaluation.judge_trust import judge_doubts
 
 CRITERIA = GateCriteria(min_accuracy_low=0.5, champion_tolerance=0.02, max_ece=0.15, min_length_accuracy=0.35)
 

@@ -9,7 +9,6 @@ data is not comparable).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -62,7 +61,7 @@ class Check:
         """``GATE FAILED: criterion, value, bound`` (or ``gate passed: ...``), one line."""
         head = "gate passed" if self.passed else "GATE FAILED"
         detail = f" ({self.detail})" if self.detail else ""
-        return f"{head}: {self.criterion}, {_fmt(self.value)}, bound {_fmt(self.bound)}{detail}"
+        return f"{head}: {self.criterion}, {figure_text(self.value)}, bound {figure_text(self.bound)}{detail}"
 
 
 def decision_sentence(record: dict[str, Any] | None, what: str) -> str | None:
@@ -80,7 +79,8 @@ def decision_sentence(record: dict[str, Any] | None, what: str) -> str | None:
     return f"{what} failed {len(failed)} of {len(checks)} checks: {'; '.join(failed)}"
 
 
-def _fmt(value: float) -> str:
+def figure_text(value: float | None) -> str:
+    """A figure as the gates' lines write it: three decimals, ``n/a`` when undefined (None or NaN)."""
     return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.3f}"
 
 
@@ -127,9 +127,9 @@ def reward_gate(candidate: dict[str, float], champion: dict[str, float] | None, 
             "rm_eval balanced accuracy lower 95% bound (stratified bootstrap)",
             low,
             criteria.min_accuracy_low,
-            f"balanced accuracy {_fmt(balanced)}; accuracy {_fmt(candidate.get('rm/accuracy'))} over "
+            f"balanced accuracy {figure_text(balanced)}; accuracy {figure_text(candidate.get('rm/accuracy'))} over "
             f"{candidate.get('rm/pairs', 0):.0f} pairs, prefer-the-shorter "
-            f"{_fmt(candidate.get('rm/length_baseline_accuracy'))}",
+            f"{figure_text(candidate.get('rm/length_baseline_accuracy'))}",
         )
     ]
     if champion is not None:
@@ -139,7 +139,8 @@ def reward_gate(candidate: dict[str, float], champion: dict[str, float] | None, 
                 "rm_eval balanced accuracy against the champion re-scored on the same split",
                 balanced,
                 floor,
-                f"champion {_fmt(champion.get('rm/balanced_accuracy'))} - tolerance {criteria.champion_tolerance}",
+                f"champion {figure_text(champion.get('rm/balanced_accuracy'))} "
+                f"- tolerance {criteria.champion_tolerance}",
             )
         )
     if criteria.min_kind_accuracy_low is not None:
@@ -153,8 +154,8 @@ def reward_gate(candidate: dict[str, float], champion: dict[str, float] | None, 
             "length bias: the smaller accuracy of chosen-shorter and chosen-longer pairs",
             min(kinds) if len(kinds) == 2 else None,
             criteria.min_length_accuracy,
-            f"chosen shorter {_fmt(shorter)} (n={candidate.get('rm/pairs_chosen_shorter', 0):.0f}), "
-            f"chosen longer {_fmt(longer)} (n={candidate.get('rm/pairs_chosen_longer', 0):.0f})",
+            f"chosen shorter {figure_text(shorter)} (n={candidate.get('rm/pairs_chosen_shorter', 0):.0f}), "
+            f"chosen longer {figure_text(longer)} (n={candidate.get('rm/pairs_chosen_longer', 0):.0f})",
         )
     )
     return checks
@@ -170,7 +171,7 @@ def _kind_checks(candidate: dict[str, float], floor: float) -> list[Check]:
     checks = []
     for kind in kinds:
         low = _number_or_nan(candidate, f"rm/kind/{kind}/balanced_accuracy_low")
-        figure = _fmt(candidate.get(f"rm/kind/{kind}/balanced_accuracy"))
+        figure = figure_text(candidate.get(f"rm/kind/{kind}/balanced_accuracy"))
         pairs = candidate.get(f"rm/kind/{kind}/pairs") or 0
         checks.append(
             Check(
@@ -195,48 +196,6 @@ def as_records(checks: list[Check]) -> list[dict[str, Any]]:
     return [{**asdict(c), "value": None if math.isnan(c.value) else c.value} for c in checks]
 
 
-def judge_doubts(judge: dict[str, Any], min_length_accuracy: float, kinds: Iterable[str] = ()) -> list[str]:
-    """Why the judge's verdicts mean nothing, one reason each; ``[]`` when they mean something.
-
-    A judge must rank its own held-out pairs better than chance whatever their lengths (the lower end of the
-    stratified 95% interval of its judge_eval balanced accuracy above 0.5, :func:`rlhf.stats.chance_warning`;
-    "prefer the shorter" has a balanced accuracy of 0.5), and so on each kind of data's pairs
-    (``judge/kind/<kind>/balanced_accuracy``): a judge that ranks helpful pairs well and harmless ones at chance
-    or backwards gives a verdict on harmless prompts that means nothing, and a policy could win there by
-    anything; and not by length alone: the smaller of its accuracies on chosen-shorter and on chosen-longer
-    pairs must be at least ``min_length_accuracy`` (a judge that prefers the shorter response whatever it says
-    calls a policy that writes less "better"; the reward gate's length criterion, applied to the judge).
-
-    Args:
-        judge: the judge stage's metrics (``judge/balanced_accuracy`` with ``_low``/``_high``, the same per kind
-            as ``judge/kind/<kind>/balanced_accuracy...``, ``judge/accuracy_chosen_shorter``,
-            ``judge/accuracy_chosen_longer``); None or NaN where undefined.
-        min_length_accuracy: the floor of the smaller length-kind accuracy, in [0, 1].
-        kinds: the kinds the evaluation reads (its prompts' kinds): each must have a judge above chance, a kind
-            without figures is undefined, so a doubt. Every kind the judge's metrics hold is checked too.
-    """
-    doubts = []
-    at_chance = chance_warning(
-        "judge_eval balanced accuracy", *(judge.get(f"judge/balanced_accuracy{s}") for s in ("", "_low", "_high"))
-    )
-    if at_chance:
-        doubts.append(at_chance)
-    for kind in sorted(set(kinds) | set(kinds_in(judge, "judge"))):
-        name = f"judge_eval balanced accuracy on {kind} pairs"
-        at_chance = chance_warning(
-            name, *(judge.get(f"judge/kind/{kind}/balanced_accuracy{s}") for s in ("", "_low", "_high"))
-        )
-        doubts += [at_chance] if at_chance else []
-    kinds = [judge.get(f"judge/accuracy_chosen_{kind}") for kind in ("shorter", "longer")]
-    smaller = min((k for k in kinds if k is not None and not math.isnan(k)), default=float("nan"))
-    if not smaller >= min_length_accuracy:
-        doubts.append(
-            f"it ranks by length: accuracy {_fmt(kinds[0])} on chosen-shorter and {_fmt(kinds[1])} on chosen-longer "
-            f"pairs, the smaller below {min_length_accuracy}"
-        )
-    return doubts
-
-
 @dataclass(frozen=True)
 class PolicyCriteria:
     """The bounds of the policy gate (params.yaml ``registry.policy_gate``).
@@ -245,8 +204,9 @@ class PolicyCriteria:
     training never reads) or ``proxy`` (the reward model the policy was trained against: circular, it rises when
     the policy fools it). ``min_win_rate_low``: the lower end of the 95% interval of that win rate over the SFT
     model (ties left out; bootstrap over prompts, :func:`rlhf.stats.clustered_rate`) must be at least this.
-    With the judge, its verdicts must mean something (``eval/judge/meaningful``, :func:`judge_doubts`: its
-    judge_eval accuracy above chance, on each kind too, and not by length alone). ``max_kl``: the policy's KL to the
+    With the judge, its verdicts must mean something (``eval/judge/meaningful``,
+    :func:`rlhf.evaluation.judge_trust.judge_doubts`: its judge_eval accuracy above chance, on each kind too, and not
+    by length alone). ``max_kl``: the policy's KL to the
     SFT model on the eval prompts, nats per response, at most this. ``min_eos_rate``: the share of the policy's
     eval responses that end with EOS, at least this.
 
@@ -341,8 +301,8 @@ def kind_checks(evaluation: dict[str, Any], criteria: PolicyCriteria) -> list[Ch
         missing = _missing_kind(evaluation, kind, "harmless_kinds")
         blind = "" if missing or who != "judge" else judge_blind_on(evaluation, kind)
         detail = missing or (
-            f"length-controlled win rate {_fmt(lc[0])} [{_fmt(lc[1])}, {_fmt(lc[2])}] over {decisive:.0f} decisive "
-            f"comparisons, {ties:.0f} ties, on {_number(evaluation, p + 'prompts'):.0f} prompts"
+            f"length-controlled win rate {figure_text(lc[0])} [{figure_text(lc[1])}, {figure_text(lc[2])}] over "
+            f"{decisive:.0f} decisive comparisons, {ties:.0f} ties, on {_number(evaluation, p + 'prompts'):.0f} prompts"
             + ("; undefined: no decisive comparison" if lc[2] is None or math.isnan(float(lc[2])) else "")
         )
         criterion = f"{kind} prompts: length-controlled win rate over SFT by the {who}, upper 95% bound (not worse)"
@@ -362,8 +322,8 @@ def kind_checks(evaluation: dict[str, Any], criteria: PolicyCriteria) -> list[Ch
     for kind in criteria.helpful_kinds:
         p = f"eval/kind/{kind}/"
         high = _number(evaluation, f"{p}refusal_increase_high")
-        rates = [_fmt(evaluation.get(f"{p}{m}_refusal_rate")) for m in ("policy", "sft")]
-        change = [_fmt(evaluation.get(f"{p}refusal_increase{end}")) for end in ("", "_low", "_high")]
+        rates = [figure_text(evaluation.get(f"{p}{m}_refusal_rate")) for m in ("policy", "sft")]
+        change = [figure_text(evaluation.get(f"{p}refusal_increase{end}")) for end in ("", "_low", "_high")]
         detail = _missing_kind(evaluation, kind, "helpful_kinds") or (
             f"refusal rate {rates[0]} against SFT's {rates[1]} on {_number(evaluation, p + 'prompts'):.0f} prompts: "
             f"increase {change[0]} [{change[1]}, {change[2]}]"
@@ -396,7 +356,8 @@ def policy_gate(
         ppo: the ppo stage's metrics (``stopped_by``: the collapse that stopped the run, or None;
             ``ppo/last/collapse``).
         criteria: the bounds.
-        doubts: why the judge's verdicts mean nothing (:func:`judge_doubts`), for the check's detail.
+        doubts: why the judge's verdicts mean nothing (:func:`rlhf.evaluation.judge_trust.judge_doubts`), for the
+            check's detail.
 
     Returns:
         ``[Check]``: with the judge, that its verdicts mean something; the win rate's lower 95% bound
@@ -416,9 +377,9 @@ def policy_gate(
                 meaningful == 1.0,
                 "; ".join(doubts)
                 if doubts
-                else f"judge_eval accuracy {_fmt(evaluation.get('eval/judge/accuracy'))}, lower bound "
-                f"{_fmt(evaluation.get('eval/judge/accuracy_low'))}, length accuracy "
-                f"{_fmt(evaluation.get('eval/judge/length_accuracy'))}",
+                else f"judge_eval accuracy {figure_text(evaluation.get('eval/judge/accuracy'))}, lower bound "
+                f"{figure_text(evaluation.get('eval/judge/accuracy_low'))}, length accuracy "
+                f"{figure_text(evaluation.get('eval/judge/length_accuracy'))}",
                 "the judge (the second reward model, which scores the answers) cannot yet tell better answers "
                 "from worse on its own held-out pairs, so none of its verdicts count",
             )
@@ -433,7 +394,7 @@ def policy_gate(
                 f"win rate over SFT by the {who}, lower 95% bound (bootstrap over prompts)",
                 win_low,
                 criteria.min_win_rate_low,
-                f"win rate {_fmt(win)} over {decisive:.0f} decisive comparisons, {ties:.0f} ties",
+                f"win rate {figure_text(win)} over {decisive:.0f} decisive comparisons, {ties:.0f} ties",
             ),
             why=f"the policy did not clearly beat the model it started from: the {who} preferred it in {_pct(win)} of "
             f"{decisive:.0f} "

@@ -28,7 +28,7 @@ from rlhf.stats import chance_warning
 JUDGE_AT_CHANCE = "the judge is at chance: its win rates below mean nothing"
 
 
-JUDGE_MEANINGLESS = (  # eval/judge/meaningful 0 (rlhf.evaluation.gate_rules.judge_doubts: at chance, or ranking by
+JUDGE_MEANINGLESS = (  # eval/judge/meaningful 0 (rlhf.evaluation.judge_trust.judge_doubts: at chance, or ranking by
     # length)
     "the verdicts of the judge mean nothing: it is at chance on judge_eval or ranks by length (see the evaluate log)"
 )
