@@ -4,13 +4,14 @@
 dep a column and every headline figure a ``file:key`` column, so its table is a row of ``…`` at 120 columns. This
 command reads the same data (``dvc exp show --json``, run in the project) and turns it round: one column per
 experiment and its baseline commit, one row per param that differs between them (what was swept) and per headline
-figure of each stage (``metrics/headline/<stage>.json``, ``dvc metrics show``'s row of the stage). Every figure
+figure of each stage (:func:`tasks.kit.paths.headline`, ``dvc metrics show``'s row of the stage). Every figure
 of a stage stays in ``dvc metrics diff <a> <b> --targets metrics/<stage>.json``.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from typing import Any
@@ -20,9 +21,9 @@ from rich.console import Console
 from rich.table import Table
 
 from tasks.cli import run_command
+from tasks.kit import paths
 from tasks.kit.registry import RegistryError, _project
 
-HEADLINE_PREFIX = "metrics/headline/"
 app = typer.Typer(
     add_completion=False,
     rich_markup_mode="markdown",
@@ -49,8 +50,8 @@ def _columns(entry: dict[str, Any], name: str) -> tuple[str, dict[str, Any], dic
     params = flatten(((data.get("params") or {}).get("params.yaml") or {}).get("data") or {})
     figures = {}
     for path, found in (data.get("metrics") or {}).items():
-        if path.startswith(HEADLINE_PREFIX) and isinstance((found or {}).get("data"), dict):
-            stage = path[len(HEADLINE_PREFIX) :].removesuffix(".json")
+        if paths.is_headline(path) and isinstance((found or {}).get("data"), dict):
+            stage = os.path.basename(path).removesuffix(".json")
             figures |= {f"{stage} {key}": value for key, value in found["data"].items()}
     return name, params, figures
 
