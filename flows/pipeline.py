@@ -25,7 +25,7 @@ from prefect.runtime import flow_run
 from prefect.states import Completed, Failed
 
 from flows.approval import await_approval, awaiting
-from flows.console import to_prefect_log
+from flows.console import fit, shorten_for_console, to_prefect_log
 from flows.deployments import clean_revision, run_on_pool, stage_pool
 from flows.pools import pool_limits
 from flows.stages import (
@@ -40,7 +40,15 @@ from flows.stages import (
     stale_reasons,
     stale_stages,
 )
-from flows.summary import COMPLETED, GATE_FAILED, print_summary, read_metrics, summary_markdown, verdict
+from flows.summary import (
+    COMPLETED,
+    GATE_FAILED,
+    print_summary,
+    read_metrics,
+    summary_markdown,
+    verdict,
+    verdict_lines,
+)
 from tasks.kit import paths
 from tasks.kit.common import one_line
 from tasks.kit.outputs import load_json
@@ -52,7 +60,8 @@ from tasks.kit.runs import VERDICT_SENTENCE_TAG, VERDICT_TAG, StageRun
 def rlhf_pipeline(stages: list[str] | None = None, pools: bool = False) -> Any:
     """:func:`run_pipeline` as a Prefect flow: prints the summary table once (:func:`flows.summary.print_summary`),
     publishes it as the flow run's Markdown artifact ``rlhf-summary``, and ends in a state named after the verdict
-    (:func:`flows.summary.verdict`), its message the verdict's sentence, also the last line of its Prefect log:
+    (:func:`flows.summary.verdict`), its message the verdict's sentence, whose lines end its Prefect log
+    (:func:`flows.summary.verdict_lines`):
     ``Completed`` (type COMPLETED) when every gate that ran passed, ``Gate failed`` (type FAILED, red in the UI,
     FAILED in ``prefect flow-run ls``, what an automation or notification on failed runs acts on) when a gate
     refused; a stage that failed ends the run Failed with the stage's error. ``make pipeline`` exits 0 on a gate
@@ -72,7 +81,8 @@ def rlhf_pipeline(stages: list[str] | None = None, pools: bool = False) -> Any:
         key="rlhf-summary", markdown=summary_markdown(metrics), description="The pipeline run's figures"
     )
     name, sentence = verdict(metrics)
-    to_prefect_log(f"[flow] {sentence}")  # the console prints it last, after dvc status
+    for line in verdict_lines(metrics):  # the console prints them last, after dvc status
+        to_prefect_log(line)
     return (Completed if name == COMPLETED else Failed)(name=name, message=sentence, data=metrics)
 
 
@@ -211,7 +221,8 @@ def leave_soon_after_ctrl_c(grace_s: float = CTRL_C_GRACE_S) -> None:
 
 
 def main(stage: list[str] = typer.Option(None, help="run only these stages (repeatable)")) -> None:
-    """Run the pipeline flow and print ``dvc status`` (stale stages with why; ``up to date``), then the verdict.
+    """Run the pipeline flow and print ``dvc status`` (stale stages with why; ``up to date``), then the verdict: its
+    head and a line for each failed check (:func:`flows.summary.verdict_lines`), in 120 columns.
 
     The console shows each stage's start, loud lines and end (:mod:`flows.console`; the rest is in
     ``logs/<stage>.log``) and Prefect's flow-level lines, not its server's or each task's state. A failed flow
@@ -222,11 +233,13 @@ def main(stage: list[str] = typer.Option(None, help="run only these stages (repe
     logging.getLogger("prefect.task_runs").setLevel(logging.WARNING)  # a stage's own end line says it finished
     for name in ("prefect.flow_runs", "prefect.task_runs"):  # a failed stage: its line, not the engine's traceback
         logging.getLogger(name).addFilter(without_traceback)
+    for handler in logging.getLogger().handlers:  # Prefect's console handler: its lines in 120 columns
+        handler.addFilter(shorten_for_console)
     leave_soon_after_ctrl_c()
     try:
         metrics = flow_metrics(stage or None)
     except (StageRefused, ValueError, RuntimeError) as err:
-        print(f"[flow] FAILED: {first_line(err)}")
+        print(fit(f"[flow] FAILED: {first_line(err)}"))
         raise SystemExit(1) from None
     except KeyboardInterrupt:
         print(STOPPED)
@@ -234,12 +247,11 @@ def main(stage: list[str] = typer.Option(None, help="run only these stages (repe
     status = dvc_status()
     stale = stale_stages(status)
     always = sorted(set(status) - set(stale))
-    print(
-        "dvc status:",
-        "; ".join(f"{name}: {why}" for name, why in stale.items()) or "up to date",
-        f"(always changed, by design: {', '.join(always)})" if always else "",
-    )
-    print(f"[flow] {verdict(metrics)[1]}")
+    stale_text = "; ".join(f"{name}: {why}" for name, why in stale.items()) or "up to date"
+    by_design = f" (always changed, by design: {', '.join(always)})" if always else ""
+    print(fit(f"dvc status: {stale_text}{by_design}"))
+    for line in verdict_lines(metrics):
+        print(fit(line))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rlhf.data.kinds import kinds_in
-from rlhf.evaluation.gate_rules import decision_sentence
+from rlhf.evaluation.gate_rules import decision_parts, decision_sentence
 from rlhf.stats import chance_warning
 from tasks.kit.outputs import timing_path
 from tasks.kit.paths import POLICY_GATE, REWARD_GATE
@@ -235,3 +235,17 @@ def verdict(metrics: dict[str, dict]) -> tuple[str, str]:
             passed = metrics[stage]["decision"] == "pass"
             return (COMPLETED, sentence) if passed else (GATE_FAILED, f"{sentence} ({report})")
     return COMPLETED, "no gate ran"
+
+
+def verdict_lines(metrics: dict[str, dict]) -> list[str]:
+    """:func:`verdict` as the console's last lines and its Prefect log's: ``[flow]`` and its head (with the report
+    that holds its figures when a gate failed), then a ``  - why`` line for each failed check, e.g. ``["[flow]
+    policy gate failed 2 of 9 checks (reports/policy_gate.json):", "  - too many of the policy's answers were cut
+    off before they ended (30% ended, at least 50% must)", ...]``; the console wraps each at 120 columns
+    (:func:`flows.console.fit`)."""
+    for stage, what, report in (("evaluate", "policy gate", POLICY_GATE), ("gate", "reward gate", REWARD_GATE)):
+        parts = decision_parts(metrics.get(stage), what)
+        if parts is not None:
+            head, reasons = parts
+            return [f"[flow] {head} ({report}):", *(f"  - {why}" for why in reasons)] if reasons else [f"[flow] {head}"]
+    return ["[flow] no gate ran"]

@@ -4,10 +4,11 @@ figures; the verdict; and a stage's warnings on one line."""
 from __future__ import annotations
 
 import io
+import logging
 import warnings
 
-from flows.console import CLEAR, relay
-from flows.summary import figure, headline, verdict
+from flows.console import CLEAR, fit, relay, shorten_for_console
+from flows.summary import figure, headline, verdict, verdict_lines
 from tasks.kit.console import QUIET_ENV, quiet_libraries
 
 
@@ -102,6 +103,41 @@ def test_the_verdict_is_the_policy_gates_when_evaluate_ran_else_the_reward_gates
         "reward gate failed 2 of 3 checks: EOS rate; win rate (reports/reward_gate.json)",
     )
     assert verdict({"sft": {}}) == ("Completed", "no gate ran")
+
+
+def test_the_verdicts_lines_are_its_head_then_one_item_per_failed_check():
+    failed = {"decision": "fail", "checks": [check("EOS rate", False), check("KL", True), check("win rate", False)]}
+    passed = {"decision": "pass", "checks": [check("EOS rate", True)]}
+    assert verdict_lines({"gate": passed, "evaluate": failed}) == [
+        "[flow] policy gate failed 2 of 3 checks (reports/policy_gate.json):",
+        "  - EOS rate",
+        "  - win rate",
+    ]
+    assert verdict_lines({"gate": passed}) == ["[flow] reward gate passed all 1 checks"]
+    assert verdict_lines({"sft": {}}) == ["[flow] no gate ran"]
+
+
+def test_a_long_console_line_wraps_at_120_columns_under_its_text_and_keeps_its_words_whole():
+    assert fit("[ppo] done in 3 s") == "[ppo] done in 3 s"  # fits: as it is
+    figures = ", ".join(f"rm/kind/harmless/figure_{i}=0.{i:03d}" for i in range(12))
+    wrapped = fit(f"[reward] done in 235 s: {figures}").splitlines()
+    assert len(wrapped) == 5 and all(len(line) <= 120 for line in wrapped)
+    assert all(line.startswith(" " * 9) and line[9] != " " for line in wrapped[1:])  # under the text after [reward]
+    assert " ".join(line.strip() for line in wrapped) == f"[reward] done in 235 s: {figures}"  # nothing lost
+    item = fit("  - " + "the judge cannot tell " * 8).splitlines()
+    assert item[0].startswith("  - the judge") and all(line[:4] == "    " != line[:5] for line in item[1:])
+    path = "reports/" + "x" * 130 + ".json"
+    assert fit(f"[gate] see {path}").splitlines() == ["[gate] see", f"       {path}"]  # a path stays whole
+
+
+def test_prefects_own_long_console_line_is_cut_to_one_line_of_120_columns():
+    message = "Finished in state Gate failed('policy gate failed 6 of 8 checks: " + "the judge cannot tell; " * 30
+    record = logging.LogRecord("prefect.flow_runs", logging.INFO, __file__, 1, "%s", (message,), None)
+    assert shorten_for_console(record) is True  # kept, cut
+    assert len(record.getMessage()) <= 95 and record.getMessage().endswith(" [...]")
+    assert record.getMessage().startswith("Finished in state Gate failed('policy gate failed 6 of 8 checks:")
+    short = logging.LogRecord("prefect.flow_runs", logging.INFO, __file__, 1, "Beginning flow run %s", ("x",), None)
+    assert shorten_for_console(short) and short.getMessage() == "Beginning flow run x"
 
 
 def test_a_stages_warnings_print_once_on_one_line(capsys, monkeypatch):

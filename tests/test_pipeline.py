@@ -222,18 +222,32 @@ def test_prefect_flow_runs_the_stale_stages_on_two_sharded_processes_and_groups_
         assert log.count(f"[{stage}] started (MLflow run") == 1 and "it/s]" not in log  # no bar off a terminal
     assert output.count("RLHF pipeline") == 1  # the summary table, once
     lines = output.splitlines()  # stdout, then stderr (Prefect's log lines)
-    (status,) = [line for line in lines if line.startswith("dvc status:")]
+    assert max(map(len, lines)) <= 120, max(lines, key=len)  # a person's terminal; Prefect's lines shortened too
+    (start,) = [i for i, line in enumerate(lines) if line.startswith("dvc status:")]
+    head = next(i for i in range(start, len(lines)) if lines[i].startswith("[flow] "))
+    status = " ".join(line.strip() for line in lines[start:head])  # wrapped at 120 columns
     assert "evaluate: changed deps" in status  # evaluate, not asked for, reads the new policy: stale
-    verdict = lines[lines.index(status) + 1]  # stdout's last line: the verdict (of the fixture's evaluate)
-    assert verdict.startswith("[flow] policy gate failed ") and verdict.endswith("(reports/policy_gate.json)")
+    # stdout's last lines: the verdict (of the fixture's evaluate), its head and a "- why" for each failed check
+    head_line, *rest = lines[head:]
+    assert head_line.startswith("[flow] policy gate failed ") and head_line.endswith("(reports/policy_gate.json):")
+    reasons: list[str] = []
+    for line in rest[: next((i for i, line in enumerate(rest) if not line.startswith("  ")), len(rest))]:
+        if line.startswith("  - "):
+            reasons.append(line[4:])
+        else:  # wrapped: indented under its item's text
+            assert line.startswith("    ") and not line.startswith("     "), line
+            reasons[-1] += " " + line.strip()
+    assert len(reasons) == int(head_line.split()[4]), (head_line, reasons)  # "failed N of M checks"
     # Prefect holds the outcome a team acts on: a refused gate is a FAILED state (red, automations fire), exit 0
     # above; its log holds every line the console showed, the verdict last
     with sqlite3.connect(os.path.join(project, ".prefect-home", "prefect.db")) as db:
         states = db.execute("select state_type, state_name, state_id from flow_run").fetchall()
         logs = [row[0] for row in db.execute("select message from log order by timestamp").fetchall()]
     assert [(kind, name) for kind, name, _ in states] == [("FAILED", "Gate failed")]
-    assert all(line in logs for line in lines if re.match(r"\[(\w+)\] (running|done)", line)), logs
-    assert [line for line in logs if line.startswith("[flow] ")][-1] == verdict
+    shown = [line for line in lines if re.match(r"\[(\w+)\] (running|done)", line)]  # a wrapped one: its start
+    assert all(any(log.startswith(line) for log in logs) for line in shown), logs
+    last = len(logs) - 1 - logs[::-1].index(head_line)
+    assert logs[last : last + 1 + len(reasons)] == [head_line, *(f"  - {why}" for why in reasons)]  # whole lines
     with sqlite3.connect(os.path.join(project, "mlflow.db")) as db:
         parents = db.execute(  # the flow's pipeline run (the fixture's `dvc repro` made its own)
             "select run_uuid from tags where key = 'rlhf.pipeline_run_id' and value like 'prefect-%' and run_uuid in "
@@ -249,7 +263,10 @@ def test_prefect_flow_runs_the_stale_stages_on_two_sharded_processes_and_groups_
         tags = dict(db.execute("select key, value from tags where run_uuid = ?", parents[0]).fetchall())
     assert children == len(ran)
     # the runs page reads the verdict, the source and the commit off the parent run as off any run
-    assert tags["rlhf.verdict"] == "Gate failed" and verdict == f"[flow] {tags['rlhf.verdict.sentence']}"
+    sentence = tags["rlhf.verdict.sentence"]  # the verdict as one sentence
+    assert tags["rlhf.verdict"] == "Gate failed"
+    what, report = head_line.removeprefix("[flow] ").removesuffix(":").rsplit(" (", 1)
+    assert sentence == f"{what}: {'; '.join(reasons)} ({report}"
     assert tags["mlflow.source.name"] == "dvc.yaml" and tags["mlflow.source.type"] == "PROJECT"
     assert re.fullmatch(r"[0-9a-f]{40}", tags["mlflow.source.git.commit"])
     # the parent is named for people and holds the whole params as this run read them (the profile applied)

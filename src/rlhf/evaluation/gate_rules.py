@@ -64,19 +64,29 @@ class Check:
         return f"{head}: {self.criterion}, {figure_text(self.value)}, bound {figure_text(self.bound)}{detail}"
 
 
-def decision_sentence(record: dict[str, Any] | None, what: str) -> str | None:
-    """A gate's decision record (``reports/{reward,policy}_gate.json``) as one sentence naming the checks that
-    failed and why, each by its plain words (:attr:`Check.why`) where it has them, else its criterion, e.g.
-    ``"policy gate failed 2 of 9 checks: too many of the policy's answers were cut off before they ended (30%
-    ended, at least 50% must); ..."`` or ``"reward gate passed all 5 checks"``; None without a record (the gate
+def decision_parts(record: dict[str, Any] | None, what: str) -> tuple[str, list[str]] | None:
+    """A gate's decision record (``reports/{reward,policy}_gate.json``) as its head, e.g. ``"policy gate failed 2
+    of 9 checks"`` or ``"reward gate passed all 5 checks"``, and why each failed check failed, by its plain words
+    (:attr:`Check.why`) where it has them, else its criterion (none when it passed); None without a record (the gate
     has not run). ``what``: the gate's name."""
     if not record or "decision" not in record:
         return None
     checks = record.get("checks") or []
     if record["decision"] == "pass":
-        return f"{what} passed all {len(checks)} checks"
+        return f"{what} passed all {len(checks)} checks", []
     failed = [check.get("why") or check["criterion"] for check in checks if not check.get("passed")]
-    return f"{what} failed {len(failed)} of {len(checks)} checks: {'; '.join(failed)}"
+    return f"{what} failed {len(failed)} of {len(checks)} checks", failed
+
+
+def decision_sentence(record: dict[str, Any] | None, what: str) -> str | None:
+    """:func:`decision_parts` as one sentence, e.g. ``"policy gate failed 2 of 9 checks: too many of the policy's
+    answers were cut off before they ended (30% ended, at least 50% must); ..."`` or ``"reward gate passed all 5
+    checks"``; None without a record."""
+    parts = decision_parts(record, what)
+    if parts is None:
+        return None
+    head, reasons = parts
+    return f"{head}: {'; '.join(reasons)}" if reasons else head
 
 
 def figure_text(value: float | None) -> str:
