@@ -464,10 +464,14 @@ def test_experiments_side_by_side_show_the_params_that_differ_and_every_headline
         {"rev": "abcdef1234", "data": data(0.05), "experiments": [
             {"revs": [{"rev": "9" * 40, "name": "kl-0.1", "data": data(0.1, {"new": [1, 2]}, {"kl": 0.25})}]},
             {"revs": [{"rev": "8" * 40, "name": "broken", "data": None, "error": {"msg": "failed"}}]},
+            {"revs": [{"rev": "7" * 40, "name": "long", "data": data(0.1, {"profile": "long"})}]},
         ]},
     ]  # fmt: skip
     columns = experiment_columns(shown)
-    assert [name for name, _, _ in columns] == ["workspace", "abcdef1", "kl-0.1"]  # the failed one left out
+    assert [name for name, _, _ in columns] == ["workspace", "abcdef1", "kl-0.1", "long"]  # the failed one left out
+    # each param as the stages read it, the profile applied: the long run's 80 iterations, no row per profile key
+    assert columns[3][1] == {"ppo.kl_coef": 0.1, "ppo.iterations": 80, "profile": "long"}
+    columns = columns[:3]
     from rich.console import Console
 
     console = Console(width=120, record=True)

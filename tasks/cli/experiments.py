@@ -3,7 +3,8 @@
 ``dvc exp show`` makes every key of every params.yaml section a stage reads a column (each profile's too), every
 dep a column and every headline figure a ``file:key`` column, so its table is a row of ``…`` at 120 columns. This
 command reads the same data (``dvc exp show --json``, run in the project) and turns it round: one column per
-experiment and its baseline commit, one row per param that differs between them (what was swept) and per headline
+experiment and its baseline commit, one row per param that differs between them as the stages read it (the
+profile applied: what was swept) and per headline
 figure of each stage (:func:`tasks.kit.paths.headline`, ``dvc metrics show``'s row of the stage). Every figure
 of a stage stays in ``dvc metrics diff <a> <b> --targets metrics/<stage>.json``.
 """
@@ -22,6 +23,7 @@ from rich.table import Table
 
 from tasks.cli import run_command
 from tasks.kit import paths
+from tasks.kit.params import stage_params
 from tasks.kit.registry import RegistryError, _project
 
 app = typer.Typer(
@@ -44,10 +46,25 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def as_read(params: dict[str, Any]) -> dict[str, Any]:
+    """params.yaml as the stages read it: each section with its preset and the run's profile applied
+    (:func:`tasks.kit.params.stage_params`), so ``reward.steps`` is what the reward stage trained for, not the
+    demo's value beside a ``reward.profiles.long.steps``; a section that does not resolve stays as written.
+    Top-level values (``profile``) stay."""
+    read: dict[str, Any] = {}
+    for key, value in params.items():
+        try:
+            read[key] = stage_params(key, params) if isinstance(value, dict) else value
+        except ValueError:  # an unknown profile or preset: the run failed on it; show what was written
+            read[key] = value
+    return read
+
+
 def _columns(entry: dict[str, Any], name: str) -> tuple[str, dict[str, Any], dict[str, Any]]:
-    """``(column name, flat params, headline figures)`` of one commit or experiment of ``dvc exp show --json``."""
+    """``(column name, flat params as the stages read them, headline figures)`` of one commit or experiment of
+    ``dvc exp show --json``."""
     data = entry.get("data") or {}
-    params = flatten(((data.get("params") or {}).get("params.yaml") or {}).get("data") or {})
+    params = flatten(as_read(((data.get("params") or {}).get("params.yaml") or {}).get("data") or {}))
     figures = {}
     for path, found in (data.get("metrics") or {}).items():
         if paths.is_headline(path) and isinstance((found or {}).get("data"), dict):
@@ -84,7 +101,8 @@ def _cell(value: Any) -> str:
 
 
 def table(columns: list[tuple[str, dict[str, Any], dict[str, Any]]]) -> Table:
-    """Rows: the params whose value differs between the columns (a key one column lacks counts as different),
+    """Rows: the params whose value, as the stages read it, differs between the columns (a key one column lacks
+    counts as different),
     then every headline figure, ``<stage> <name>``, ``-`` where a column has none."""
     result = Table(box=None, pad_edge=False, header_style="bold")
     result.add_column("param / figure", overflow="fold")
