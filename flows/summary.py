@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rlhf.data.kinds import kinds_in
-from rlhf.evaluation.gate_rules import decision_parts, decision_sentence
+from rlhf.evaluation.gate_rules import decision_parts
 from rlhf.stats import chance_warning
 from tasks.kit.outputs import timing_path
 from tasks.kit.paths import POLICY_GATE, REWARD_GATE
@@ -219,22 +219,32 @@ def summary_markdown(metrics: dict[str, dict], timings: dict[str, float | None] 
 COMPLETED, GATE_FAILED = "Completed", "Gate failed"  # the flow's final state names (flows.pipeline.rlhf_pipeline)
 
 
+GATES = (("evaluate", "policy gate", POLICY_GATE), ("gate", "reward gate", REWARD_GATE))  # the deciding one first
+
+
+def _deciding_gate(metrics: dict[str, dict]) -> tuple[str, list[str], str | None]:
+    """``(head, why each failed check failed, its report or None when it passed)`` of the policy gate when evaluate
+    ran, else of the reward gate (:func:`rlhf.evaluation.gate_rules.decision_parts`); ``("no gate ran", [], None)``."""
+    for stage, what, report in GATES:
+        parts = decision_parts(metrics.get(stage), what)
+        if parts is not None:
+            return parts[0], parts[1], None if metrics[stage]["decision"] == "pass" else report
+    return "no gate ran", [], None
+
+
 def verdict(metrics: dict[str, dict]) -> tuple[str, str]:
     """What the run decided, as ``(state name, one sentence)``: the policy gate's decision when evaluate ran, else
-    the reward gate's (:func:`rlhf.evaluation.gate_rules.decision_sentence`, with the report that holds its figures);
-    the
-    flow's final state is named after it (Prefect's run list shows it), and the console's last line says it.
+    the reward gate's, with the report that holds its figures when it failed; the flow's final state is named after
+    it (Prefect's run list shows it) and carries the sentence; the console ends with it as :func:`verdict_lines`.
 
     e.g. ``("Gate failed", "policy gate failed 2 of 9 checks: EOS rate of the policy's responses; helpful
     prompts: refusal rate increase over SFT, upper 95% bound (...) (reports/policy_gate.json)")``,
     ``("Completed", "policy gate passed all 9 checks")``.
     """
-    for stage, what, report in (("evaluate", "policy gate", POLICY_GATE), ("gate", "reward gate", REWARD_GATE)):
-        sentence = decision_sentence(metrics.get(stage), what)
-        if sentence is not None:
-            passed = metrics[stage]["decision"] == "pass"
-            return (COMPLETED, sentence) if passed else (GATE_FAILED, f"{sentence} ({report})")
-    return COMPLETED, "no gate ran"
+    head, reasons, report = _deciding_gate(metrics)
+    if report is None:
+        return COMPLETED, head
+    return GATE_FAILED, f"{head}: {'; '.join(reasons)} ({report})"
 
 
 def verdict_lines(metrics: dict[str, dict]) -> list[str]:
@@ -243,9 +253,7 @@ def verdict_lines(metrics: dict[str, dict]) -> list[str]:
     policy gate failed 2 of 9 checks (reports/policy_gate.json):", "  - too many of the policy's answers were cut
     off before they ended (30% ended, at least 50% must)", ...]``; the console wraps each at 120 columns
     (:func:`flows.console.fit`)."""
-    for stage, what, report in (("evaluate", "policy gate", POLICY_GATE), ("gate", "reward gate", REWARD_GATE)):
-        parts = decision_parts(metrics.get(stage), what)
-        if parts is not None:
-            head, reasons = parts
-            return [f"[flow] {head} ({report}):", *(f"  - {why}" for why in reasons)] if reasons else [f"[flow] {head}"]
-    return ["[flow] no gate ran"]
+    head, reasons, report = _deciding_gate(metrics)
+    if report is None:
+        return [f"[flow] {head}"]
+    return [f"[flow] {head} ({report}):", *(f"  - {why}" for why in reasons)]
