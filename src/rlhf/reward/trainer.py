@@ -41,10 +41,10 @@ class RewardConfig(LoopConfig):
     length_expert: bool = True  # product of experts with a length expert fitted first, dropped after training
     length_decorrelation: float = 1.0  # coefficient of |the pairs' mean preference for the longer| (after ODIN)
     length_by_kind: bool = True  # the expert fitted and the preference taken on each kind of data apart
-    short_rejections: float = 0.25  # share of these kinds' pairs that also get a short reply as rejected (augment)
+    short_rejections: float = 0.5  # share of these kinds' pairs that also get a short reply as rejected (augment)
     short_rejection_kinds: tuple[str, ...] = ("helpful",)
     kind_heads: bool = True  # a score per kind of data, mixed by a learned kind gate (rlhf.models.kind_heads)
-    balance_kinds: bool = False  # every batch holds each kind's share of the pairs (not what length grouping brings)
+    balance_kinds: bool = True  # every batch holds each kind's share of the pairs (not what length grouping brings)
     checkpoint_every: int = 53  # a checkpoint writes the whole model (~6 s on 2 cores): at half the demo's steps
 
     def __post_init__(self) -> None:
