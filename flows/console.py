@@ -62,16 +62,25 @@ def say(line: str, prefix: str = "") -> None:
     to_prefect_log(line)
 
 
-def shorten_for_console(record: logging.LogRecord) -> bool:
-    """A filter for Prefect's console handler: a message (e.g. a final state's ``Finished in state Gate
-    failed(...)`` with the verdict's whole sentence) cut to one line of :data:`WIDTH` columns with its time and
-    level, ending ``[...]``. The flow prints the whole verdict itself, last; the run's Prefect log, which another
-    handler writes before this one sees the record, keeps it whole."""
-    message = record.getMessage()
-    room = WIDTH - 25  # Prefect's "HH:MM:SS.mmm | LEVEL   | "
-    if len(message) > room:
-        record.msg, record.args = textwrap.shorten(message, room, placeholder=" [...]"), None
-    return True
+class FitConsoleHandler(logging.Filter):
+    """A filter for Prefect's console handler: a record whose formatted line (time, level, ``Flow run 'name' - ``,
+    message) runs past :data:`WIDTH` columns has its message cut to fit, ending ``[...]`` (e.g. a final state's
+    ``Finished in state Gate failed(...)``, whose message is the verdict's whole sentence). The flow prints the whole
+    verdict itself, last; the run's Prefect log, which another handler writes before this one sees the record,
+    keeps it whole."""
+
+    def __init__(self, handler: logging.Handler) -> None:
+        super().__init__()
+        self.handler = handler
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """Cut the message where the line is too long; keep every record."""
+        over = len(self.handler.format(record).splitlines()[0]) - WIDTH
+        if over > 0:
+            message = record.getMessage()
+            record.msg = textwrap.shorten(message, max(len(message) - over, 20), placeholder=" [...]")
+            record.args = None
+        return True
 
 
 def stage_log(stage: str) -> str:

@@ -7,7 +7,7 @@ import io
 import logging
 import warnings
 
-from flows.console import CLEAR, fit, relay, shorten_for_console
+from flows.console import CLEAR, FitConsoleHandler, fit, relay
 from flows.summary import figure, headline, verdict, verdict_lines
 from tasks.kit.console import QUIET_ENV, quiet_libraries
 
@@ -131,13 +131,18 @@ def test_a_long_console_line_wraps_at_120_columns_under_its_text_and_keeps_its_w
 
 
 def test_prefects_own_long_console_line_is_cut_to_one_line_of_120_columns():
+    handler = logging.StreamHandler(io.StringIO())
+    handler.setFormatter(logging.Formatter("%(asctime)s | %(levelname)-7s | Flow run %(flow_run_name)r - %(message)s"))
     message = "Finished in state Gate failed('policy gate failed 6 of 8 checks: " + "the judge cannot tell; " * 30
     record = logging.LogRecord("prefect.flow_runs", logging.INFO, __file__, 1, "%s", (message,), None)
-    assert shorten_for_console(record) is True  # kept, cut
-    assert len(record.getMessage()) <= 95 and record.getMessage().endswith(" [...]")
-    assert record.getMessage().startswith("Finished in state Gate failed('policy gate failed 6 of 8 checks:")
+    record.flow_run_name = "cocky-puffin"
+    assert FitConsoleHandler(handler).filter(record) is True  # kept, cut
+    line = handler.format(record)
+    assert len(line) <= 120 and line.endswith(" [...]"), line
+    assert record.getMessage().startswith("Finished in state Gate failed('policy gate failed 6 ")
     short = logging.LogRecord("prefect.flow_runs", logging.INFO, __file__, 1, "Beginning flow run %s", ("x",), None)
-    assert shorten_for_console(short) and short.getMessage() == "Beginning flow run x"
+    short.flow_run_name = "cocky-puffin"
+    assert FitConsoleHandler(handler).filter(short) and short.getMessage() == "Beginning flow run x"
 
 
 def test_a_stages_warnings_print_once_on_one_line(capsys, monkeypatch):
