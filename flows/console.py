@@ -15,12 +15,12 @@ import textwrap
 from collections.abc import Callable
 from typing import BinaryIO, TextIO
 
+from tasks.kit.console import WIDTH, fit
+
 LOGS = "logs"
 LOUD = re.compile(r"^\[\w+\] (WARNING|GATE FAILED|error: |stopped by |FAILED|resuming from )")
 SKIPPED = re.compile(r"^Stage '[\w@.-]+' didn't change, skipping")  # DVC's line for an up-to-date stage
 CLEAR = "\r\x1b[K"  # back to the line's start and clear it (a terminal only)
-WIDTH = 120  # the console's lines, as a person reads them in a terminal, a file or CI's log
-HANGING = re.compile(r"(\[\w+\] )?( *- | *)")  # a product line's ``[stage] ``, then its indent or ``- `` item
 
 
 WARNS = re.compile(r"^\[\w+\] (WARNING|GATE FAILED)")
@@ -40,18 +40,6 @@ def to_prefect_log(line: str) -> None:
         return
     level = logging.ERROR if ERRORS.match(line) else logging.WARNING if WARNS.match(line) else logging.INFO
     logging.getLogger("prefect.extra").log(level, line)
-
-
-def fit(line: str, width: int = WIDTH) -> str:
-    """``line`` wrapped at spaces to ``width`` columns, each further line indented under the text after its
-    ``[stage] ``, its own indent and its ``- `` (two spaces where it has none of them); a word longer than the width
-    (a path, a ``key=value``) stays whole. A line that fits comes back as it is."""
-    if len(line) <= width:
-        return line
-    indent = " " * (len(HANGING.match(line).group(0)) or 2)
-    return textwrap.fill(
-        line, width, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False, drop_whitespace=True
-    )
 
 
 def say(line: str, prefix: str = "") -> None:

@@ -25,7 +25,7 @@ from prefect.runtime import flow_run
 from prefect.states import Completed, Failed
 
 from flows.approval import await_approval, awaiting
-from flows.console import FitConsoleHandler, fit, to_prefect_log
+from flows.console import FitConsoleHandler, to_prefect_log
 from flows.deployments import clean_revision, run_on_pool, stage_pool
 from flows.pools import pool_limits
 from flows.stages import (
@@ -51,6 +51,7 @@ from flows.summary import (
 )
 from tasks.kit import paths
 from tasks.kit.common import one_line
+from tasks.kit.console import fit
 from tasks.kit.outputs import load_json
 from tasks.kit.params import read_params, stage_params
 from tasks.kit.runs import VERDICT_SENTENCE_TAG, VERDICT_TAG, StageRun

@@ -7,9 +7,9 @@ import io
 import logging
 import warnings
 
-from flows.console import CLEAR, FitConsoleHandler, fit, relay
+from flows.console import CLEAR, FitConsoleHandler, relay
 from flows.summary import figure, headline, verdict, verdict_lines
-from tasks.kit.console import QUIET_ENV, quiet_libraries
+from tasks.kit.console import QUIET_ENV, fit, quiet_libraries
 
 
 class Chunks:

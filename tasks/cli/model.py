@@ -24,6 +24,7 @@ from rlhf.files import atomic_write_text, write_json
 from tasks.cli import run_command
 from tasks.cli.versions import UserError, default_version, find_version, using_line
 from tasks.kit.common import one_line, terminal_text
+from tasks.kit.console import fit
 
 app = typer.Typer(
     rich_markup_mode="markdown",  # the docstrings' `code` shown as code, not as backticks
@@ -111,7 +112,7 @@ def registered(model: str | None, client):
         found, note = default_version(client, name)
     else:
         found = find_version(model, client)
-    typer.echo(terminal_text(using_line(found, note)), err=True)
+    typer.echo(fit(terminal_text(using_line(found, note))), err=True)
     return found
 
 
@@ -304,8 +305,10 @@ def export(
     decision = found.tags.get(DECISION_TAG) if found is not None else None
     if decision == "fail":
         typer.echo(
-            f"warning: {found.name} version {found.version} failed its gate ({DECISION_TAG} = fail; its reasons: "
-            f"rlhf-registry status policy): the folder says so in its card",
+            fit(
+                f"warning: {found.name} version {found.version} failed its gate ({DECISION_TAG} = fail; its reasons: "
+                f"rlhf-registry status policy): the folder says so in its card"
+            ),
             err=True,
         )
 

@@ -2,16 +2,21 @@
 (MLflow's database set-up, their progress bars, Python warnings with their source line) quiet or on one line.
 
 The pipeline flow reads a stage's whole output into ``logs/<stage>.log`` and shows a person only the stage's start,
-end and loud lines (:mod:`flows.console`); this module keeps what goes into that log readable.
+end and loud lines (:mod:`flows.console`); this module keeps what goes into that log readable, and wraps a line a
+person reads (the flow's console, the commands' notes) to 120 columns (:func:`fit`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
+import textwrap
 import warnings
 
+WIDTH = 120  # the lines a person reads, in a terminal, a file or CI's log
+HANGING = re.compile(r"(\[\w+\] )?( *- | *)")  # a product line's ``[stage] ``, then its indent or ``- `` item
 PROGRESS_ENV = "RLHF_PROGRESS"  # "1": show the training loops' bars, "0": none; unset: when stderr is a terminal
 
 QUIET_ENV = {  # read by the libraries when they start a bar or configure their loggers
@@ -55,3 +60,15 @@ def quiet_libraries(stage: str) -> None:
             print(text, file=file or sys.stderr, flush=True)
 
     warnings.showwarning = one_line
+
+
+def fit(line: str, width: int = WIDTH) -> str:
+    """``line`` wrapped at spaces to ``width`` columns, each further line indented under the text after its
+    ``[stage] ``, its own indent and its ``- `` (two spaces where it has none of them); a word longer than the width
+    (a path, a ``key=value``) stays whole. A line that fits comes back as it is."""
+    if len(line) <= width:
+        return line
+    indent = " " * (len(HANGING.match(line).group(0)) or 2)
+    return textwrap.fill(
+        line, width, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False, drop_whitespace=True
+    )
