@@ -113,7 +113,8 @@ def test_response_logprobs_with_logits_to_keep_equal_the_full_forward(tiny_dir, 
 def test_sft_loss_with_the_head_on_targets_equals_the_full_logits_loss_with_gradients(tiny_dir, tokenizer, side):
     # SFT's step runs the LM head only where a response token is predicted (forward.target_logprobs); on the
     # same rows, the full forward's language_model_loss (every position through the head) is the same loss and
-    # the same gradients: fp32 both ways, 1e-6 (measured on the tiny model: bit-identical, both padding sides)
+    # the same gradients: fp32 both ways, within 1e-6, or 1e-5 of a gradient's largest entry (on the tiny model:
+    # bit-identical on the AMX Xeon; on the EPYC the tied embedding's gradient differed by 1.5e-6 of 0.63)
     examples = [
         {"prompt": [{"role": "user", "content": "q" * (3 + 5 * i)}], "chosen": [{"role": "assistant", "content": a}]}
         for i, a in enumerate(["ok", "a longer answer here", "no"])
@@ -136,7 +137,8 @@ def test_sft_loss_with_the_head_on_targets_equals_the_full_logits_loss_with_grad
     (lean_loss, lean_grads), (full_loss, full_grads) = grads
     assert lean_loss == pytest.approx(full_loss, abs=1e-6)
     for name, grad in full_grads.items():
-        torch.testing.assert_close(lean_grads[name], grad, rtol=0, atol=1e-6, msg=name)
+        scale = float(grad.abs().max())  # summation order: a tied head's gradient sums over every position
+        torch.testing.assert_close(lean_grads[name], grad, rtol=0, atol=max(1e-6, 1e-5 * scale), msg=name)
     # and the stage's own step function computes this loss
     step = sft_step(load_causal_lm(tiny_dir), tokenizer, encoded, FP32)
     loss, stats = step([0, 1, 2], [0, 1, 2])
