@@ -452,7 +452,7 @@ def test_rlhf_deploys_bad_option_is_one_line_where_prefect_draws_a_box():
 
 
 def test_experiments_side_by_side_show_the_params_that_differ_and_every_headline_figure():
-    from tasks.cli.experiments import experiment_columns, table
+    from tasks.cli.experiments import experiment_columns, flatten, table
 
     def data(kl, extra=None, figures=None):
         params = {"ppo": {"kl_coef": kl, "profiles": {"long": {"iterations": 80}}}, "profile": "demo", **(extra or {})}
@@ -471,6 +471,12 @@ def test_experiments_side_by_side_show_the_params_that_differ_and_every_headline
     assert [name for name, _, _ in columns] == ["workspace", "abcdef1", "kl-0.1", "long"]  # the failed one left out
     # each param as the stages read it, the profile applied: the long run's 80 iterations, no row per profile key
     assert columns[3][1] == {"ppo.kl_coef": 0.1, "ppo.iterations": 80, "profile": "long"}
+    # a list of mappings (data.more_sources) a row per key, as MLflow's params name them; other lists stay whole
+    assert flatten({"d": {"more": [{"n": "a", "rows": 4}], "kinds": [1, 2]}}) == {
+        "d.more.0.n": "a",
+        "d.more.0.rows": 4,
+        "d.kinds": [1, 2],
+    }
     columns = columns[:3]
     from rich.console import Console
 

@@ -38,10 +38,13 @@ class ExperimentsError(ValueError):
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; lists and other values are leaves."""
+    """``{"a": {"b": 1}, "c": [{"d": 2}]}`` -> ``{"a.b": 1, "c.0.d": 2}`` (as MLflow's params name them); a list
+    that holds anything but mappings, and every other value, is a leaf."""
     flat: dict[str, Any] = {}
     for key, value in tree.items():
         name = f"{prefix}{key}"
+        if isinstance(value, list) and value and all(isinstance(item, dict) for item in value):
+            value = {str(i): item for i, item in enumerate(value)}
         flat |= flatten(value, f"{name}.") if isinstance(value, dict) else {name: value}
     return flat
 
