@@ -50,7 +50,7 @@ def say(line: str, prefix: str = "") -> None:
     to_prefect_log(line)
 
 
-class FitConsoleHandler(logging.Filter):
+class FitToConsoleWidth(logging.Filter):
     """A filter for Prefect's console handler: a record whose formatted line (time, level, ``Flow run 'name' - ``,
     message) runs past :data:`WIDTH` columns has its message cut to fit, ending ``[...]`` (e.g. a final state's
     ``Finished in state Gate failed(...)``, whose message is the verdict's whole sentence). The flow prints the whole

@@ -25,7 +25,7 @@ from prefect.runtime import flow_run
 from prefect.states import Completed, Failed
 
 from flows.approval import await_approval, awaiting
-from flows.console import FitConsoleHandler, to_prefect_log
+from flows.console import FitToConsoleWidth, to_prefect_log
 from flows.deployments import clean_revision, run_on_pool, stage_pool
 from flows.pools import pool_limits
 from flows.stages import (
@@ -235,7 +235,7 @@ def main(stage: list[str] = typer.Option(None, help="run only these stages (repe
     for name in ("prefect.flow_runs", "prefect.task_runs"):  # a failed stage: its line, not the engine's traceback
         logging.getLogger(name).addFilter(without_traceback)
     for handler in logging.getLogger().handlers:  # Prefect's console handler: its lines in 120 columns
-        handler.addFilter(FitConsoleHandler(handler))
+        handler.addFilter(FitToConsoleWidth(handler))
     leave_soon_after_ctrl_c()
     try:
         metrics = flow_metrics(stage or None)

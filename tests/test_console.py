@@ -7,7 +7,7 @@ import io
 import logging
 import warnings
 
-from flows.console import CLEAR, FitConsoleHandler, relay
+from flows.console import CLEAR, FitToConsoleWidth, relay
 from flows.summary import figure, headline, verdict, verdict_lines
 from tasks.kit.console import QUIET_ENV, fit, quiet_libraries
 
@@ -136,13 +136,13 @@ def test_prefects_own_long_console_line_is_cut_to_one_line_of_120_columns():
     message = "Finished in state Gate failed('policy gate failed 6 of 8 checks: " + "the judge cannot tell; " * 30
     record = logging.LogRecord("prefect.flow_runs", logging.INFO, __file__, 1, "%s", (message,), None)
     record.flow_run_name = "cocky-puffin"
-    assert FitConsoleHandler(handler).filter(record) is True  # kept, cut
+    assert FitToConsoleWidth(handler).filter(record) is True  # kept, cut
     line = handler.format(record)
     assert len(line) <= 120 and line.endswith(" [...]"), line
     assert record.getMessage().startswith("Finished in state Gate failed('policy gate failed 6 ")
     short = logging.LogRecord("prefect.flow_runs", logging.INFO, __file__, 1, "Beginning flow run %s", ("x",), None)
     short.flow_run_name = "cocky-puffin"
-    assert FitConsoleHandler(handler).filter(short) and short.getMessage() == "Beginning flow run x"
+    assert FitToConsoleWidth(handler).filter(short) and short.getMessage() == "Beginning flow run x"
 
 
 def test_a_stages_warnings_print_once_on_one_line(capsys, monkeypatch):
