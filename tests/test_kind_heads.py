@@ -11,7 +11,7 @@ from rlhf.data.kinds import training_kinds
 from rlhf.models.kind_heads import head_kinds, mix, output_count, own_kind_scores, read_scores
 from rlhf.models.loading import load_scalar_model
 from rlhf.models.shared_prompt import score_groups, score_sequences
-from rlhf.reward.trainer import JudgeConfig, RewardConfig, encode_pairs, train_reward_model
+from rlhf.reward.trainer import RewardConfig, encode_pairs, train_reward_model
 from rlhf.runtime.device import Runtime
 from rlhf.training import supervised
 
@@ -142,17 +142,3 @@ def test_balanced_kinds_give_every_reward_batch_each_kinds_share(tiny_dir, token
     # two epochs of two batches of 3: one harmless and two helpful pairs each, every pair once an epoch
     assert [sorted(examples[i]["kind"] for i in batch) for batch in batches] == [["harmless", "helpful", "helpful"]] * 4
     assert sorted(batches[0] + batches[1]) == sorted(batches[2] + batches[3]) == list(range(6))
-    # equal shares: an epoch of 2 kinds x 4 pairs in batches of 4, two of each kind; the two harmless pairs twice
-    batches.clear()
-    equal = dataclasses.replace(config, steps=2, batch_size=4, kind_shares="equal")
-    train_reward_model(load_scalar_model(tiny_dir, KINDS), tokenizer, examples, equal, lambda m, s: None, Runtime(),
-                       progress=False)  # fmt: skip
-    assert [sorted(examples[i]["kind"] for i in batch) for batch in batches] == [["harmless"] * 2 + ["helpful"] * 2] * 2
-    assert sorted(batches[0] + batches[1]) == [0, 0, 1, 1, 2, 3, 4, 5]
-
-
-def test_equal_kind_shares_need_balanced_batches():
-    with pytest.raises(ValueError, match=r"^reward\.kind_shares: equal needs reward\.balance_kinds: true$"):
-        RewardConfig(balance_kinds=False, kind_shares="equal")
-    with pytest.raises(ValueError, match=r"^judge\.kind_shares must be proportional or equal, got 'even'$"):
-        JudgeConfig(kind_shares="even")

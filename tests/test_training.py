@@ -68,21 +68,6 @@ def test_stratified_minibatches_hold_each_kind_in_proportion_and_cover_each_epoc
         minibatch_indices(0, 96, 4, 0, None, ["a", "b", "c"])
 
 
-def test_equal_strata_give_each_kind_half_of_every_batch_and_repeat_the_smaller_kind():
-    # 96 examples, 24 harmless: an epoch is 2 kinds x 72 = 144 examples, 36 batches of 4 with 2 of each kind,
-    # every helpful example once and every harmless one three times (its three shuffles of the epoch)
-    strata = ["harmless" if i % 4 == 0 else "helpful" for i in range(96)]
-    lengths = [1 if kind == "harmless" else 100 + i for i, kind in enumerate(strata)]
-    for grouping in (None, lengths):
-        batches = [minibatch_indices(step, 96, 4, 0, grouping, strata, equal_strata=True) for step in range(36)]
-        assert [sum(strata[i] == "harmless" for i in batch) for batch in batches] == [2] * 36
-        seen = [i for batch in batches for i in batch]
-        assert sorted(seen) == sorted([*range(96), *[i for i in range(0, 96, 4) for _ in range(2)]])
-        assert minibatch_indices(36, 96, 4, 0, grouping, strata, True) != batches[0]  # a new epoch
-    # one group: as without the switch
-    assert minibatch_indices(3, 10, 4, 5, equal_strata=True) == minibatch_indices(3, 10, 4, 5)
-
-
 def test_crash_while_writing_keeps_previous_checkpoint(tiny_dir, tmp_path, monkeypatch):
     model = load_causal_lm(tiny_dir)
     checkpointer = Checkpointer(str(tmp_path))

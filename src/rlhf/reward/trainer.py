@@ -45,19 +45,13 @@ class RewardConfig(LoopConfig):
     short_rejection_kinds: tuple[str, ...] = ("helpful",)
     kind_heads: bool = True  # a score per kind of data, mixed by a learned kind gate (rlhf.models.kind_heads)
     balance_kinds: bool = True  # every batch holds each kind's share of the pairs (not what length grouping brings)
-    kind_shares: str = "proportional"  # balance_kinds' shares: proportional (each pair once an epoch) | equal
     checkpoint_every: int = 53  # a checkpoint writes the whole model (~6 s on 2 cores): at half the demo's steps
 
     def __post_init__(self) -> None:
         """Raises ValueError: the shared loop's checks (:class:`rlhf.training.supervised.LoopConfig`); ``max_length``,
         ``eval_batch_size`` or ``center_max_examples`` below 1; ``margin``, ``lm_coef`` or ``length_decorrelation``
-        below 0 (:func:`rlhf.ranges.check_ranges`, naming the key); ``kind_shares`` not ``proportional`` or
-        ``equal``, or ``equal`` without ``balance_kinds``."""
+        below 0 (:func:`rlhf.ranges.check_ranges`, naming the key)."""
         super().__post_init__()
-        if self.kind_shares not in ("proportional", "equal"):
-            raise ValueError(f"{self.section}.kind_shares must be proportional or equal, got {self.kind_shares!r}")
-        if self.kind_shares == "equal" and not self.balance_kinds:
-            raise ValueError(f"{self.section}.kind_shares: equal needs {self.section}.balance_kinds: true")
         check_ranges(
             self.section,
             self,
@@ -229,8 +223,7 @@ def train_reward_model(
     extra pairs of :func:`rlhf.reward.augment.short_rejections` (a short reply of the data as the rejected response, on
     ``config.short_rejection_kinds``), which neither the expert nor the length term reads. With
     ``config.balance_kinds`` every batch holds each kind's share of the pairs (the ``strata`` of
-    :func:`rlhf.training.supervised.minibatch_indices`), or with ``config.kind_shares`` ``equal`` an equal share
-    for each kind (a smaller kind's pairs seen more often). A model with kind heads
+    :func:`rlhf.training.supervised.minibatch_indices`). A model with kind heads
     (:func:`rlhf.models.loading.load_scalar_model` given the kinds: :mod:`rlhf.models.kind_heads`) trains each pair's
     own kind's
     score and its kind gate (:func:`reward_step`). Plus
@@ -287,7 +280,6 @@ def train_reward_model(
             for c, r in pairs
         ],
         strata=data_kinds if config.balance_kinds else None,
-        equal_strata=config.kind_shares == "equal",
         checkpointer=checkpointer,
         progress=progress,
     )

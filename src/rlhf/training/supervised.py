@@ -67,7 +67,6 @@ def minibatch_indices(
     seed: int,
     lengths: list[int] | None = None,
     strata: Sequence[Hashable] | None = None,
-    equal_strata: bool = False,
 ) -> list[int]:
     """Example indices of minibatch ``step``: epoch ``e`` visits ``range(n)`` in an order seeded by ``seed + e``.
 
@@ -79,10 +78,7 @@ def minibatch_indices(
     its compute goes to padding; each example is still seen once per epoch.
     With ``strata`` (each example's group, e.g. its kind of data) each group is ordered so apart and the groups
     are interleaved in proportion to their sizes (:func:`interleave`): every batch holds each group's share of the
-    examples, within one example, instead of whichever group a length or a shuffle brought together. With
-    ``equal_strata`` every group takes an equal share instead: each smaller group's order goes on with its next
-    shuffles up to the largest group's size, so an epoch is (groups x the largest group's size) examples, in which
-    the largest group's are each seen once and the others' once or more.
+    examples, within one example, instead of whichever group a length or a shuffle brought together.
 
     Args:
         step: 0-based optimiser step.
@@ -91,7 +87,6 @@ def minibatch_indices(
         seed: base seed.
         lengths: tokens of each example (``n`` of them), or None for a plain shuffle.
         strata: each example's group label, any hashable (``n`` of them), or None: one group.
-        equal_strata: an equal share of every batch for each group (above); False: shares in proportion.
 
     Raises:
         ValueError: ``n`` is 0, or ``lengths`` or ``strata`` does not have ``n`` entries.
@@ -101,32 +96,20 @@ def minibatch_indices(
     for name, values in (("lengths", lengths), ("strata", strata)):
         if values is not None and len(values) != n:
             raise ValueError(f"{len(values)} {name} for {n} examples")
+    per_epoch = -(-n // batch_size)
+    epoch, index = divmod(step, per_epoch)
     groups = [list(range(n))] if strata is None else [[i for i in range(n) if strata[i] == g] for g in set(strata)]
     groups.sort(key=lambda members: members[0])  # host-side bookkeeping: no tensor, no device
-    size = max(map(len, groups)) if equal_strata else None  # each group's examples an epoch (None: its own)
-    per_epoch = -(-(len(groups) * size if size else n) // batch_size)
-    epoch, index = divmod(step, per_epoch)
     orders = []
-    for g, members in enumerate(groups):  # each group its own seeds (one group: seed + epoch, as before strata)
-        repeats = -(-size // len(members)) if size else 1
-        order = [
-            i
-            for r in range(repeats)
-            for i in _shuffled(members, lengths, batch_size, seed + epoch * repeats + r + g * 7919)
-        ]
-        orders.append(order[:size] if size else order)
+    for g, members in enumerate(groups):  # each group its own seed (one group: seed + epoch, as before strata)
+        if lengths is None:
+            orders.append(random.Random(seed + epoch + g * 7919).sample(members, len(members)))
+        else:
+            generator = torch.Generator().manual_seed(seed + epoch + g * 7919)
+            grouped = get_length_grouped_indices([lengths[i] for i in members], batch_size, generator=generator)
+            orders.append([members[i] for i in grouped])
     order = interleave(orders)
     return order[index * batch_size : (index + 1) * batch_size]
-
-
-def _shuffled(members: list[int], lengths: list[int] | None, batch_size: int, seed: int) -> list[int]:
-    """``members`` in an order seeded by ``seed``: shuffled, or grouped by length (:func:`minibatch_indices`)."""
-    if lengths is None:
-        return random.Random(seed).sample(members, len(members))
-    generator = torch.Generator().manual_seed(seed)
-    return [
-        members[i] for i in get_length_grouped_indices([lengths[i] for i in members], batch_size, generator=generator)
-    ]
 
 
 def interleave(orders: list[list[int]]) -> list[int]:
@@ -198,7 +181,6 @@ def supervised_loop(
     runtime: Runtime,
     lengths: list[int] | None = None,
     strata: Sequence[Hashable] | None = None,
-    equal_strata: bool = False,
     checkpointer: Checkpointer | None = None,
     progress: bool = True,
     scaler_step: ScalerStep | None = None,
@@ -237,7 +219,6 @@ def supervised_loop(
         lengths: tokens of each example; the batches are grouped by length when ``config.group_by_length``.
         strata: each example's group (e.g. its kind): every batch holds each group's share (:func:`minibatch_indices`);
             None: one group.
-        equal_strata: each group an equal share of every batch instead (:func:`minibatch_indices`).
         checkpointer: where to save (every rank calls it; rank 0 writes) and resume (every rank); None: neither.
         progress: show a tqdm bar.
         scaler_step: a mixed-precision loss scaler's step (see :class:`FiniteGuard`); None: no scaler.
@@ -283,7 +264,7 @@ def supervised_loop(
     shown = progress and runtime.ranks.main  # one bar, however many processes
     for step in tqdm(range(start, steps), desc=prefix, initial=start, total=steps, disable=not shown):
         where = f"step {step + 1} of {steps}"
-        batch = minibatch_indices(step, num_examples, config.batch_size, seed, grouping, strata, equal_strata)
+        batch = minibatch_indices(step, num_examples, config.batch_size, seed, grouping, strata)
         optimizer.zero_grad(set_to_none=True)
         figures = batch_gradients(model, step_fn, batch, config.micro_batch_size, prefix, runtime)
         grad_norm = guard.clip(model, config.max_grad_norm)
