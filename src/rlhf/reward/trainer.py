@@ -30,7 +30,7 @@ class RewardConfig(LoopConfig):
     section: ClassVar[str] = "reward"
     steps: int = 28
     batch_size: int = 8
-    lr: float = 1e-4
+    lr: float = 3e-4
     warmup_steps: int = 5
     trainable_layers: int | None = 8
     max_length: int = 256  # tokens of prompt + response it trains and reads at (a long prompt is cut from the left)
