@@ -19,7 +19,9 @@ Usage:
 from __future__ import annotations
 
 import dataclasses
+import tempfile
 import time
+from typing import Any
 
 import typer
 
@@ -31,6 +33,7 @@ from rlhf.files import write_json
 from rlhf.models.loading import load_scalar_model, load_tokenizer
 from rlhf.reward.metrics import evaluate_reward_model
 from rlhf.reward.trainer import JudgeConfig, RewardConfig, center_rewards, encode_pairs, train_reward_model
+from tasks.kit.backbones import save_source
 from tasks.kit.common import setup_torch, stage_runtime
 from tasks.kit.configs import config_from_params
 from tasks.kit.params import stage_params
@@ -43,6 +46,18 @@ MODELS = {  # what each model trains from and on, and its test split (the pipeli
 OUT = "reports/{model}_benchmark.json"
 
 
+def training_params(model_name: str, set_: list[str]) -> tuple[dict[str, Any], str | None]:
+    """The model's params as its stage reads them, with the ``--set`` overrides, and the backbone they name.
+
+    Returns:
+        ``(params for its config, source)``: ``source`` is ``judge.source`` (another backbone the judge starts
+        from, which :mod:`tasks.judge` takes out of the params before building its config), None for the reward
+        model or a judge from models/base.
+    """
+    params = {**stage_params(model_name), **overrides(set_)}
+    return {k: v for k, v in params.items() if k != "source"}, params.get("source")
+
+
 def main(
     set_: list[str] = typer.Option([], "--set", help="override of the model's params, key=value"),
     model_name: str = typer.Option("reward", "--model", help="reward (from SFT, rm_train) or judge (from base)"),
@@ -52,7 +67,7 @@ def main(
 ) -> None:
     """Train, centre, evaluate; print and save the metrics."""
     config_class, init, train_path, test_path = MODELS[model_name]
-    params = {**stage_params(model_name), **overrides(set_)}
+    params, source = training_params(model_name, set_)
     config = config_from_params(config_class, params, model_name)
     setup_torch(config.seed)
     if test:
@@ -61,7 +76,10 @@ def main(
         train, held_out = dev_split(load_jsonl(train_path), dev_fraction)
         config = dataclasses.replace(config, steps=-(-config.steps * len(train) // (len(train) + len(held_out))))
     train = [row for row in train if not train_kinds or kind_of(row) in train_kinds]
-    with StageRun(f"{model_name}-benchmark", params) as stage:
+    with StageRun(f"{model_name}-benchmark", params) as stage, tempfile.TemporaryDirectory(dir=".") as backbone:
+        if source is not None:  # the judge from another backbone, as tasks/judge.py trains it
+            save_source(source, backbone, key=f"{model_name}.source")
+            init = backbone
         runtime = stage_runtime("reward-benchmark")
         kinds = training_kinds(train, config.kind_heads)
         tokenizer, model = load_tokenizer(init), runtime.place(load_scalar_model(init, kinds))
@@ -87,6 +105,7 @@ def main(
         "pairs_seen": config.steps * config.batch_size,
         "train_seconds": seconds,
         "params": params,
+        "source": source,
     }
     write_json(OUT.format(model=model_name), result)
     for key in (
