@@ -17,6 +17,12 @@ Usage:
     python -m bench.sampling                      # batches 4 and 32, fp32 and (where native) bf16, both caches
     python -m bench.sampling --batches 4 --new-tokens 32 --out bench/out/speed/sampling.json
 
+``--product`` measures instead what the loop's levers give at the product's shapes (128 new tokens, responses
+ending at their EOS, bf16 where native): ``distinct`` (16 different prompts, as evaluation and PPO batch them) and
+``best-of-16`` (one prompt 16 times, as best-of-N and k samples a prompt): :func:`rlhf.models.sampling.sample`
+against ``model.generate`` with the same per-row sampler (what ``sample`` ran before the loop), the seconds of each
+(best of 2) and whether they sampled the same tokens.
+
 ``python -m bench.speed`` runs it after its rounds and puts its rows in ``results.json`` and ``table.md``.
 """
 
@@ -96,6 +102,78 @@ def measure(
     }
 
 
+def generate_reference(model, tokenizer, prompts: list[list[int]], new_tokens: int, seeds: list[int], cache: str):
+    """The tokens ``model.generate`` samples with :class:`rlhf.models.sampling.PerPromptSampling`: ``(B, P + R)``."""
+    from transformers import GenerationConfig, LogitsProcessorList
+
+    from rlhf.data.chat import pad
+    from rlhf.models.sampling import PerPromptSampling, cast_once
+
+    ids, attn = pad(tokenizer, prompts, "left", model.device)
+    config = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=new_tokens,
+        min_new_tokens=0,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        cache_implementation=None if cache == "dynamic" else cache,
+    )
+    processors = LogitsProcessorList([PerPromptSampling(seeds, 0.7, model.device)])
+    with torch.no_grad(), cast_once(model):
+        return model.generate(input_ids=ids, attention_mask=attn, generation_config=config, logits_processor=processors)
+
+
+def measure_product(shape: str, precision: str, cache: str, prompts: list[list[int]]) -> dict[str, Any]:
+    """One ``--product`` row: ``shape`` (distinct | best-of-16), 128 new tokens ending at EOS; ``sample`` against
+    ``model.generate``, each the best of two calls."""
+    from rlhf.models.loading import load_causal_lm, load_tokenizer
+    from rlhf.models.sampling import sample
+
+    tokenizer, model = load_tokenizer(BASE), load_causal_lm(BASE).eval()
+    rows = prompts[:16] if shape == "distinct" else [prompts[0]] * 16
+    rows = (rows * 16)[:16]
+    seeds = list(range(16))
+    timed: dict[str, tuple[float, torch.Tensor]] = {}
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        sample(model, tokenizer, rows[:2], 2, 0.7, seeds=seeds[:2], cache=cache)  # warm-up
+        for name, call in (
+            ("generate", lambda: generate_reference(model, tokenizer, rows, 128, seeds, cache)),
+            ("loop", lambda: sample(model, tokenizer, rows, 128, 0.7, seeds=seeds, cache=cache).input_ids),
+        ):
+            runs = []
+            for _ in range(2):
+                start = time.perf_counter()
+                tokens = call()
+                runs.append((time.perf_counter() - start, tokens))
+            timed[name] = min(runs, key=lambda run: run[0])
+    ours = timed["loop"][1]
+    ended = (ours[:, max(map(len, rows)) :] == tokenizer.eos_token_id).any(1)
+    return {
+        "shape": shape,
+        "precision": precision,
+        "cache": cache,
+        "generate_s": timed["generate"][0],
+        "loop_s": timed["loop"][0],
+        "speedup": timed["generate"][0] / timed["loop"][0],
+        "ended": float(ended.float().mean()),
+        "same_tokens": bool(torch.equal(ours, timed["generate"][1])),
+    }
+
+
+def product_table(rows: list[dict[str, Any]]) -> list[str]:
+    """The ``--product`` rows as Markdown lines."""
+    lines = [
+        "| prompts | precision | KV cache | generate s | loop s | speed-up | ended with EOS | same tokens |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['shape']} | {row['precision']} | {row['cache']} | {row['generate_s']:.2f} | {row['loop_s']:.2f} "
+            f"| {row['speedup']:.2f} | {row['ended']:.2f} | {'yes' if row['same_tokens'] else 'no'} |"
+        )
+    return lines
+
+
 def table(result: dict[str, Any]) -> list[str]:
     """The rows as Markdown lines, the bandwidth first."""
     bandwidth = result["bandwidth_gbs"]
@@ -121,6 +199,7 @@ def main(
     caches: str = typer.Option("dynamic,static", help="KV caches (generation.cache)"),
     new_tokens: int = typer.Option(64, help="tokens decoded per row"),
     out: str = typer.Option("", help="also write the rows as JSON here"),
+    product: bool = typer.Option(False, help="the loop against model.generate at the product's shapes instead"),
 ) -> None:
     """Measure the bandwidth and the sampling rows; print them as a Markdown table."""
     from rlhf.runtime.device import native_bf16
@@ -130,6 +209,14 @@ def main(
     ensure_inputs()
     prompts = load_inputs()["prompts"]
     chosen = precisions.split(",") if precisions else ["fp32"] + (["bf16"] if native_bf16(torch.device("cpu")) else [])
+    if product:
+        shapes = ("distinct", "best-of-16")
+        rows = [measure_product(s, p, c, prompts) for s in shapes for p in chosen for c in caches.split(",")]
+        if out:
+            with open(out, "w", encoding="utf-8") as handle:
+                json.dump(rows, handle, indent=1)
+        print("\n".join(product_table(rows)))
+        return
     bandwidth = memory_bandwidth()
     rows = [
         measure(int(b), p, c, new_tokens, bandwidth["read"], prompts)

@@ -10,9 +10,9 @@ same things the same way:
 - :class:`StepClock`: wall-clock seconds of each optimiser step / PPO iteration;
 - :class:`TokenCounter`: real (attention-mask) and padded tokens of every training forward,
   counted by a pre-hook on the transformer backbone;
-- :func:`force_full_length`: every ``generate`` call of the policy samples exactly
-  ``max_new_tokens`` tokens (``min_new_tokens = max_new_tokens``, so EOS cannot be sampled) and
-  its seconds and new tokens are recorded.
+- :func:`force_full_length`: every sampling of the policy (TRL's ``generate``, our
+  :func:`rlhf.models.sampling.decode`) samples exactly ``max_new_tokens`` tokens (EOS cannot be
+  sampled) and its seconds and new tokens are recorded.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import math
 import os
 import resource
 import statistics
@@ -183,14 +184,27 @@ class GenerationLog:
 
 
 def force_full_length(model: torch.nn.Module, log: GenerationLog) -> None:
-    """Make every ``model.generate`` call sample exactly ``max_new_tokens`` tokens; record its time and length.
+    """Make every sampling of ``model`` sample exactly ``max_new_tokens`` tokens; record its time and length.
 
-    Wraps the instance's ``generate``: the generation config it is given (or the model's) is copied
-    with ``min_new_tokens = max_new_tokens``, so transformers masks EOS until the last token and no
-    response ends early. Both implementations get the same wrapper, so both generate, score and
-    train on responses of the same length.
+    TRL samples with ``model.generate``: the instance's method is wrapped, its generation config (or the model's)
+    copied with ``min_new_tokens = max_new_tokens``, so transformers masks EOS until the last token. Ours samples
+    with :func:`rlhf.models.sampling.decode`: the module's function is wrapped for this model, EOS's score set to
+    -inf at every step and no token taken for an end. Both implementations get the same treatment, so both
+    generate, score and train on responses of the same length.
     """
-    original = model.generate
+    import rlhf.models.sampling as sampling  # noqa: PLC0415 (the workers import torch first)
+
+    original, original_decode = model.generate, sampling.decode
+
+    def record(call: Callable[[], Any], prompt_width: int, mask: torch.Tensor | None, rows: int) -> Any:
+        start = time.perf_counter()
+        output = call()
+        log.seconds.append(time.perf_counter() - start)
+        sequences = output if isinstance(output, torch.Tensor) else output.sequences
+        log.new_tokens.append(int(sequences.shape[1] - prompt_width))
+        log.responses.append(int(sequences.shape[0]))
+        log.prompt_tokens.append(int(mask.sum()) if mask is not None else rows * prompt_width)
+        return output
 
     def generate(*args: Any, **kwargs: Any) -> Any:
         config = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
@@ -198,17 +212,35 @@ def force_full_length(model: torch.nn.Module, log: GenerationLog) -> None:
             config.min_new_tokens = config.max_new_tokens
         kwargs["generation_config"] = config
         ids = kwargs.get("input_ids", args[0] if args else None)
-        mask = kwargs.get("attention_mask")
-        start = time.perf_counter()
-        output = original(*args, **kwargs)
-        log.seconds.append(time.perf_counter() - start)
-        sequences = output if isinstance(output, torch.Tensor) else output.sequences
-        log.new_tokens.append(int(sequences.shape[1] - ids.shape[1]))
-        log.responses.append(int(sequences.shape[0]))
-        log.prompt_tokens.append(int(mask.sum()) if mask is not None else ids.numel())
-        return output
+        return record(lambda: original(*args, **kwargs), ids.shape[1], kwargs.get("attention_mask"), len(ids))
+
+    def decode(decoded: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int, sampler: Any,
+               eos_token_id: int, pad_token_id: int, cache: str = "dynamic") -> torch.Tensor:  # fmt: skip
+        if decoded is not model:
+            return original_decode(
+                decoded, input_ids, attention_mask, max_new_tokens, sampler, eos_token_id, pad_token_id, cache
+            )
+        no_eos = _NoEos(sampler, eos_token_id)  # and an end id no token has: every row decodes every step
+
+        def call() -> torch.Tensor:
+            return original_decode(model, input_ids, attention_mask, max_new_tokens, no_eos, -1, pad_token_id, cache)
+
+        return record(call, 0, attention_mask, len(input_ids))
 
     model.generate = generate
+    sampling.decode = decode
+
+
+class _NoEos:
+    """A sampler (:class:`rlhf.models.sampling.PerPromptSampling`, or None: greedy) that never picks EOS."""
+
+    def __init__(self, sampler: Any, eos_token_id: int):
+        self.sampler, self.eos_token_id = sampler, eos_token_id
+
+    def perturb(self, scores: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
+        perturbed = scores.float().clone() if self.sampler is None else self.sampler.perturb(scores, rows)
+        perturbed[:, self.eos_token_id] = -math.inf
+        return perturbed
 
 
 def timed_summary(seconds: list[float], tokens: list[int] | None = None) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from rlhf.data.formats import RowError, to_examples
 from rlhf.data.reading import read_jsonl
 from rlhf.models.forward import position_ids_from_mask, sequence_scores, token_scores
 from rlhf.models.loading import load_causal_lm, load_scalar_model
-from rlhf.models.sampling import cast_once, response_mask_from_tokens, sample
+from rlhf.models.sampling import PerPromptSampling, cast_once, decode, response_mask_from_tokens, sample
 
 SHARED = "../shared/data/hh-rlhf/harmless-base/pairs.jsonl.gz"
 
@@ -220,8 +220,6 @@ def test_sampling_under_autocast_casts_frozen_weights_once_and_samples_the_same_
         torch.manual_seed(0)
         from transformers import GenerationConfig, LogitsProcessorList
 
-        from rlhf.models.sampling import PerPromptSampling
-
         with torch.no_grad():  # the same generation, each frozen weight cast again at each use
             plain = model.generate(input_ids=ids, attention_mask=attn, logits_processor=LogitsProcessorList(
                 [PerPromptSampling(seeds, 0.7, model.device)]), generation_config=GenerationConfig(
@@ -244,6 +242,47 @@ def test_a_static_kv_cache_samples_exactly_the_tokens_of_the_dynamic_one_in_floa
     dynamic, static = rollouts
     assert torch.equal(dynamic.input_ids, static.input_ids) and torch.equal(dynamic.response_mask, static.response_mask)
     assert dynamic.input_ids.shape[1] - dynamic.response_start == 16  # a random tiny model never stops: all compared
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("greedy", [False, True])
+def test_the_decoding_loop_samples_the_tokens_of_model_generate_while_rows_end_early_and_share_a_prompt(
+    tiny_dir, tokenizer, cache, greedy
+):
+    from transformers import GenerationConfig, LogitsProcessorList
+
+    model = load_causal_lm(tiny_dir).eval()
+    texts = ("Hi", "Tell me more about the garden", "Hi", "What is rain?")  # rows 0 and 2: one prefill
+    prompts = [encode_prompt(tokenizer, [{"role": "user", "content": text}], 64) for text in texts]
+    ids, attn = pad(tokenizer, prompts, "left", model.device)
+
+    def sampler():  # at 0.05 the tiny model's logits (spread ~0.5) decide as much as the noise: a row's tokens
+        return None if greedy else PerPromptSampling([5, 6, 7, 8], 0.05, model.device)  # depend on its cache
+
+    pad_id = tokenizer.pad_token_id
+    endless = decode(model, ids, attn, 12, sampler(), -1, pad_id, cache)  # what each row writes if none ends
+    assert endless.shape == (4, 12)
+    # a random tiny model never writes EOS: call "end" a token that a row writes early (steps 1-6) and another row
+    # never writes, so decoding goes on after a row has left (greedy, every row of it repeats one token: none ends)
+    early, anywhere = endless[:, 1:7], endless
+    ends_some = [t for t in early.unique().tolist() if t != pad_id and (anywhere == t).any(1).sum() < 4]
+    end = -1 if greedy else ends_some[0]
+    ours = decode(model, ids, attn, 12, sampler(), end, pad_id, cache)
+    config = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=12,
+        min_new_tokens=0,
+        eos_token_id=end,
+        pad_token_id=pad_id,
+        cache_implementation=None if cache == "dynamic" else cache,
+    )
+    with torch.no_grad():
+        processors = LogitsProcessorList([] if greedy else [sampler()])
+        reference = model.generate(input_ids=ids, attention_mask=attn, generation_config=config,
+                                   logits_processor=processors)[:, ids.shape[1] :]  # fmt: skip
+    ended = (ours == end).any(1)
+    assert greedy or (ended.any() and not ended.all())  # sampled: some rows left the batch before the others
+    assert torch.equal(ours, reference)
 
 
 def test_a_folder_that_is_not_a_model_folder_is_named_as_such(tmp_path):
