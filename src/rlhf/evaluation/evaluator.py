@@ -40,7 +40,7 @@ class EvalConfig:
     max_prompts: int | None = 32  # N eval prompts, a fair share of each kind (rlhf.evaluation.by_kind.stratified)
     max_new_tokens: int | None = None  # responses' token limit here; None: generation.max_new_tokens (PPO's)
     samples_per_prompt: int = 1  # responses per prompt and model; the interval resamples whole prompts
-    batch_size: int = 16
+    batch_size: int = 64  # prompts per sampling call
     max_prompt_length: int = 128
     greedy: bool = False  # greedy decoding instead of sampling at generation.temperature
     samples_in_table: int = 8  # rows of the Markdown sample table in reports/eval/samples.md
