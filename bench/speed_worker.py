@@ -218,12 +218,14 @@ def force_full_length(model: torch.nn.Module, log: GenerationLog) -> None:
                eos_token_id: int, pad_token_id: int, cache: str = "dynamic") -> torch.Tensor:  # fmt: skip
         if decoded is not model:
             return original_decode(
-                decoded, input_ids, attention_mask, max_new_tokens, sampler, eos_token_id, pad_token_id, cache
+                decoded, input_ids, attention_mask, max_new_tokens, sampler, eos_token_id, pad_token_id, cache=cache
             )
         no_eos = _NoEos(sampler, eos_token_id)  # and an end id no token has: every row decodes every step
 
         def call() -> torch.Tensor:
-            return original_decode(model, input_ids, attention_mask, max_new_tokens, no_eos, -1, pad_token_id, cache)
+            return original_decode(
+                model, input_ids, attention_mask, max_new_tokens, no_eos, -1, pad_token_id, cache=cache
+            )
 
         return record(call, 0, attention_mask, len(input_ids))
 

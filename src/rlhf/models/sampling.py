@@ -203,19 +203,29 @@ def decode(
     mask, position = attention_mask, positions[:, -1]
     tokens = torch.full((batch, max_new_tokens), pad_token_id, dtype=torch.long, device=input_ids.device)
     rows = torch.arange(batch, device=input_ids.device)  # the batch rows still decoding
+    active = list(range(batch))  # the same rows on the host: whose generators draw
     ended = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
     for step in range(max_new_tokens):
-        scores = logits if sampler is None else sampler.perturb(logits, rows.tolist())
-        next_tokens = torch.where(ended[rows], pad_token_id, scores.argmax(-1))
+        scores = logits if sampler is None else sampler.perturb(logits, active)
+        next_tokens = torch.where(ended[rows], pad_token_id, scores.argmax(-1))  # ended rows: sharded only
         tokens[rows, step] = next_tokens
         ended[rows] |= next_tokens == eos_token_id
-        if step == max_new_tokens - 1 or _all_ended(ended, sharded):
+        if step == max_new_tokens - 1:
             break
-        if not sharded and bool(ended[rows].any()):
-            keep = (~ended[rows]).nonzero().squeeze(1)
-            select_rows(kv, keep)
-            rows, next_tokens, mask, position = rows[keep], next_tokens[keep], mask[keep], position[keep]
-        mask, position = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1), position + 1
+        if sharded:
+            if _all_processes_ended(ended):
+                break
+        else:
+            writing = ~ended[rows]
+            left = int(writing.sum())  # a step's one host round trip (generate's too); one more when rows end
+            if left == 0:
+                break
+            if left < len(active):
+                keep = writing.nonzero().squeeze(1)
+                select_rows(kv, keep)
+                rows, next_tokens, mask, position = rows[keep], next_tokens[keep], mask[keep], position[keep]
+                active = rows.tolist()
+        mask, position = torch.cat([mask, mask.new_ones(len(active), 1)], dim=1), position + 1
         logits = model(
             input_ids=next_tokens[:, None],
             attention_mask=mask,
@@ -226,10 +236,8 @@ def decode(
     return tokens[:, : step + 1]
 
 
-def _all_ended(ended: torch.Tensor, sharded: bool) -> bool:
-    """Whether every row has ended: this process's, or every process's when the model is sharded."""
-    if not sharded:
-        return bool(ended.all())
+def _all_processes_ended(ended: torch.Tensor) -> bool:
+    """Whether every row of every process has ended (a collective: every process calls it each step)."""
     unfinished = (~ended).sum().reshape(1)
     dist.all_reduce(unfinished)
     return int(unfinished) == 0
@@ -267,7 +275,7 @@ def sample(
     """
     input_ids, attention_mask = pad(tokenizer, prompts, "left", model.device)
     if seeds is None and not greedy:
-        seeds = torch.randint(0, 2**62, (len(prompts),)).tolist()
+        seeds = torch.randint(0, 2**62, (len(prompts),), device="cpu").tolist()  # host integers
     sampler = None if greedy else PerPromptSampling(seeds, temperature, model.device)
     with cast_once(model):
         responses = decode(
@@ -276,9 +284,9 @@ def sample(
             attention_mask,
             max_new_tokens,
             sampler,
-            tokenizer.eos_token_id,
-            tokenizer.pad_token_id,
-            cache,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            cache=cache,
         )
     mask, ended = response_mask_from_tokens(responses, tokenizer.eos_token_id)
     return Rollout(
