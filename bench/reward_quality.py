@@ -18,9 +18,11 @@ Usage:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import tempfile
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import typer
@@ -58,6 +60,18 @@ def training_params(model_name: str, set_: list[str]) -> tuple[dict[str, Any], s
     return {k: v for k, v in params.items() if k != "source"}, params.get("source")
 
 
+@contextlib.contextmanager
+def backbone(init: str, source: str | None, model_name: str) -> Iterator[str]:
+    """The folder the model trains from: ``init``, or ``source`` saved into a temporary folder (removed on the way
+    out) as :mod:`tasks.judge` saves it; no folder is made when ``source`` is None."""
+    if source is None:
+        yield init
+        return
+    with tempfile.TemporaryDirectory(dir=".") as folder:
+        save_source(source, folder, key=f"{model_name}.source")
+        yield folder
+
+
 def main(
     set_: list[str] = typer.Option([], "--set", help="override of the model's params, key=value"),
     model_name: str = typer.Option("reward", "--model", help="reward (from SFT, rm_train) or judge (from base)"),
@@ -76,10 +90,7 @@ def main(
         train, held_out = dev_split(load_jsonl(train_path), dev_fraction)
         config = dataclasses.replace(config, steps=-(-config.steps * len(train) // (len(train) + len(held_out))))
     train = [row for row in train if not train_kinds or kind_of(row) in train_kinds]
-    with StageRun(f"{model_name}-benchmark", params) as stage, tempfile.TemporaryDirectory(dir=".") as backbone:
-        if source is not None:  # the judge from another backbone, as tasks/judge.py trains it
-            save_source(source, backbone, key=f"{model_name}.source")
-            init = backbone
+    with StageRun(f"{model_name}-benchmark", params) as stage, backbone(init, source, model_name) as init:
         runtime = stage_runtime("reward-benchmark")
         kinds = training_kinds(train, config.kind_heads)
         tokenizer, model = load_tokenizer(init), runtime.place(load_scalar_model(init, kinds))
