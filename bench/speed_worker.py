@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from rlhf.models import sampling
+
 
 @dataclass
 class Spec:
@@ -192,8 +194,6 @@ def force_full_length(model: torch.nn.Module, log: GenerationLog) -> None:
     -inf at every step and no token taken for an end. Both implementations get the same treatment, so both
     generate, score and train on responses of the same length.
     """
-    import rlhf.models.sampling as sampling  # noqa: PLC0415 (the workers import torch first)
-
     original, original_decode = model.generate, sampling.decode
 
     def record(call: Callable[[], Any], prompt_width: int, mask: torch.Tensor | None, rows: int) -> Any:
@@ -240,6 +240,7 @@ class _NoEos:
         self.sampler, self.eos_token_id = sampler, eos_token_id
 
     def perturb(self, scores: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
+        """The sampler's perturbed scores (greedy: the logits) ``(R, V)`` float32, EOS's set to -inf."""
         perturbed = scores.float().clone() if self.sampler is None else self.sampler.perturb(scores, rows)
         perturbed[:, self.eos_token_id] = -math.inf
         return perturbed

@@ -244,6 +244,19 @@ def test_a_static_kv_cache_samples_exactly_the_tokens_of_the_dynamic_one_in_floa
     assert dynamic.input_ids.shape[1] - dynamic.response_start == 16  # a random tiny model never stops: all compared
 
 
+def test_select_rows_keeps_and_repeats_cache_rows_by_index():
+    from transformers import DynamicCache
+
+    from rlhf.models.sampling import select_rows
+
+    cache = DynamicCache()
+    keys = torch.arange(3.0).reshape(3, 1, 1, 1)  # row r holds the value r
+    cache.update(keys, 10 + keys, layer_idx=0)
+    select_rows(cache, torch.tensor([2, 0, 0]))  # keep row 2, repeat row 0: prefill shared by two rows
+    assert cache.layers[0].keys.flatten().tolist() == [2.0, 0.0, 0.0]
+    assert cache.layers[0].values.flatten().tolist() == [12.0, 10.0, 10.0]
+
+
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("greedy", [False, True])
 def test_the_decoding_loop_samples_the_tokens_of_model_generate_while_rows_end_early_and_share_a_prompt(

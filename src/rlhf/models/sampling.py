@@ -184,8 +184,10 @@ def decode(
     """
     batch, length = input_ids.shape
     sharded = is_sharded(model)  # FSDP: every process runs every forward pass; rows are not dropped
-    kv = StaticCache(config=model.config, max_cache_len=length + max_new_tokens) if cache == "static" else None
-    kv = kv if kv is not None else DynamicCache(config=model.config)
+    if cache == "static":
+        kv = StaticCache(config=model.config, max_cache_len=length + max_new_tokens)
+    else:
+        kv = DynamicCache(config=model.config)
     shared = None if sharded else _unique_rows(input_ids, attention_mask)
     prefill_ids, prefill_mask = (input_ids, attention_mask) if shared is None else shared[:2]
     positions = (prefill_mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -207,7 +209,9 @@ def decode(
     ended = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
     for step in range(max_new_tokens):
         scores = logits if sampler is None else sampler.perturb(logits, active)
-        next_tokens = torch.where(ended[rows], pad_token_id, scores.argmax(-1))  # ended rows: sharded only
+        next_tokens = scores.argmax(-1)
+        if sharded:  # every row stays in the batch: an ended row writes padding
+            next_tokens = torch.where(ended, pad_token_id, next_tokens)
         tokens[rows, step] = next_tokens
         ended[rows] |= next_tokens == eos_token_id
         if step == max_new_tokens - 1:
