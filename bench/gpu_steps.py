@@ -220,7 +220,8 @@ def _ppo(folder, tokenizer, prompts, ptx, root, runtime, iterations=2, stop_at=N
     from rlhf.models.generation import GenerationSettings
     from rlhf.ppo.config import PPOConfig
     from rlhf.ppo.loop import train_ppo
-    from rlhf.ppo.rollout import RunningMoments, make_experience
+    from rlhf.ppo.moments import RewardMoments
+    from rlhf.ppo.rollout import make_experience
     from rlhf.training.checkpoint import Checkpointer
 
     size = SIZES[DEVICE_KIND]
@@ -269,7 +270,7 @@ def _ppo(folder, tokenizer, prompts, ptx, root, runtime, iterations=2, stop_at=N
         prompts[: size["rollouts"]],
         config,
         settings=settings,
-        moments=RunningMoments(),
+        moments=RewardMoments(),
         kl_coef=0.05,
         runtime=runtime,
     )

@@ -66,7 +66,8 @@ def run_ppo(spec: Spec) -> dict[str, Any]:
     from rlhf.models.loading import load_causal_lm, load_scalar_model, load_tokenizer
     from rlhf.models.lora import AdapterDisabledReference, add_lora
     from rlhf.ppo.config import PPOConfig
-    from rlhf.ppo.rollout import RunningMoments, make_experience
+    from rlhf.ppo.moments import RewardMoments
+    from rlhf.ppo.rollout import make_experience
     from rlhf.ppo.types import PPOModels
     from rlhf.ppo.update import make_optimisers, ppo_update
     from rlhf.training.supervised import freeze_lower_layers
@@ -104,7 +105,7 @@ def run_ppo(spec: Spec) -> dict[str, Any]:
         freeze_lower_layers(model, config.trainable_layers)
     params = {"policy": param_counts(policy), "value": param_counts(value_model)}
     optimisers = make_optimisers(policy, value_model, config)
-    moments = RunningMoments()
+    moments = RewardMoments()
     generation = GenerationLog()
     force_full_length(policy, generation)
     clock, iterations = StepClock(), []

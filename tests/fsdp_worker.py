@@ -41,7 +41,7 @@ from rlhf.training.supervised import no_log
 CONFIG = SFTConfig(steps=4, batch_size=3, micro_batch_size=1, lr=1e-3, warmup_steps=0, checkpoint_every=2)
 PPO = {"iterations": 2, "rollout_batch_size": 3, "minibatch_size": 2, "value_pretrain_iterations": 1,
        "validate_every": 0, "validation_prompts": None, "checkpoint_every": 1, "ptx_coef": 0.0,
-       "reward_normalize": True, "policy_lr": 1e-3, "value_lr": 1e-3, "collapse_reward_skew": None,
+       "reward_normalize": "per_kind", "policy_lr": 1e-3, "value_lr": 1e-3, "collapse_reward_skew": None,
        "collapse_truncated_share": None}  # fmt: skip
 
 

@@ -22,7 +22,8 @@ from rlhf.models.generation import GenerationSettings
 from rlhf.models.loading import load_causal_lm, load_scalar_model, load_tokenizer
 from rlhf.models.sampling import prompt_seed
 from rlhf.ppo.config import PPOConfig
-from rlhf.ppo.rollout import RunningMoments, make_experience
+from rlhf.ppo.moments import RewardMoments
+from rlhf.ppo.rollout import make_experience
 from rlhf.ppo.types import PPOModels
 from rlhf.ppo.update import Optimisers, make_optimisers, ppo_update
 from rlhf.reward.trainer import RewardConfig, encode_pairs, reward_step
@@ -54,7 +55,7 @@ PPO = {
     "rollout_batch_size": len(TEXTS),
     "minibatch_size": 3,  # minibatches of 3, 3 and 1 rollouts: on two ranks some hold 1 of 3, one holds none
     "ppo_epochs": 1,
-    "reward_normalize": True,  # running statistics over every rank's scores
+    "reward_normalize": "per_kind",  # running statistics over every rank's scores, per kind
     "advantage_normalize": True,  # whitened over every rank's tokens
     "entropy_coef": 0.01,
     "ptx_coef": 0.5,
@@ -118,9 +119,11 @@ def rollout_and_update(
     policy, value_model = shard(policy, runtime.sharding), shard(value_model, runtime.sharding)
     prompts = [encode_prompt(tokenizer, e["prompt"], 32) for e in EXAMPLES]
     seeds = [prompt_seed(0, 0, j) for j in range(len(prompts))]
+    # per-kind normalisation: each rank's kinds must meet its scores in the global order (not rank after rank)
+    kinds = ["harmless" if j % 3 == 0 else "helpful" for j in range(len(prompts))]
     experience, stats = make_experience(
-        models, tokenizer, ranks.shard(prompts), config, SETTINGS, RunningMoments(), 0.05, runtime,
-        seeds=ranks.shard(seeds),
+        models, tokenizer, ranks.shard(prompts), config, SETTINGS, RewardMoments(), 0.05, runtime,
+        seeds=ranks.shard(seeds), kinds=ranks.shard(kinds),
     )  # fmt: skip
     out = {f"stats/{name}{key}": torch.tensor(value, dtype=torch.float64) for key, value in stats.items()}
     out |= {key.replace("buffer/", f"buffer/{name}"): value for key, value in buffer_rows(experience, ranks).items()}

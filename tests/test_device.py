@@ -25,7 +25,8 @@ from rlhf.models.generation import GenerationSettings
 from rlhf.models.loading import load_causal_lm, load_scalar_model
 from rlhf.models.shared_prompt import score_sequences
 from rlhf.ppo.loop import train_ppo
-from rlhf.ppo.rollout import RunningMoments, make_experience
+from rlhf.ppo.moments import RewardMoments
+from rlhf.ppo.rollout import make_experience
 from rlhf.reward.metrics import evaluate_reward_model
 from rlhf.reward.trainer import RewardConfig, train_reward_model
 from rlhf.runtime.device import Runtime
@@ -265,7 +266,7 @@ def test_rollout_host_round_trips_do_not_grow_with_the_batch(tiny_dir, tokenizer
         prompts = [encode_prompt(tokenizer, p, 24) for p in PROMPTS[:rows]]
         config = small_config(rollout_batch_size=rows, minibatch_size=rows)
         with DeviceCheck(runtime.device) as check:
-            make_experience(models, tokenizer, prompts, config, SETTINGS, RunningMoments(), 0.05, runtime)
+            make_experience(models, tokenizer, prompts, config, SETTINGS, RewardMoments(), 0.05, runtime)
         assert check.violations == [], check.report()
         counts.append(Counter(e.where for e in check.syncs + check.implicit_syncs))
     # the same host round trips for 1 and 2 responses (none per response)

@@ -26,7 +26,8 @@ from rlhf.models.forward import position_ids_from_mask, response_logprobs, seque
 from rlhf.models.generation import GenerationSettings
 from rlhf.models.loading import load_causal_lm
 from rlhf.ppo.config import PPOConfig
-from rlhf.ppo.rollout import RunningMoments, make_experience, value_predictions
+from rlhf.ppo.moments import RewardMoments
+from rlhf.ppo.rollout import make_experience, value_predictions
 from rlhf.ppo.types import PPOModels
 from rlhf.ppo.update import make_optimisers, ppo_update
 from rlhf.runtime.device import Runtime
@@ -198,7 +199,7 @@ def rollout(tiny_dir, tokenizer):
     models = four_models(tiny_dir)
     prompts = [encode_prompt(tokenizer, p, 32) for p in PROMPTS[:4]]
     settings = GenerationSettings(max_new_tokens=6, temperature=TEMPERATURE)
-    experience, _ = make_experience(models, tokenizer, prompts, CONFIG, settings, RunningMoments(), 0.05, BF16)
+    experience, _ = make_experience(models, tokenizer, prompts, CONFIG, settings, RewardMoments(), 0.05, BF16)
     return models, experience
 
 
@@ -255,7 +256,7 @@ def test_frozen_bf16_reference_costs_a_small_kl_at_the_start(tiny_dir, tokenizer
     prompts = [encode_prompt(tokenizer, p, 32) for p in PROMPTS[:2]]
     settings = GenerationSettings(max_new_tokens=4, temperature=TEMPERATURE)
     models = PPOModels(policy, reference, runtime.frozen(models.reward_model), runtime.place(models.value_model))
-    _, stats = make_experience(models, tokenizer, prompts, CONFIG, settings, RunningMoments(), 0.05, runtime)
+    _, stats = make_experience(models, tokenizer, prompts, CONFIG, settings, RewardMoments(), 0.05, runtime)
     if not frozen_bf16:
         # the same weights, dtype and autocast: the reference computes exactly as the policy
         assert torch.equal(kl, torch.zeros_like(kl))

@@ -20,7 +20,8 @@ from rlhf.models.generation import GenerationSettings
 from rlhf.models.lora import ADAPTER_FILE, AdapterDisabledReference, add_lora, is_lora, merged_copy
 from rlhf.ppo.config import PPOConfig
 from rlhf.ppo.loop import train_ppo
-from rlhf.ppo.rollout import RunningMoments, make_experience
+from rlhf.ppo.moments import RewardMoments
+from rlhf.ppo.rollout import make_experience
 from rlhf.ppo.types import PPOModels
 from rlhf.ppo.update import make_optimisers, ppo_update
 from rlhf.runtime.device import Runtime
@@ -68,7 +69,7 @@ def test_lora_policy_and_its_reference_start_exactly_as_sft_and_the_reference_st
     prompts = [encode_prompt(tokenizer, p, 32) for p in PROMPTS[:4]]
     settings = GenerationSettings(max_new_tokens=6, temperature=TEMPERATURE)
     runtime = Runtime()
-    experience, stats = make_experience(models, tokenizer, prompts, CONFIG, settings, RunningMoments(), 0.05, runtime)
+    experience, stats = make_experience(models, tokenizer, prompts, CONFIG, settings, RewardMoments(), 0.05, runtime)
     assert stats["ppo/kl"] == 0.0 and stats["ppo/kl_k3"] == 0.0
     # one PPO step at a large learning rate moves the adapters, never the base weights
     before = base_weights(models.policy)

@@ -17,7 +17,8 @@ from rlhf.models.generation import GenerationSettings
 from rlhf.models.loading import load_causal_lm, load_scalar_model
 from rlhf.ppo.config import PPOConfig
 from rlhf.ppo.loop import train_ppo
-from rlhf.ppo.rollout import RunningMoments, make_experience
+from rlhf.ppo.moments import RewardMoments
+from rlhf.ppo.rollout import make_experience
 from rlhf.ppo.types import PPOModels
 from rlhf.ppo.update import make_optimisers, ppo_update
 from rlhf.runtime.device import Runtime
@@ -104,7 +105,7 @@ def test_ppo_ratio_is_one_on_first_minibatch_with_dropout_in_config(dropout_dir,
     config = PPOConfig(rollout_batch_size=4, minibatch_size=4, ppo_epochs=1)
     prompts = [encode_prompt(tokenizer, p, 32) for p in PROMPTS[:4]]
     settings = GenerationSettings(max_new_tokens=6)
-    moments, runtime = RunningMoments(), Runtime()
+    moments, runtime = RewardMoments(), Runtime()
     experience, _ = make_experience(models, tokenizer, prompts, config, settings, moments, 0.05, runtime)
     opt = make_optimisers(models.policy, models.value_model, config)
     stats = ppo_update(models.policy, models.value_model, opt, experience, config, 0.7, 0, None, True, runtime)
@@ -273,7 +274,7 @@ def test_a_group_estimator_compares_the_samples_of_one_prompt_with_no_value_mode
     prompts = [encode_prompt(tokenizer, p, 32) for p in (PROMPTS[0], PROMPTS[0], PROMPTS[2], PROMPTS[2])]
     settings = GenerationSettings(max_new_tokens=6, no_eos="score", no_eos_value=None)
     experience, stats = make_experience(
-        models, tokenizer, prompts, config, settings, RunningMoments(), 0.05, Runtime(), seeds=[1, 2, 3, 4]
+        models, tokenizer, prompts, config, settings, RewardMoments(), 0.05, Runtime(), seeds=[1, 2, 3, 4]
     )
     mask = experience.mask
     first, returns = experience.advantages[:, 0].tolist(), experience.returns[:, 0].tolist()

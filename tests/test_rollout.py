@@ -10,7 +10,8 @@ from rlhf.models.generation import GenerationSettings, treat_unfinished, unfinis
 from rlhf.models.loading import load_scalar_model
 from rlhf.models.sampling import Rollout
 from rlhf.ppo.config import PPOConfig, max_skewness
-from rlhf.ppo.rollout import RunningMoments, calibrate_value_head, value_predictions
+from rlhf.ppo.moments import RewardMoments, RunningMoments
+from rlhf.ppo.rollout import calibrate_value_head, value_predictions
 from rlhf.ppo.types import PPOModels
 from rlhf.runtime.device import Runtime
 from rlhf.runtime.distributed import Ranks
@@ -182,12 +183,12 @@ def test_make_experience_penalises_each_token_by_k1_and_adds_the_score_once(tiny
         p.add_(0.05 * torch.randn_like(p))  # so that the policy differs from the reference
     reward_model, value_model = load_scalar_model(tiny_dir), load_scalar_model(tiny_dir)
     torch.nn.init.normal_(reward_model.score.weight, std=1.0)
-    config = PPOConfig(gamma=1.0, lam=1.0, reward_normalize=False, reward_clip=None, value_init="sft")
+    config = PPOConfig(gamma=1.0, lam=1.0, reward_normalize=None, reward_clip=None, value_init="sft")
     settings = GenerationSettings(max_new_tokens=5, no_eos="score", no_eos_value=None)
     prompts = [encode_prompt(tokenizer, [{"role": "user", "content": t}], 16) for t in ("Hi", "Tell me a joke")]
     beta = 0.3
     models = PPOModels(policy, reference, reward_model, value_model)
-    experience, stats = make_experience(models, tokenizer, prompts, config, settings, RunningMoments(), beta, Runtime())
+    experience, stats = make_experience(models, tokenizer, prompts, config, settings, RewardMoments(), beta, Runtime())
     ids, attn, start, mask = experience.input_ids, experience.attention_mask, experience.response_start, experience.mask
     logprobs, _ = response_logprobs(policy, ids, attn, start, 0.7)
     ref_logprobs, _ = response_logprobs(reference, ids, attn, start, 0.7)
@@ -211,12 +212,12 @@ def test_make_experience_calibrates_the_value_model_on_the_first_rollouts_return
     reward_model, value_model = load_scalar_model(tiny_dir), load_scalar_model(tiny_dir)
     torch.nn.init.normal_(reward_model.score.weight, std=1.0)
     torch.nn.init.normal_(value_model.score.weight, std=1.0)
-    config = PPOConfig(gamma=1.0, lam=1.0, reward_normalize=False, reward_clip=None, value_init="sft")
+    config = PPOConfig(gamma=1.0, lam=1.0, reward_normalize=None, reward_clip=None, value_init="sft")
     settings = GenerationSettings(max_new_tokens=5, no_eos="score", no_eos_value=None)
     prompts = [encode_prompt(tokenizer, [{"role": "user", "content": t}], 16) for t in ("Hi", "Tell me a joke")]
     models = PPOModels(policy, reference, reward_model, value_model)
     experience, _ = make_experience(
-        models, tokenizer, prompts, config, settings, RunningMoments(), 0.1, Runtime(), calibrate_value=True
+        models, tokenizer, prompts, config, settings, RewardMoments(), 0.1, Runtime(), calibrate_value=True
     )
     assert value_model.config.value_scale != 1.0
     ids, attn, start, mask = experience.input_ids, experience.attention_mask, experience.response_start, experience.mask

@@ -21,7 +21,8 @@ import rlhf.models.trunk as trunk_module
 from rlhf.data.chat import encode_prompt
 from rlhf.models.loading import load_base_model
 from rlhf.models.trunk import frozen_depth, shared_depth
-from rlhf.ppo.rollout import RunningMoments, make_experience
+from rlhf.ppo.moments import RewardMoments
+from rlhf.ppo.rollout import make_experience
 from rlhf.ppo.types import PPOModels
 from rlhf.ppo.update import make_optimisers, ppo_update
 from rlhf.runtime.device import Runtime
@@ -75,7 +76,7 @@ def rollout_and_update(folder, tokenizer, runtime, micro_batch_size=None):
     config = small_config(rollout_batch_size=3, minibatch_size=3, ppo_epochs=2, micro_batch_size=micro_batch_size)
     prompts = [encode_prompt(tokenizer, p, 24) for p in PROMPTS[:3]]
     torch.manual_seed(1)
-    experience, stats = make_experience(models, tokenizer, prompts, config, SETTINGS, RunningMoments(), 0.05, runtime)
+    experience, stats = make_experience(models, tokenizer, prompts, config, SETTINGS, RewardMoments(), 0.05, runtime)
     opt = make_optimisers(models.policy, models.value_model, config)
     update = ppo_update(models.policy, models.value_model, opt, experience, config, 0.7, 0, None, True, runtime)
     return experience, stats, update, models

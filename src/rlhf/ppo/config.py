@@ -60,8 +60,10 @@ class PPOConfig:
     kl_target: float | None = None  # nats per response (adaptive_kl only)
     kl_horizon: int | None = None  # samples (adaptive_kl only); Ziegler's 10,000 at batch 512 moves beta by up to 1%
     # a step, as 160 at batch 8
-    # reward normalisation and clipping by running statistics (paper Eq. 18)
-    reward_normalize: bool = True
+    # reward normalisation and clipping by running statistics (paper Eq. 18): per_kind (a mean and std per prompt
+    # kind: the reward model's kind heads score on their own scales, rlhf.ppo.moments) | pooled (one over all
+    # scores, the paper's) | None (neither)
+    reward_normalize: str | None = "per_kind"
     reward_clip: float | None = 5.0
     # where the advantage comes from: gae (paper Eq. 9, against the value model: PPO-max) | rloo | grpo (the
     # returns of k samples of one prompt compared with each other, no value model: rlhf.losses.rloo_advantages,
@@ -124,6 +126,8 @@ class PPOConfig:
         if self.on_collapse not in ("stop", "rollback", "warn"):
             raise ValueError(f"ppo.on_collapse must be stop, rollback or warn, got {self.on_collapse!r}")
         _check_estimator(self)
+        if self.reward_normalize not in ("per_kind", "pooled", None):
+            raise ValueError(f"ppo.reward_normalize must be per_kind, pooled or null, got {self.reward_normalize!r}")
         if self.value_init not in ("reward", "sft"):
             raise ValueError(f"ppo.value_init must be reward or sft, got {self.value_init!r}")
         check_ranges(

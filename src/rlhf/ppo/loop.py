@@ -22,7 +22,8 @@ from rlhf.models.generation import GenerationSettings
 from rlhf.models.sampling import prompt_seed
 from rlhf.ppo.config import PPOConfig, check_processes
 from rlhf.ppo.guard import act_on_collapse, detect_collapse, pooled_baseline, window_signals
-from rlhf.ppo.rollout import Experience, RunningMoments, make_experience, validation_stats
+from rlhf.ppo.moments import RewardMoments
+from rlhf.ppo.rollout import Experience, make_experience, validation_stats
 from rlhf.ppo.types import Best, PPOModels, PPOResult, PPOState
 from rlhf.ppo.update import Optimisers, make_optimisers, ppo_update, ptx_batches
 from rlhf.runtime.device import Runtime
@@ -47,7 +48,7 @@ class _Loop:
     settings: GenerationSettings
     runtime: Runtime
     opt: Optimisers
-    moments: RunningMoments
+    moments: RewardMoments
     best_dir: str
     say: Callable[[str], None]
     prompt_kinds: list[str] | None = (
@@ -189,7 +190,7 @@ def train_ppo(
         settings=settings,
         runtime=runtime,
         opt=make_optimisers(models.policy, models.value_model, config, scaler_step),
-        moments=RunningMoments(),
+        moments=RewardMoments(per_kind=config.reward_normalize == "per_kind"),
         best_dir=os.path.join(checkpointer.root, "best"),
         say=bar.write if runtime.ranks.main else (lambda line: None),
         prompt_kinds=prompt_kinds,

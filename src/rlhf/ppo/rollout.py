@@ -22,58 +22,11 @@ from rlhf.models.forward import response_logprobs, token_scores
 from rlhf.models.generation import GenerationSettings, ScoredRollout, sample_and_score
 from rlhf.models.trunk import TrunkEntry
 from rlhf.ppo.config import PPOConfig
+from rlhf.ppo.moments import RewardMoments
 from rlhf.ppo.monitoring import COLUMNS, rollout_stats
 from rlhf.ppo.types import PPOModels
 from rlhf.runtime.device import PhaseTimer, Runtime
 from rlhf.runtime.distributed import Ranks
-
-
-class RunningMoments:
-    """Running mean and population std of all reward-model scores seen so far (Chan et al. parallel update).
-
-    ``normalize`` raises while no statistics exist, so turning normalisation on
-    cannot silently pass rewards through unchanged.
-    """
-
-    def __init__(self) -> None:
-        self.count, self.mean, self.m2 = 0, 0.0, 0.0
-
-    @property
-    def std(self) -> float:
-        """Population standard deviation of everything seen."""
-        return math.sqrt(self.m2 / self.count) if self.count else float("nan")
-
-    def update(self, values: torch.Tensor) -> None:
-        """Fold a batch ``(N,)`` of values into the statistics."""
-        values = values.double().flatten()
-        n = values.numel()
-        if n == 0:
-            return
-        batch_mean = float(values.mean())
-        batch_m2 = float(((values - batch_mean) ** 2).sum())
-        total = self.count + n
-        delta = batch_mean - self.mean
-        self.mean += delta * n / total
-        self.m2 += batch_m2 + delta**2 * self.count * n / total
-        self.count = total
-
-    def normalize(self, values: torch.Tensor, clip: float | None) -> torch.Tensor:
-        """Paper Eq. 18 with these statistics.
-
-        Raises:
-            RuntimeError: no statistics yet.
-        """
-        if self.count == 0:
-            raise RuntimeError("reward normalisation is on but no reward statistics exist yet")
-        return losses.normalize_and_clip(values, self.mean, self.std, clip)
-
-    def state_dict(self) -> dict[str, float]:
-        """For checkpoints."""
-        return {"count": self.count, "mean": self.mean, "m2": self.m2}
-
-    def load_state_dict(self, state: dict[str, float]) -> None:
-        """Restore :meth:`state_dict`."""
-        self.count, self.mean, self.m2 = int(state["count"]), float(state["mean"]), float(state["m2"])
 
 
 def value_predictions(
@@ -172,7 +125,7 @@ def make_experience(
     prompts: list[list[int]],
     config: PPOConfig,
     settings: GenerationSettings,
-    moments: RunningMoments,
+    moments: RewardMoments,
     kl_coef: float,
     runtime: Runtime,
     calibrate_value: bool = False,
@@ -190,7 +143,8 @@ def make_experience(
         tokenizer: shared tokenizer.
         prompts: token lists (chat template with generation header).
         config: :class:`PPOConfig`; settings: :class:`GenerationSettings`.
-        moments: running reward statistics (updated here when normalisation is on).
+        moments: running reward statistics (updated here when normalisation is on; per kind: ``kinds`` name the
+            streams).
         kl_coef: the current beta.
         runtime: device and precision; every forward pass runs under ``runtime.autocast()``.
         calibrate_value: fit the value model's calibration to this rollout's returns
@@ -223,9 +177,9 @@ def make_experience(
                 reference, ids, attn, start, settings.temperature, entry=trunk.entry(reference)
             )
     mask, scores = rollout.response_mask, scored.scores
-    if config.reward_normalize:
-        moments.update(runtime.ranks.gather(scores))  # every rank's scores, in the global order
-        scores = moments.normalize(scores, config.reward_clip)
+    if config.reward_normalize is not None:
+        moments.update(runtime.ranks.gather(scores), gather_kinds(kinds, runtime.ranks))  # every rank's, in order
+        scores = moments.normalize(scores, kinds, config.reward_clip)
     elif config.reward_clip is not None:
         scores = scores.clamp(-config.reward_clip, config.reward_clip)
     value_entry, values = None, torch.zeros_like(logprobs)  # no value model (rloo, grpo): V = 0
@@ -256,10 +210,20 @@ def make_experience(
         value_entry=value_entry,
     )
     table = runtime.ranks.gather(sequence_table(scored, scores, logprobs, logratio, entropy, experience))
-    stats = {**rollout_stats(table), "ppo/kl_coef": kl_coef, **timer.stats("ppo/time")}
+    stats = {**rollout_stats(table), **moments.stats(), "ppo/kl_coef": kl_coef, **timer.stats("ppo/time")}
     if value_model is None:
         stats["ppo/value/explained_variance"] = math.nan  # no value model explains anything
     return experience, stats
+
+
+def gather_kinds(kinds: list[str] | None, ranks: Ranks) -> list[str] | None:
+    """Every rank's prompt kinds in the global order, as :meth:`rlhf.runtime.distributed.Ranks.gather` puts their
+    scores (None stays None: no prompt names its kind)."""
+    if kinds is None or ranks.world_size == 1:
+        return kinds
+    names = ranks.union(kinds)
+    every = ranks.gather(torch.tensor([names.index(k) for k in kinds]))
+    return [names[i] for i in every.tolist()]
 
 
 def group_advantages(
