@@ -1,4 +1,4 @@
-"""PPO's reward normalisation statistics per prompt kind (rlhf.ppo.moments), checked against values by hand."""
+"""PPO's reward statistics per prompt kind (rlhf.ppo.moments, monitoring), checked against values by hand."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import torch
 
 from rlhf.ppo.config import PPOConfig
 from rlhf.ppo.moments import POOLED, RewardMoments, RunningMoments
+from rlhf.ppo.monitoring import kind_reward_means
 
 KINDS = ["harmless", "helpful", "harmless", "helpful"]
 
@@ -78,3 +79,10 @@ def test_checkpoints_restore_every_stream_and_a_single_stream_checkpoint_starts_
 def test_an_unknown_normalisation_is_refused(value):
     with pytest.raises(ValueError, match="reward_normalize must be per_kind, pooled or null"):
         PPOConfig(reward_normalize=value)
+
+
+def test_each_kinds_mean_raw_score_is_reported_apart():
+    raw = torch.tensor([0.5, -1.0, 1.5, 2.0], dtype=torch.float64)
+    # harmless rows 0 and 2: (0.5 + 1.5) / 2 = 1.0; helpful rows 1 and 3: (-1 + 2) / 2 = 0.5
+    assert kind_reward_means(raw, KINDS) == {"ppo/reward/kind/harmless/mean": 1.0, "ppo/reward/kind/helpful/mean": 0.5}
+    assert kind_reward_means(raw, None) == {}

@@ -87,3 +87,19 @@ def skewness(values: list[float]) -> float:
     mean = math.fsum(values) / len(values)
     std = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / len(values))
     return math.fsum((v - mean) ** 3 for v in values) / len(values) / std**3 if std > 0 else 0.0
+
+
+def kind_reward_means(raw: torch.Tensor, kinds: list[str] | None) -> dict[str, float]:
+    """The rollout's mean reward-model score per prompt kind, ``ppo/reward/kind/<kind>/mean`` (empty without kinds):
+    each kind's scores are on their own scale (:mod:`rlhf.ppo.moments`), so a rollout's mean over both also moves
+    with its mix of kinds, and each kind's own mean is what shows the policy improving on it.
+
+    Args:
+        raw: ``(N,)`` float, the raw scores of every rank's responses in the global order (the table's ``raw``).
+        kinds: the ``N`` prompts' kinds in the same order, or None.
+    """
+    if kinds is None:
+        return {}
+    return {
+        f"ppo/reward/kind/{kind}/mean": float(raw[[k == kind for k in kinds]].mean()) for kind in sorted(set(kinds))
+    }

@@ -23,7 +23,7 @@ from rlhf.models.generation import GenerationSettings, ScoredRollout, sample_and
 from rlhf.models.trunk import TrunkEntry
 from rlhf.ppo.config import PPOConfig
 from rlhf.ppo.moments import RewardMoments
-from rlhf.ppo.monitoring import COLUMNS, rollout_stats
+from rlhf.ppo.monitoring import COLUMNS, kind_reward_means, rollout_stats
 from rlhf.ppo.types import PPOModels
 from rlhf.runtime.device import PhaseTimer, Runtime
 from rlhf.runtime.distributed import Ranks
@@ -177,8 +177,9 @@ def make_experience(
                 reference, ids, attn, start, settings.temperature, entry=trunk.entry(reference)
             )
     mask, scores = rollout.response_mask, scored.scores
+    every_kinds = gather_kinds(kinds, runtime.ranks)  # every rank's, in the order gather puts their rows
     if config.reward_normalize is not None:
-        moments.update(runtime.ranks.gather(scores), gather_kinds(kinds, runtime.ranks))  # every rank's, in order
+        moments.update(runtime.ranks.gather(scores), every_kinds)
         scores = moments.normalize(scores, kinds, config.reward_clip)
     elif config.reward_clip is not None:
         scores = scores.clamp(-config.reward_clip, config.reward_clip)
@@ -210,7 +211,8 @@ def make_experience(
         value_entry=value_entry,
     )
     table = runtime.ranks.gather(sequence_table(scored, scores, logprobs, logratio, entropy, experience))
-    stats = {**rollout_stats(table), **moments.stats(), "ppo/kl_coef": kl_coef, **timer.stats("ppo/time")}
+    stats = {**rollout_stats(table), **kind_reward_means(table[:, COLUMNS.index("raw")], every_kinds)}
+    stats |= {**moments.stats(), "ppo/kl_coef": kl_coef, **timer.stats("ppo/time")}
     if value_model is None:
         stats["ppo/value/explained_variance"] = math.nan  # no value model explains anything
     return experience, stats
