@@ -1,12 +1,11 @@
 """Experience: sample responses, score them, and turn them into token rewards, advantages and returns.
 
-One rollout: sample from the policy (temperature only), score each response with
-the reward model where the reward model learned to read (at the end-of-turn
-token; an unfinished or empty response is treated as :class:`GenerationSettings`
-says), normalise the scores with running statistics (paper Eq. 18), add the KL
-penalty per token (tutorial Eq. 11), and run GAE against the value model's
-predictions (paper Eq. 9), or compare the returns of several samples of one prompt (``rloo``, ``grpo``: no
-value model).
+One rollout: sample from the policy (temperature only), score each response with the reward model where the
+reward model learned to read (at the end-of-turn token; an unfinished or empty response is treated as
+:class:`GenerationSettings` says), normalise the scores with running statistics (paper Eq. 18; per prompt kind:
+:mod:`rlhf.ppo.moments`), add the KL penalty per token (tutorial Eq. 11), and run GAE against the value model's
+predictions (paper Eq. 9), or compare the returns of several samples of one prompt (``rloo``, ``grpo``: no value
+model).
 """
 
 from __future__ import annotations
