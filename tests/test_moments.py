@@ -62,17 +62,27 @@ def test_checkpoints_restore_every_stream_and_a_single_stream_checkpoint_starts_
     # a checkpoint from before the streams: one RunningMoments over [0, 1, 2, 3] (mean 1.5, m2 5)
     single = RunningMoments()
     single.update(torch.tensor([0.0, 1.0, 2.0, 3.0]))
-    old = RewardMoments()
+    old = RewardMoments(kinds=["helpful", "harmless", "helpful"])
     old.load_state_dict(single.state_dict())
-    assert old.state_dict() == single.state_dict()  # kept as loaded until a stream starts from it
     old.update(torch.tensor([5.5]), ["helpful"])
     # helpful starts from [0, 1, 2, 3] and adds 5.5: mean 2.3, population var (5 + 4 * 4^2 / 5) / 5 = 3.56
     assert old.stats() == pytest.approx(
-        {"ppo/reward/running/helpful/mean": 2.3, "ppo/reward/running/helpful/std": 3.56**0.5}
+        {
+            "ppo/reward/running/harmless/mean": 1.5,
+            "ppo/reward/running/harmless/std": 1.25**0.5,
+            "ppo/reward/running/helpful/mean": 2.3,
+            "ppo/reward/running/helpful/std": 3.56**0.5,
+        }
     )
-    old.update(torch.tensor([1.5]), ["harmless"])  # harmless starts from the same copy, not from helpful's
-    assert old.streams["harmless"].mean == pytest.approx(1.5)
-    assert old.streams["harmless"].count == 5
+    # saved before a harmless score came: the next resume still starts harmless from the old statistics
+    again = RewardMoments(kinds=["harmless", "helpful"])
+    again.load_state_dict(old.state_dict())
+    again.update(torch.tensor([1.5]), ["harmless"])  # [0, 1, 2, 3, 1.5]: mean 1.5, count 5
+    assert again.streams["harmless"].mean == pytest.approx(1.5)
+    assert again.streams["harmless"].count == 5
+    pooled = RewardMoments(per_kind=False, kinds=["harmless"])
+    pooled.load_state_dict(single.state_dict())
+    assert pooled.state_dict() == {POOLED: single.state_dict()}
 
 
 @pytest.mark.parametrize("value", ["kinds", True])

@@ -190,7 +190,7 @@ def train_ppo(
         settings=settings,
         runtime=runtime,
         opt=make_optimisers(models.policy, models.value_model, config, scaler_step),
-        moments=RewardMoments(per_kind=config.reward_normalize == "per_kind"),
+        moments=RewardMoments(per_kind=config.reward_normalize == "per_kind", kinds=prompt_kinds),
         best_dir=os.path.join(checkpointer.root, "best"),
         say=bar.write if runtime.ranks.main else (lambda line: None),
         prompt_kinds=prompt_kinds,

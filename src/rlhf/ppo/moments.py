@@ -12,7 +12,6 @@ Imports torch only.
 
 from __future__ import annotations
 
-import copy
 import math
 
 import torch
@@ -74,13 +73,14 @@ class RewardMoments:
     """The running statistics PPO normalises the reward-model scores with: one :class:`RunningMoments` per stream.
 
     ``per_kind=True``: a stream per prompt kind (a row's kind names its stream); ``False``, or rows without kinds:
-    one stream, :data:`POOLED`, over every score (the paper's Eq. 18 as written).
+    one stream, :data:`POOLED`, over every score (the paper's Eq. 18 as written). ``kinds``: every kind the run's
+    prompts have (or None), the streams a checkpoint written before the streams starts (:meth:`load_state_dict`).
     """
 
-    def __init__(self, per_kind: bool = True) -> None:
+    def __init__(self, per_kind: bool = True, kinds: list[str] | None = None) -> None:
         self.per_kind = per_kind
+        self.kinds = sorted(set(kinds)) if per_kind and kinds else [POOLED]
         self.streams: dict[str, RunningMoments] = {}
-        self._seed: RunningMoments | None = None  # a single-stream checkpoint's statistics (load_state_dict)
 
     def keys(self, count: int, kinds: list[str] | None) -> list[str]:
         """Each of ``count`` rows' stream: its kind when per kind and kinds are given, else :data:`POOLED`.
@@ -93,15 +93,11 @@ class RewardMoments:
         return list(kinds) if self.per_kind and kinds is not None else [POOLED] * count
 
     def update(self, scores: torch.Tensor, kinds: list[str] | None = None) -> None:
-        """Fold scores ``(N,)`` into their streams (``kinds``: each row's kind, or None).
-
-        A stream seen for the first time starts empty, or, after a single-stream checkpoint was loaded, from a copy
-        of its statistics (what every kind was normalised by until then).
-        """
+        """Fold scores ``(N,)`` into their streams (``kinds``: each row's kind, or None); a stream seen for the first
+        time starts empty."""
         keys = self.keys(scores.shape[0], kinds)
         for key in dict.fromkeys(keys):
-            if key not in self.streams:
-                self.streams[key] = copy.deepcopy(self._seed) if self._seed is not None else RunningMoments()
+            self.streams.setdefault(key, RunningMoments())
             rows = torch.tensor([k == key for k in keys], device=scores.device)
             self.streams[key].update(scores[rows])
 
@@ -137,20 +133,16 @@ class RewardMoments:
         }
 
     def state_dict(self) -> dict[str, dict[str, float]]:
-        """For checkpoints: ``{stream: RunningMoments.state_dict()}`` (a loaded single-stream state no stream has
-        started from yet is kept as it was loaded)."""
-        if not self.streams and self._seed is not None:
-            return self._seed.state_dict()
+        """For checkpoints: ``{stream: RunningMoments.state_dict()}``."""
         return {key: stream.state_dict() for key, stream in self.streams.items()}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`, or a checkpoint written before the streams (one ``RunningMoments`` state:
-        ``count``, ``mean``, ``m2``), whose statistics then start every stream, as they normalised every score."""
-        self.streams, self._seed = {}, None
+        ``count``, ``mean``, ``m2``), whose statistics then start every stream of :attr:`kinds`, as they normalised
+        every score (so the streams are in the next checkpoint, whichever kinds appear before it)."""
+        self.streams = {}
         if "count" in state:
-            self._seed = RunningMoments()
-            self._seed.load_state_dict(state)
-            return
+            state = {key: state for key in self.kinds}
         for key, saved in state.items():
             self.streams[key] = RunningMoments()
             self.streams[key].load_state_dict(saved)

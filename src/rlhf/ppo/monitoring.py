@@ -100,6 +100,6 @@ def kind_reward_means(raw: torch.Tensor, kinds: list[str] | None) -> dict[str, f
     """
     if kinds is None:
         return {}
-    return {
-        f"ppo/reward/kind/{kind}/mean": float(raw[[k == kind for k in kinds]].mean()) for kind in sorted(set(kinds))
-    }
+    names = sorted(set(kinds))
+    means = torch.stack([raw[[k == kind for k in kinds]].mean() for kind in names]).tolist()  # one host copy
+    return {f"ppo/reward/kind/{kind}/mean": mean for kind, mean in zip(names, means, strict=True)}

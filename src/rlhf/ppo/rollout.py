@@ -219,7 +219,15 @@ def make_experience(
 
 def gather_kinds(kinds: list[str] | None, ranks: Ranks) -> list[str] | None:
     """Every rank's prompt kinds in the global order, as :meth:`rlhf.runtime.distributed.Ranks.gather` puts their
-    scores (None stays None: no prompt names its kind)."""
+    scores.
+
+    Args:
+        kinds: this rank's prompts' kinds, one per row of its share of the batch; None: no prompt names its kind.
+        ranks: the processes; with several, each passes its own share.
+
+    Returns:
+        Every rank's kinds, rank 0's rows first (one list for the whole batch), or None when ``kinds`` is None.
+    """
     if kinds is None or ranks.world_size == 1:
         return kinds
     names = ranks.union(kinds)
