@@ -216,7 +216,8 @@ def summary_lines(summary: dict[str, Any], shipped: int) -> list[str]:
         f"last rollout: reward {summary.get('ppo/last/reward/mean', nan):.3f}, "
         f"EOS rate {summary.get('ppo/last/eos_rate', nan):.2f}, KL {summary.get('ppo/last/kl', nan):.3f} "
         f"(ppo/last/kl, the headline's), "
-        f"explained variance {summary.get('ppo/last/value/explained_variance', nan):.3f}",
+        f"explained variance {summary.get('ppo/last/value/explained_variance', nan):.3f} "
+        f"(of the outcome: {summary.get('ppo/last/value/explained_variance_outcome', nan):.3f})",
     ]
 
 

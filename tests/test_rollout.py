@@ -216,10 +216,13 @@ def test_make_experience_calibrates_the_value_model_on_the_first_rollouts_return
     settings = GenerationSettings(max_new_tokens=5, no_eos="score", no_eos_value=None)
     prompts = [encode_prompt(tokenizer, [{"role": "user", "content": t}], 16) for t in ("Hi", "Tell me a joke")]
     models = PPOModels(policy, reference, reward_model, value_model)
-    experience, _ = make_experience(
+    experience, stats = make_experience(
         models, tokenizer, prompts, config, settings, RewardMoments(), 0.1, Runtime(), calibrate_value=True
     )
     assert value_model.config.value_scale != 1.0
+    # lambda = 1: the GAE returns are the Monte Carlo ones, so both readings of the critic agree
+    outcome = stats["ppo/value/explained_variance_outcome"]
+    assert outcome == pytest.approx(stats["ppo/value/explained_variance"], rel=1e-5) and outcome == outcome
     ids, attn, start, mask = experience.input_ids, experience.attention_mask, experience.response_start, experience.mask
     assert value_predictions(value_model, ids, attn, start)[mask] == pytest.approx(experience.values[mask], abs=1e-5)
     x, y = experience.values[mask].double(), experience.returns[mask].double()  # gamma = lambda = 1: Monte Carlo
@@ -230,16 +233,24 @@ def test_make_experience_calibrates_the_value_model_on_the_first_rollouts_return
 def test_rollout_stats_explained_variance_and_token_means_by_hand():
     from rlhf.ppo.monitoring import COLUMNS, rollout_stats
 
-    def table(values):  # two one-token responses with returns 1 and 3 and these values
+    def table(values, returns=(1.0, 3.0)):  # two one-token responses, outcomes 1 and 3, these values and returns
         rows = []
-        for ret, value in zip((1.0, 3.0), values, strict=True):
+        for outcome, ret, value in zip((1.0, 3.0), returns, values, strict=True):
             row = dict.fromkeys(COLUMNS, 0.0) | {"length": 1.0, "ended": 1.0, "returns": ret, "returns_sq": ret**2}
-            row |= {"residual": ret - value, "residual_sq": (ret - value) ** 2, "logprobs": -1.0, "raw": ret}
+            row |= {"residual": ret - value, "residual_sq": (ret - value) ** 2, "logprobs": -1.0, "raw": outcome}
+            row |= {"outcome": outcome, "outcome_sq": outcome**2, "outcome_residual": outcome - value}
+            row |= {"outcome_residual_sq": (outcome - value) ** 2}
             rows.append([row[name] for name in COLUMNS])
         return torch.tensor(rows, dtype=torch.float64)
 
     perfect = rollout_stats(table((1.0, 3.0)))
     assert perfect["ppo/value/explained_variance"] == pytest.approx(1.0)
+    assert perfect["ppo/value/explained_variance_outcome"] == pytest.approx(1.0)
+    # GAE returns that are the values (1.5, 2.5) read as perfect; against the outcomes 1 and 3 the residuals
+    # -0.5 and 0.5 have variance 0.25 of the outcomes' 1: 1 - 0.25 / 1 = 0.75
+    smooth = rollout_stats(table((1.5, 2.5), returns=(1.5, 2.5)))
+    assert smooth["ppo/value/explained_variance"] == pytest.approx(1.0)
+    assert smooth["ppo/value/explained_variance_outcome"] == pytest.approx(0.75)
     # values constant 2: residual -1 and 1 has the variance of the returns (1): 1 - 1 / 1 = 0
     constant = rollout_stats(table((2.0, 2.0)))
     assert constant["ppo/value/explained_variance"] == pytest.approx(0.0)
@@ -284,3 +295,30 @@ def test_the_truncation_guard_fires_only_above_what_the_starting_policy_did():
     start = {"ppo/response_length": 60.0, "ppo/perplexity": 3.0, "ppo/truncated_share": 0.1}
     assert detect_collapse({**calm, "ppo/window/truncated_share": 0.95}, start, config).startswith("95% of the last 4")
     assert detect_collapse({**calm, "ppo/window/truncated_share": 0.85}, start, config) is None
+
+
+@torch.no_grad()
+def test_the_outcome_reading_of_the_critic_does_not_depend_on_lambda(tiny_dir, tokenizer):
+    # the Monte Carlo returns are the same whatever GAE's lambda; the GAE returns (built from the values) are not
+    from rlhf.data.chat import encode_prompt
+    from rlhf.models.loading import load_causal_lm
+    from rlhf.ppo.rollout import make_experience
+
+    torch.manual_seed(0)
+    policy, reference = load_causal_lm(tiny_dir), load_causal_lm(tiny_dir)
+    reward_model, value_model = load_scalar_model(tiny_dir), load_scalar_model(tiny_dir)
+    torch.nn.init.normal_(reward_model.score.weight, std=1.0)
+    torch.nn.init.normal_(value_model.score.weight, std=1.0)
+    settings = GenerationSettings(max_new_tokens=5, no_eos="score", no_eos_value=None)
+    prompts = [encode_prompt(tokenizer, [{"role": "user", "content": t}], 16) for t in ("Hi", "Tell me a joke")]
+    models = PPOModels(policy, reference, reward_model, value_model)
+    readings = []
+    for lam in (1.0, 0.5):
+        config = PPOConfig(gamma=1.0, lam=lam, reward_normalize=None, reward_clip=None, value_init="sft")
+        _, stats = make_experience(
+            models, tokenizer, prompts, config, settings, RewardMoments(), 0.1, Runtime(), seeds=[1, 2]
+        )
+        readings.append((stats["ppo/value/explained_variance"], stats["ppo/value/explained_variance_outcome"]))
+    (gae_1, outcome_1), (gae_half, outcome_half) = readings
+    assert outcome_half == pytest.approx(outcome_1, rel=1e-5) and gae_1 == pytest.approx(outcome_1, rel=1e-5)
+    assert abs(gae_half - outcome_half) > 1e-3

@@ -32,7 +32,12 @@ COLUMNS = (
     "returns_sq",
     "residual",
     "residual_sq",
+    "outcome",
+    "outcome_sq",
+    "outcome_residual",
+    "outcome_residual_sq",
 )
+VARIANCES = ("returns", "residual", "outcome", "outcome_residual")  # token variances rollout_stats reads
 
 
 def rollout_stats(table: torch.Tensor) -> dict[str, float]:
@@ -40,7 +45,18 @@ def rollout_stats(table: torch.Tensor) -> dict[str, float]:
     :func:`sequence_table` (every rank's rows), in one host round trip besides the skewness (which reads the
     scores' host copy): response means, token means (sums over all tokens divided by all tokens), the score
     quantiles, and the value model's explained variance ``1 - Var[returns - values] / Var[returns]`` over all
-    response tokens (NaN when the returns are constant)."""
+    response tokens (NaN when the returns are constant), read twice: against the GAE returns PPO trains it on
+    (``ppo/value/explained_variance``, as TRL's PPO trainer logs it), and against the Monte Carlo returns, the
+    outcome (``ppo/value/explained_variance_outcome``). With ``lambda < 1`` the GAE returns are built from the
+    values themselves (``R_t = V_t + A_t``), so a critic that only varies little from token to token can score
+    well on the first; only the second says it predicts what the responses will be scored (docs/ppo.md).
+
+    Args:
+        table: ``(N, len(COLUMNS))`` float64, one row per response.
+
+    Returns:
+        ``{metric name: float}``.
+    """
     col = dict(zip(COLUMNS, table.unbind(1), strict=True))
     tokens = col["length"].sum().clamp(min=1.0)
     token_mean = {name: col[name].sum() / tokens for name in COLUMNS}
@@ -68,13 +84,21 @@ def rollout_stats(table: torch.Tensor) -> dict[str, float]:
             "ppo/entropy": token_mean["entropy"],
             "ppo/advantages/mean": token_mean["advantages"],
             "ppo/returns/mean": token_mean["returns"],
-            "var_returns": token_mean["returns_sq"] - token_mean["returns"] ** 2,
-            "var_residual": token_mean["residual_sq"] - token_mean["residual"] ** 2,
+            **{f"var_{name}": token_mean[f"{name}_sq"] - token_mean[name] ** 2 for name in VARIANCES},
         }
     )
-    var_returns, var_residual = stats.pop("var_returns"), stats.pop("var_residual")
-    explained = 1 - var_residual / var_returns if var_returns > 1e-12 else float("nan")
-    return {**stats, "ppo/reward/skew": skewness(raw.tolist()), "ppo/value/explained_variance": explained}
+    variances = {name: stats.pop(f"var_{name}") for name in VARIANCES}
+    return {
+        **stats,
+        "ppo/reward/skew": skewness(raw.tolist()),
+        "ppo/value/explained_variance": explained_variance(variances["residual"], variances["returns"]),
+        "ppo/value/explained_variance_outcome": explained_variance(variances["outcome_residual"], variances["outcome"]),
+    }
+
+
+def explained_variance(var_residual: float, var_target: float) -> float:
+    """``1 - Var[target - values] / Var[target]`` from the two variances; NaN when the target is constant."""
+    return 1 - var_residual / var_target if var_target > 1e-12 else float("nan")
 
 
 def skewness(values: list[float]) -> float:

@@ -209,11 +209,13 @@ def make_experience(
         policy_entry=policy_entry,
         value_entry=value_entry,
     )
-    table = runtime.ranks.gather(sequence_table(scored, scores, logprobs, logratio, entropy, experience))
+    outcome = losses.gae(rewards, torch.zeros_like(rewards), mask, config.gamma, 1.0)[1]  # Monte Carlo returns
+    table = runtime.ranks.gather(sequence_table(scored, scores, logprobs, logratio, entropy, experience, outcome))
     stats = {**rollout_stats(table), **kind_reward_means(table[:, COLUMNS.index("raw")], every_kinds)}
     stats |= {**moments.stats(), "ppo/kl_coef": kl_coef, **timer.stats("ppo/time")}
     if value_model is None:
         stats["ppo/value/explained_variance"] = math.nan  # no value model explains anything
+        stats["ppo/value/explained_variance_outcome"] = math.nan
     return experience, stats
 
 
@@ -321,16 +323,19 @@ def sequence_table(
     logratio: torch.Tensor,
     entropy: torch.Tensor,
     experience: Experience,
+    outcome: torch.Tensor,
 ) -> torch.Tensor:
     """One row of :data:`COLUMNS` per response, float64: what :func:`rollout_stats` needs, in a form
     that the ranks' rows simply concatenate into, on the responses' device
-    (:meth:`rlhf.runtime.distributed.Ranks.gather`)."""
+    (:meth:`rlhf.runtime.distributed.Ranks.gather`). ``outcome``: ``(B, R)`` the Monte Carlo returns
+    ``G_t = sum_l gamma^l r_{t+l}`` (GAE with ``lambda = 1`` and no values), what the values are read against
+    besides the GAE returns."""
     mask = experience.mask
 
     def masked(values: torch.Tensor) -> torch.Tensor:  # float64, 0 outside the response
         return torch.where(mask, values.double(), 0.0)
 
-    residual = experience.returns - experience.values
+    residual, outcome_residual = experience.returns - experience.values, outcome - experience.values
     columns = {
         "raw": scored.raw_scores,
         "scored": scored.scores,
@@ -348,5 +353,9 @@ def sequence_table(
         "returns_sq": masked(experience.returns**2).sum(-1),
         "residual": masked(residual).sum(-1),
         "residual_sq": masked(residual**2).sum(-1),
+        "outcome": masked(outcome).sum(-1),
+        "outcome_sq": masked(outcome**2).sum(-1),
+        "outcome_residual": masked(outcome_residual).sum(-1),
+        "outcome_residual_sq": masked(outcome_residual**2).sum(-1),
     }
     return torch.stack([columns[name].double() for name in COLUMNS], dim=1)

@@ -17,7 +17,8 @@ SIGNALS = {
     "ppo/eos_rate": "EOS rate",
     "ppo/entropy": "entropy (nats / token)",
     "ppo/policy/clipfrac": "policy clip fraction",
-    "ppo/value/explained_variance": "value explained variance",
+    "ppo/value/explained_variance": "value explained variance (GAE returns)",
+    "ppo/value/explained_variance_outcome": "value explained variance (Monte Carlo returns)",
     "ppo/validation/reward": "validation reward (greedy)",
 }
 
