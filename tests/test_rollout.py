@@ -199,23 +199,31 @@ def test_make_experience_penalises_each_token_by_k1_and_adds_the_score_once(tiny
     assert stats["ppo/kl"] == pytest.approx(float(k1.mean()), abs=1e-5)
 
 
-@torch.no_grad()
-def test_make_experience_calibrates_the_value_model_on_the_first_rollouts_returns(tiny_dir, tokenizer):
-    # after calibration the returns regressed on the values have slope 1 and intercept 0 (the fit is the identity),
-    # and the values the experience holds are what the calibrated value model now predicts
+def scored_tiny_models(tiny_dir, tokenizer):
+    """The tiny policy and reference, a reward and a value model with random heads (std 1), 5-token samples that
+    read their truncated scores, and two prompts."""
     from rlhf.data.chat import encode_prompt
     from rlhf.models.loading import load_causal_lm
-    from rlhf.ppo.rollout import make_experience
 
     torch.manual_seed(0)
     policy, reference = load_causal_lm(tiny_dir), load_causal_lm(tiny_dir)
     reward_model, value_model = load_scalar_model(tiny_dir), load_scalar_model(tiny_dir)
     torch.nn.init.normal_(reward_model.score.weight, std=1.0)
     torch.nn.init.normal_(value_model.score.weight, std=1.0)
-    config = PPOConfig(gamma=1.0, lam=1.0, reward_normalize=None, reward_clip=None, value_init="sft")
     settings = GenerationSettings(max_new_tokens=5, no_eos="score", no_eos_value=None)
     prompts = [encode_prompt(tokenizer, [{"role": "user", "content": t}], 16) for t in ("Hi", "Tell me a joke")]
-    models = PPOModels(policy, reference, reward_model, value_model)
+    return PPOModels(policy, reference, reward_model, value_model), settings, prompts
+
+
+@torch.no_grad()
+def test_make_experience_calibrates_the_value_model_on_the_first_rollouts_returns(tiny_dir, tokenizer):
+    # after calibration the returns regressed on the values have slope 1 and intercept 0 (the fit is the identity),
+    # and the values the experience holds are what the calibrated value model now predicts
+    from rlhf.ppo.rollout import make_experience
+
+    models, settings, prompts = scored_tiny_models(tiny_dir, tokenizer)
+    value_model = models.value_model
+    config = PPOConfig(gamma=1.0, lam=1.0, reward_normalize=None, reward_clip=None, value_init="sft")
     experience, stats = make_experience(
         models, tokenizer, prompts, config, settings, RewardMoments(), 0.1, Runtime(), calibrate_value=True
     )
@@ -300,18 +308,9 @@ def test_the_truncation_guard_fires_only_above_what_the_starting_policy_did():
 @torch.no_grad()
 def test_the_outcome_reading_of_the_critic_does_not_depend_on_lambda(tiny_dir, tokenizer):
     # the Monte Carlo returns are the same whatever GAE's lambda; the GAE returns (built from the values) are not
-    from rlhf.data.chat import encode_prompt
-    from rlhf.models.loading import load_causal_lm
     from rlhf.ppo.rollout import make_experience
 
-    torch.manual_seed(0)
-    policy, reference = load_causal_lm(tiny_dir), load_causal_lm(tiny_dir)
-    reward_model, value_model = load_scalar_model(tiny_dir), load_scalar_model(tiny_dir)
-    torch.nn.init.normal_(reward_model.score.weight, std=1.0)
-    torch.nn.init.normal_(value_model.score.weight, std=1.0)
-    settings = GenerationSettings(max_new_tokens=5, no_eos="score", no_eos_value=None)
-    prompts = [encode_prompt(tokenizer, [{"role": "user", "content": t}], 16) for t in ("Hi", "Tell me a joke")]
-    models = PPOModels(policy, reference, reward_model, value_model)
+    models, settings, prompts = scored_tiny_models(tiny_dir, tokenizer)
     readings = []
     for lam in (1.0, 0.5):
         config = PPOConfig(gamma=1.0, lam=lam, reward_normalize=None, reward_clip=None, value_init="sft")
