@@ -40,6 +40,7 @@ from rlhf.evaluation.overoptimisation import best_of_n_figures, curve
 from rlhf.files import write_json
 from rlhf.models.generation import GenerationSettings
 from rlhf.models.loading import load_causal_lm, load_scalar_model, load_tokenizer
+from rlhf.runtime.device import PhaseTimer
 from rlhf.training.checkpoint import load_kept_policy
 from tasks.kit import paths
 from tasks.kit.champion import is_champion, require_champion
@@ -132,14 +133,20 @@ def run(
     ):
         length = config.judge_max_length if model is None else getattr(model.config, "reward_max_length", None)
         check_reads_whole(reader, length, ("ppo.max_prompt_length (evaluate's max_prompt_length)", reads), longest)
-    sampling = Sampling(scorers, tokenizer, config, settings, runtime)
-    metrics, runs = evaluate_policy(sft, policy, prompts, load_jsonl(PTX_HELDOUT), sampling, base=base, kinds=kinds)
+    timer = PhaseTimer(runtime)  # eval/time/{comparison,curve,best_of_n} and, summed over them, each phase of a sample
+    sampling = Sampling(scorers, tokenizer, config, settings, runtime, timer)
+    with timer("comparison"):
+        heldout = load_jsonl(PTX_HELDOUT)
+        metrics, runs = evaluate_policy(sft, policy, prompts, heldout, sampling, base=base, kinds=kinds)
     del policy, base
     metrics |= kind_figures(runs, kinds, config.bootstrap_resamples, config.seed)
     shipped = int(stage_metrics("ppo").get("ppo/shipped_iteration", 0))
     sampled = {shipped: runs["policy"], 0: runs["sft"]}
-    rows_of_curve = curve(sft, prompts, sampling, sampled=sampled, kept=kept_policies(runtime), kinds=kinds)
-    metrics |= best_of_n_figures(sft, prompts, sampling, sampled=runs["sft"], kinds=kinds)
+    with timer("curve"):
+        rows_of_curve = curve(sft, prompts, sampling, sampled=sampled, kept=kept_policies(runtime), kinds=kinds)
+    with timer("best_of_n"):
+        metrics |= best_of_n_figures(sft, prompts, sampling, sampled=runs["sft"], kinds=kinds)
+    metrics |= timer.stats("eval/time")
     judge, doubts = judge_figures(stage_metrics("judge"), config.judge_min_length_accuracy, sorted(set(kinds)))
     metrics |= judge | {
         "eval/reward_model_version": float(champion["version"]),

@@ -118,6 +118,11 @@ def assert_outputs(project: str) -> None:
     with open(os.path.join(project, "metrics/overoptimisation.json")) as handle:
         curve = json.load(handle)
     assert [row["iteration"] for row in curve] == [0, 3, 4] and curve[0]["kl"] == 0.0
+    with open(os.path.join(project, "timings/evaluate.json")) as handle:
+        timing = json.load(handle)
+    parts = [timing["phases"][f"eval/time/{part}"] for part in ("comparison", "curve", "best_of_n")]
+    phases = [timing["phases"][f"eval/time/{phase}"] for phase in ("generation", "reward", "logprobs", "judge")]
+    assert 0.0 < sum(phases) <= sum(parts) <= timing["seconds"], timing  # where evaluate's seconds go
     # all up to date but the always_changed stages (source re-reads the data source, gate the registry, report
     # writes the page of each pipeline run)
     assert changed(project) == {}

@@ -8,6 +8,7 @@ response *text* with its own tokenizer, so it may be another backbone.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +27,7 @@ from rlhf.models.generation import GenerationSettings, sample_and_score, treat_u
 from rlhf.models.sampling import prompt_seed
 from rlhf.models.shared_prompt import score_groups
 from rlhf.ranges import check_ranges
-from rlhf.runtime.device import Runtime
+from rlhf.runtime.device import PhaseTimer, Runtime
 from rlhf.stats import PairedRate, clustered_rate
 
 MODELS = ("sft", "policy")
@@ -88,13 +89,16 @@ class Sampling:
     """How every response of the evaluation is sampled and scored: who scores, the policy's tokenizer, the
     evaluation's settings, the generation settings PPO used and the device. One object shared by the evaluation
     (:func:`evaluate_policy`, :func:`generate_and_score`), the over-optimisation curve and best-of-N
-    (:mod:`rlhf.evaluation.overoptimisation`), instead of the same five arguments at every call."""
+    (:mod:`rlhf.evaluation.overoptimisation`), instead of the same five arguments at every call. ``timer``, when
+    given, sums the seconds of every :func:`generate_and_score` call by phase: ``generation`` (sampling),
+    ``reward`` (the proxy's scores), ``logprobs`` (the model's and its reference's, for the KL) and ``judge``."""
 
     scorers: Scorers
     tokenizer: PreTrainedTokenizerBase
     config: EvalConfig
     settings: GenerationSettings
     runtime: Runtime
+    timer: PhaseTimer | None = None
 
 
 def win_rate(policy_scores: torch.Tensor, baseline_scores: torch.Tensor, resamples: int, seed: int) -> PairedRate:
@@ -194,6 +198,7 @@ def generate_and_score(
         sampling.settings,
         sampling.runtime,
     )
+    phase = sampling.timer if sampling.timer is not None else (lambda name: contextlib.nullcontext())
     repeated = [p for p in prompts for _ in range(first, samples)]
     repeated_kinds = None if kinds is None else [k for k in kinds for _ in range(first, samples)]
     seeds = [prompt_seed(config.seed, s, i) for i in range(len(prompts)) for s in range(first, samples)]
@@ -211,6 +216,7 @@ def generate_and_score(
                 [encoded[i] for i in batch],
                 settings,
                 config.greedy,
+                timer=sampling.timer,
                 seeds=[seeds[i] for i in batch],
                 kinds=[repeated_kinds[i] for i in batch] if repeated_kinds is not None else None,
             )
@@ -223,13 +229,12 @@ def generate_and_score(
             )
             trunk = scored.trunk
             if reference is not None:
-                logprobs, _ = response_logprobs(model, ids, attn, begin, temperature, entry=trunk.entry(model))
-                same = reference is model  # the SFT model against itself: KL 0, computed once
-                ref_logprobs = (
-                    logprobs
-                    if same
-                    else response_logprobs(reference, ids, attn, begin, temperature, entry=trunk.entry(reference))[0]
-                )
+                with phase("logprobs"):
+                    logprobs, _ = response_logprobs(model, ids, attn, begin, temperature, entry=trunk.entry(model))
+                    ref_logprobs = logprobs  # the SFT model against itself: KL 0, computed once
+                    if reference is not model:
+                        entry = trunk.entry(reference)
+                        ref_logprobs, _ = response_logprobs(reference, ids, attn, begin, temperature, entry=entry)
         if reference is None:  # no KL wanted (the base model): no forward pass for it
             out["kl"].append(torch.full((len(ids),), math.nan))
             out["kl_k3"].append(torch.full((len(ids),), math.nan))
@@ -247,7 +252,8 @@ def generate_and_score(
     result = {key: torch.cat(value)[index] for key, value in out.items() if key != "texts"}
     texts = [out["texts"][i] for i in back]
     unfinished = result.pop("unfinished")
-    result["judge"] = judge_scores(sampling, repeated, texts, unfinished, repeated_kinds)
+    with phase("judge"):
+        result["judge"] = judge_scores(sampling, repeated, texts, unfinished, repeated_kinds)
     shape = (len(prompts), samples - first)
     return {**{key: value.reshape(shape) for key, value in result.items()}, "texts": texts}
 
