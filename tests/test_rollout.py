@@ -81,15 +81,15 @@ def test_value_calibration_is_the_least_squares_fit_of_the_first_rollouts_return
     value_model = SimpleNamespace(config=SimpleNamespace(value_scale=2.0, value_bias=0.5))
     mask = torch.tensor([[True, True], [True, False]])
     values = torch.tensor([[0.0, 1.0], [-1.0, 7.0]])  # 7.0 sits on a pad: never read
-    rewards = torch.tensor([[0.0, 2.0], [-1.0, 0.0]])  # Monte Carlo returns (gamma 1): [2, 2] and [-1]
-    calibrated = calibrate_value_head(value_model, values, rewards, mask, 1.0, Ranks())
+    returns = torch.tensor([[2.0, 2.0], [-1.0, 9.0]])  # 9.0 sits on a pad: never read
+    calibrated = calibrate_value_head(value_model, values, returns, mask, Ranks())
     # points (0, 2), (1, 2), (-1, -1): mean x 0, mean y 1, cov 1, var 2/3: slope 1.5, intercept 1
     assert calibrated[mask].tolist() == pytest.approx([1.0, 2.5, -0.5])
     # composed with the calibration the predictions were made under: 1.5 * (2 head + 0.5) + 1
     assert (value_model.config.value_scale, value_model.config.value_bias) == pytest.approx((3.0, 1.75))
     # a head that says nothing (one value everywhere) starts as the mean return
     flat = SimpleNamespace(config=SimpleNamespace())
-    assert calibrate_value_head(flat, torch.ones(2, 2), rewards, mask, 1.0, Ranks())[mask].tolist() == [1.0] * 3
+    assert calibrate_value_head(flat, torch.ones(2, 2), returns, mask, Ranks())[mask].tolist() == [1.0] * 3
     assert (flat.config.value_scale, flat.config.value_bias) == (0.0, 1.0)
 
 
@@ -101,10 +101,9 @@ def test_a_calibrated_value_model_predicts_what_the_calibration_returned(tiny_di
     ids, attn = torch.tensor([[5, 6, 7, 8], [5, 6, 9, 10]]), torch.ones(2, 4, dtype=torch.long)
     head = value_predictions(value_model, ids, attn, 2)  # no calibration yet: the raw head at positions 1, 2
     mask = torch.ones(2, 2, dtype=torch.bool)
-    rewards = torch.tensor([[0.1, 1.0], [-0.2, -1.0]])
-    calibrated = calibrate_value_head(value_model, head, rewards, mask, 0.9, Ranks())
+    returns = torch.tensor([[0.1 + 0.9 * 1.0, 1.0], [-0.2 - 0.9, -1.0]])  # rewards 0.1, 1 and -0.2, -1 at gamma 0.9
+    calibrated = calibrate_value_head(value_model, head, returns, mask, Ranks())
     assert value_predictions(value_model, ids, attn, 2) == pytest.approx(calibrated, abs=1e-5)
-    returns = torch.tensor([[0.1 + 0.9 * 1.0, 1.0], [-0.2 - 0.9, -1.0]])
     residual = ((returns - calibrated) ** 2).mean()
     assert residual <= ((returns - returns.mean()) ** 2).mean() + 1e-6  # explained variance >= 0 on the fit
 

@@ -97,7 +97,16 @@ def rollout_stats(table: torch.Tensor) -> dict[str, float]:
 
 
 def explained_variance(var_residual: float, var_target: float) -> float:
-    """``1 - Var[target - values] / Var[target]`` from the two variances; NaN when the target is constant."""
+    """The critic's explained variance, ``1 - Var[target - values] / Var[target]``, from the two variances.
+
+    Args:
+        var_residual: ``Var[target - values]`` over the response tokens (float, units of the return squared).
+        var_target: ``Var[target]`` over the same tokens: the GAE returns or the Monte Carlo returns.
+
+    Returns:
+        At most 1 (1: the values predict the target exactly; 0: no better than its mean; below 0: worse); NaN when
+        the target is constant (``var_target`` at most 1e-12).
+    """
     return 1 - var_residual / var_target if var_target > 1e-12 else float("nan")
 
 

@@ -55,12 +55,7 @@ def value_predictions(
 
 
 def calibrate_value_head(
-    value_model: PreTrainedModel,
-    values: torch.Tensor,
-    rewards: torch.Tensor,
-    mask: torch.Tensor,
-    gamma: float,
-    ranks: Ranks,
+    value_model: PreTrainedModel, values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, ranks: Ranks
 ) -> torch.Tensor:
     """Put a value model initialised from the reward model on the scale of the returns it must predict.
 
@@ -75,16 +70,15 @@ def calibrate_value_head(
     Args:
         value_model: initialised from the reward model; its ``config.value_scale`` / ``value_bias`` are set.
         values: ``(B, R)`` float, its predictions under its current calibration.
-        rewards: ``(B, R)`` float, token rewards (:func:`rlhf.losses.token_rewards`).
+        returns: ``(B, R)`` float, the rollout's Monte Carlo returns (:func:`rlhf.losses.gae` with ``lam`` 1 and
+            zero values, over the token rewards of :func:`rlhf.losses.token_rewards`).
         mask: ``(B, R)`` bool, True on response tokens.
-        gamma: discount in [0, 1].
         ranks: the processes; each passes its share of the batch.
 
     Returns:
         ``(B, R)`` float32, the predictions after calibration (``a * values + b``).
     """
-    _, targets = losses.gae(rewards, torch.zeros_like(values), mask, gamma, 1.0)
-    x, y = values[mask].double(), targets[mask].double()
+    x, y = values[mask].double(), returns[mask].double()
     n, sx, sy, sxx, sxy = ranks.sum(
         torch.stack([x.new_tensor(x.numel()), x.sum(), y.sum(), (x * x).sum(), (x * y).sum()])
     )
@@ -189,8 +183,9 @@ def make_experience(
             values = value_predictions(value_model, ids, attn, start, value_entry)
     logratio = torch.where(mask, logprobs - ref_logprobs, 0.0)
     rewards = losses.token_rewards(logratio, scores, mask, kl_coef)
+    outcome = losses.gae(rewards, torch.zeros_like(rewards), mask, config.gamma, 1.0)[1]  # Monte Carlo returns
     if calibrate_value:
-        values = calibrate_value_head(value_model, values, rewards, mask, config.gamma, runtime.ranks)
+        values = calibrate_value_head(value_model, values, outcome, mask, runtime.ranks)
     if config.uses_critic:
         advantages, returns = losses.gae(rewards, values, mask, config.gamma, config.lam)
     else:
@@ -209,7 +204,6 @@ def make_experience(
         policy_entry=policy_entry,
         value_entry=value_entry,
     )
-    outcome = losses.gae(rewards, torch.zeros_like(rewards), mask, config.gamma, 1.0)[1]  # Monte Carlo returns
     table = runtime.ranks.gather(sequence_table(scored, scores, logprobs, logratio, entropy, experience, outcome))
     stats = {**rollout_stats(table), **kind_reward_means(table[:, COLUMNS.index("raw")], every_kinds)}
     stats |= {**moments.stats(), "ppo/kl_coef": kl_coef, **timer.stats("ppo/time")}
