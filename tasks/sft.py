@@ -13,7 +13,7 @@ from typing import Any
 from rlhf.data.reading import load_jsonl
 from rlhf.models.loading import load_causal_lm, load_tokenizer, save_tokenizer
 from rlhf.runtime.sharding import whole_model
-from rlhf.training.sft import SFTConfig, train_sft
+from rlhf.training.sft import SFTConfig, rows_of_sources, train_sft
 from tasks.kit import paths
 from tasks.kit.common import cli, setup_torch, stage_runtime
 from tasks.kit.configs import config_from_params
@@ -57,7 +57,7 @@ def run(
     metrics = train_sft(
         model,
         tokenizer,
-        load_jsonl(DATA),
+        rows_of_sources(load_jsonl(DATA), config.sources, DATA),
         config,
         log=log,
         runtime=runtime,

@@ -744,6 +744,41 @@ def test_sft_with_zero_steps_writes_the_base_model_as_it_is(tmp_path, tiny_dir, 
 
 
 @pytest.mark.integration
+def test_sft_sources_trains_on_those_rows_only_and_a_source_without_rows_stops_before_writing(
+    tmp_path, tiny_dir, empty_db, monkeypatch, capsys
+):
+    import tasks.sft as sft
+    from tasks.kit.common import cli
+
+    project = tiny_project(tmp_path, tiny_dir, empty_db, sft={"steps": 2, "sources": ["helpful-base"]})
+    sources = ["harmless-base"] * 4 + ["helpful-base"] * 2
+    with open(os.path.join(project, "data", "validated", "sft.jsonl"), "w") as handle:
+        handle.writelines(json.dumps({**row, "source": name}) + "\n" for row, name in zip(ROWS, sources, strict=True))
+    use_store(monkeypatch, project, "sft-sources")
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # setup_torch would take every core of CI
+    cli(sft.main)
+    with open(os.path.join(project, "metrics", "sft.json")) as handle:
+        assert json.load(handle)["sft/examples"] == 2.0  # the two helpful-base rows of six
+    outputs = ["models/sft", "metrics/sft.json"]
+    before = kept(project, outputs)
+    with open(os.path.join(project, "params.yaml")) as handle:
+        params = yaml.safe_load(handle)
+    params["sft"]["profiles"]["tiny"]["sources"] = ["helpful-online"]
+    with open(os.path.join(project, "params.yaml"), "w") as handle:
+        yaml.safe_dump(params, handle)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_code:
+        cli(sft.main)
+    assert exit_code.value.code == 1
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == (
+        "[sft] error: ValueError: data/validated/sft.jsonl: sft.sources names ['helpful-online'], which have no row "
+        "here; its sources: ['harmless-base', 'helpful-base']"
+    ), err
+    assert kept(project, outputs) == before and leftovers(os.path.join(project, "models")) == []
+
+
+@pytest.mark.integration
 def test_sft_diverging_stops_with_one_line_and_the_next_stage_refuses_its_model(
     tmp_path, tiny_dir, empty_db, monkeypatch, capsys
 ):

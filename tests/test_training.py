@@ -8,7 +8,7 @@ from rlhf.models.loading import load_causal_lm, load_scalar_model
 from rlhf.reward.trainer import JudgeConfig, RewardConfig, train_reward_model
 from rlhf.runtime.device import Runtime
 from rlhf.training.checkpoint import Checkpointer
-from rlhf.training.sft import SFTConfig, train_sft
+from rlhf.training.sft import SFTConfig, rows_of_sources, train_sft
 from rlhf.training.supervised import interleave, minibatch_indices
 
 EXAMPLES = [
@@ -120,6 +120,23 @@ def test_supervised_training_resumes_exactly(tiny_dir, tokenizer, tmp_path, kind
         )
     for (name, a), b in zip(full.state_dict().items(), resumed.state_dict().values(), strict=True):
         assert torch.allclose(a, b, atol=1e-6), name
+
+
+def test_rows_of_sources_keeps_the_named_sources_rows_in_order_and_names_a_source_without_rows():
+    rows = [{"id": i, "source": name} for i, name in enumerate(["a", "b", "a", "c"])]
+    assert rows_of_sources(rows, None, "f.jsonl") is rows
+    assert [row["id"] for row in rows_of_sources(rows, ("c", "a"), "f.jsonl")] == [0, 2, 3]
+    with pytest.raises(ValueError, match=r"^f.jsonl: sft.sources names \['d'\], which have no row here; its "):
+        rows_of_sources(rows, ("a", "d"), "f.jsonl")
+
+
+def test_sft_sources_must_name_sources_and_needs_sft_steps():
+    assert SFTConfig(steps=2, sources=["a", "b"]).sources == ("a", "b")
+    for bad in ("helpful-base", [], [1]):
+        with pytest.raises(ValueError, match="sft.sources must be null or a non-empty list of source names"):
+            SFTConfig(steps=2, sources=bad)
+    with pytest.raises(ValueError, match=r"sft.sources is \['a'\] but sft.steps is 0 \(no SFT\)"):
+        SFTConfig(steps=0, sources=["a"])
 
 
 def test_config_from_params_reads_yaml_exponents_and_rejects_unknown_keys():

@@ -29,12 +29,43 @@ class SFTConfig(LoopConfig):
     warmup_steps: int = 4
     trainable_layers: int | None = 12
     max_length: int = 256  # tokens of prompt + response (a long prompt is cut from the left)
+    sources: tuple[str, ...] | None = None  # train on the sft split's rows of these data sources only; None: all
 
     def __post_init__(self) -> None:
         """Raises ValueError: the shared loop's checks (:class:`rlhf.training.supervised.LoopConfig`), ``max_length``
-        below 1."""
+        below 1, ``sources`` not a non-empty list of names, or ``sources`` set while ``steps`` is 0 (no SFT: it
+        would choose nothing)."""
         super().__post_init__()
         check_ranges(self.section, self, at_least_1=("max_length",))
+        if self.sources is not None:
+            if isinstance(self.sources, str) or not self.sources or not all(isinstance(s, str) for s in self.sources):
+                raise ValueError(f"sft.sources must be null or a non-empty list of source names, got {self.sources!r}")
+            if self.steps == 0:
+                raise ValueError(
+                    f"sft.sources is {list(self.sources)} but sft.steps is 0 (no SFT): set sft.steps or sources: null"
+                )
+            self.sources = tuple(self.sources)
+
+
+def rows_of_sources(rows: list[dict[str, Any]], sources: tuple[str, ...] | None, where: str) -> list[dict[str, Any]]:
+    """The rows whose ``source`` (the data source's name: ``data.name`` or a ``more_sources`` entry's) is one of
+    ``sources``, in their order; all of them when ``sources`` is None.
+
+    Args:
+        rows: the sft split's rows, each with ``source``.
+        sources: the names to keep (``sft.sources``), or None.
+        where: the file the rows came from, for the error.
+
+    Raises:
+        ValueError: a named source has no row in ``rows`` (names the file and the sources it has).
+    """
+    if sources is None:
+        return rows
+    present = sorted({row["source"] for row in rows})
+    missing = [name for name in sources if name not in present]
+    if missing:
+        raise ValueError(f"{where}: sft.sources names {missing}, which have no row here; its sources: {present}")
+    return [row for row in rows if row["source"] in sources]
 
 
 def sft_step(
