@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections import Counter
 
 import pytest
@@ -29,7 +30,7 @@ from rlhf.ppo.moments import RewardMoments
 from rlhf.ppo.rollout import make_experience
 from rlhf.reward.metrics import evaluate_reward_model
 from rlhf.reward.trainer import RewardConfig, train_reward_model
-from rlhf.runtime.device import Runtime
+from rlhf.runtime.device import PhaseTimer, Runtime, timed
 from rlhf.runtime.finite import to_host
 from rlhf.training.checkpoint import Checkpointer
 from rlhf.training.sft import SFTConfig, train_sft
@@ -302,3 +303,14 @@ def test_src_rlhf_is_where_the_check_looks():
     # the default "our code" is the library: a typo here would make every trainer test pass vacuously
     assert os.path.isfile(os.path.join(SRC_RLHF, "training", "supervised.py"))
     assert os.path.isfile(os.path.join(SRC_RLHF, "runtime", "finite.py"))
+
+
+def test_timed_records_a_phase_with_a_timer_and_nothing_without_one():
+    timer = PhaseTimer(Runtime())
+    for _ in range(2):
+        with timed(timer, "generation"):
+            time.sleep(0.01)
+    with timed(None, "reward"):
+        time.sleep(0.01)
+    assert list(timer.seconds) == ["generation"]
+    assert timer.seconds["generation"] >= 0.02  # both repeats summed

@@ -8,7 +8,6 @@ response *text* with its own tokenizer, so it may be another backbone.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +26,7 @@ from rlhf.models.generation import GenerationSettings, sample_and_score, treat_u
 from rlhf.models.sampling import prompt_seed
 from rlhf.models.shared_prompt import score_groups
 from rlhf.ranges import check_ranges
-from rlhf.runtime.device import PhaseTimer, Runtime
+from rlhf.runtime.device import PhaseTimer, Runtime, timed
 from rlhf.stats import PairedRate, clustered_rate
 
 MODELS = ("sft", "policy")
@@ -198,7 +197,6 @@ def generate_and_score(
         sampling.settings,
         sampling.runtime,
     )
-    phase = sampling.timer if sampling.timer is not None else (lambda name: contextlib.nullcontext())
     repeated = [p for p in prompts for _ in range(first, samples)]
     repeated_kinds = None if kinds is None else [k for k in kinds for _ in range(first, samples)]
     seeds = [prompt_seed(config.seed, s, i) for i in range(len(prompts)) for s in range(first, samples)]
@@ -229,7 +227,7 @@ def generate_and_score(
             )
             trunk = scored.trunk
             if reference is not None:
-                with phase("logprobs"):
+                with timed(sampling.timer, "logprobs"):
                     logprobs, _ = response_logprobs(model, ids, attn, begin, temperature, entry=trunk.entry(model))
                     ref_logprobs = logprobs  # the SFT model against itself: KL 0, computed once
                     if reference is not model:
@@ -252,7 +250,7 @@ def generate_and_score(
     result = {key: torch.cat(value)[index] for key, value in out.items() if key != "texts"}
     texts = [out["texts"][i] for i in back]
     unfinished = result.pop("unfinished")
-    with phase("judge"):
+    with timed(sampling.timer, "judge"):
         result["judge"] = judge_scores(sampling, repeated, texts, unfinished, repeated_kinds)
     shape = (len(prompts), samples - first)
     return {**{key: value.reshape(shape) for key, value in result.items()}, "texts": texts}

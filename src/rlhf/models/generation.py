@@ -5,7 +5,6 @@ and score it with a reward model at the end-of-turn token, an unfinished or empt
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +14,7 @@ from rlhf.models.forward import position_ids_from_mask, sequence_scores
 from rlhf.models.sampling import Rollout, sample
 from rlhf.models.trunk import SharedTrunk
 from rlhf.ranges import check_ranges
-from rlhf.runtime.device import PhaseTimer
+from rlhf.runtime.device import PhaseTimer, timed
 
 NO_EOS_CHOICES = ("penalty", "constant", "score")
 
@@ -135,8 +134,7 @@ def sample_and_score(
     its
     response read with that kind's score (:func:`rlhf.models.kind_heads.read_scores`), None: the kind gate's mix.
     """
-    phase = timer if timer is not None else (lambda name: contextlib.nullcontext())
-    with phase("generation"):
+    with timed(timer, "generation"):
         rollout = sample(
             policy,
             tokenizer,
@@ -149,7 +147,7 @@ def sample_and_score(
         )
     ids, attn = rollout.input_ids, rollout.attention_mask
     trunk = SharedTrunk(policy, ids, attn, position_ids_from_mask(attn))
-    with phase("reward"):
+    with timed(timer, "reward"):
         raw = sequence_scores(reward_model, ids, attn, trunk.entry(reward_model), kinds)
     unfinished, empty = unfinished_responses(rollout, tokenizer, settings)
     return ScoredRollout(rollout, raw, treat_unfinished(raw, unfinished, settings), unfinished, empty, trunk)

@@ -194,3 +194,8 @@ class PhaseTimer:
     def stats(self, prefix: str) -> dict[str, float]:
         """``{f"{prefix}/{phase}": seconds}``."""
         return {f"{prefix}/{phase}": seconds for phase, seconds in self.seconds.items()}
+
+
+def timed(timer: PhaseTimer | None, phase: str) -> contextlib.AbstractContextManager[None]:
+    """``timer(phase)`` when a timer is given, else a context that records nothing (optional timing)."""
+    return timer(phase) if timer is not None else contextlib.nullcontext()
