@@ -68,6 +68,8 @@ def test_whitespace_only_response_counts_as_empty(tokenizer):
         ({"no_eos": "drop"}, "generation.no_eos must be one of"),
         ({"no_eos": "score", "no_eos_value": -1.0}, "null for score"),
         ({"no_eos": "penalty", "no_eos_value": None}, "must be set for no_eos penalty"),
+        ({"no_eos": "penalty", "no_eos_value": -1.0}, r"above 0 for no_eos penalty .* -1.0 would reward"),
+        ({"no_eos": "penalty", "no_eos_value": 0.0}, "above 0 for no_eos penalty"),
         ({"empty_response": "ignore"}, "generation.empty_response"),
         ({"cache": "offloaded"}, r"generation.cache must be dynamic or static, got 'offloaded'"),
     ],

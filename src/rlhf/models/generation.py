@@ -41,7 +41,8 @@ class GenerationSettings:
 
         Raises:
             ValueError: names the key and the rule; ``max_new_tokens`` below 1 or ``temperature`` not above 0
-                (:func:`rlhf.ranges.check_ranges`).
+                (:func:`rlhf.ranges.check_ranges`); a ``penalty`` not above 0 (subtracted, it would pay for a
+                response that never ends).
         """
         if self.no_eos not in NO_EOS_CHOICES:
             raise ValueError(f"generation.no_eos must be one of {NO_EOS_CHOICES}, got {self.no_eos!r}")
@@ -49,6 +50,11 @@ class GenerationSettings:
             raise ValueError(
                 f"generation.no_eos_value must be set for no_eos penalty or constant and null for score "
                 f"(got no_eos {self.no_eos!r}, no_eos_value {self.no_eos_value!r})"
+            )
+        if self.no_eos == "penalty" and self.no_eos_value <= 0:
+            raise ValueError(
+                f"generation.no_eos_value must be above 0 for no_eos penalty (it is subtracted: "
+                f"{self.no_eos_value!r} would reward a response that never ends)"
             )
         if self.empty_response not in ("no_eos", "score"):
             raise ValueError(f"generation.empty_response must be no_eos or score, got {self.empty_response!r}")
