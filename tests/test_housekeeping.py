@@ -305,3 +305,32 @@ def test_two_moves_at_once_take_turns_and_each_records_the_holder_it_moved_from(
         pass
     with alias_lock.alias_lock(client, NAME, "champion", stale_s=0.0):
         pass
+
+
+def test_a_lock_released_between_the_create_and_its_lookup_is_taken_on_the_next_try():
+    # MLflow's SQL store answers a refused create by looking the existing model up; when its holder releases it in
+    # between, the create raises "not found" (RESOURCE_DOES_NOT_EXIST): the lock is free, not a registry failure
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST
+
+    from tasks.kit import alias_lock
+
+    class Store:
+        def __init__(self):
+            self.creates, self.deleted = 0, []
+
+        def create_registered_model(self, name, description):
+            self.creates += 1
+            if self.creates == 1:
+                raise MlflowException(f"Registered Model with name={name} not found", RESOURCE_DOES_NOT_EXIST)
+
+        def get_registered_model(self, name):
+            raise MlflowException(f"Registered Model with name={name} not found", RESOURCE_DOES_NOT_EXIST)
+
+        def delete_registered_model(self, name):
+            self.deleted.append(name)
+
+    store = Store()
+    with alias_lock.alias_lock(store, NAME, "champion", wait_s=1.0):
+        assert store.creates == 2
+    assert store.deleted == [alias_lock.lock_name(NAME, "champion")]

@@ -5,6 +5,8 @@ MLflow has no transaction: a move reads the alias's holder, points the alias at 
 (:func:`lock_name`): creating a registered model whose name exists is refused by every MLflow store (a unique
 name), and deleting one is permanent, so create is "acquire" and delete is "release". A lock older than
 ``stale_s`` belonged to a process that was killed while it held it: it is broken (a move takes a second).
+A create refused because the name exists may come back as "not found" (MLflow's SQL store looks the existing
+model up to word its error, and the holder may release it in between): the lock is free, so it is tried again.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ def alias_lock(client, name: str, alias: str, wait_s: float = WAIT_S, stale_s: f
             client.create_registered_model(lock, description=f"a move of {alias} of {name} by {holder} is running")
             break
         except MlflowException as err:
-            if err.error_code != "RESOURCE_ALREADY_EXISTS":
+            # RESOURCE_DOES_NOT_EXIST: the store's lookup to word "it exists" found it released: try again below
+            if err.error_code not in ("RESOURCE_ALREADY_EXISTS", "RESOURCE_DOES_NOT_EXIST"):
                 raise RegistryError(f"registry: lock {lock}: {one_line(str(err.message))}") from None
         with contextlib.suppress(MlflowException):  # released in between: try again at once
             held = client.get_registered_model(lock)
