@@ -395,7 +395,8 @@ def test_the_judge_stage_names_its_figures_judge_and_warns_at_chance():
                "rm/ties": 0.0, "rm/accuracy_chosen_shorter": 0.797, "rm/pairs_chosen_shorter": 69.0,
                "rm/accuracy_chosen_longer": 0.296, "rm/pairs_chosen_longer": 54.0, "rm/steps": 31.0,
                "rm/balanced_accuracy": 0.547, "rm/balanced_accuracy_low": 0.47, "rm/balanced_accuracy_high": 0.62,
-               "rm/length_baseline_accuracy": 0.561}  # fmt: skip
+               "rm/length_baseline_accuracy": 0.561, "rm/time/train": 90.4, "rm/time/center": 6.6,
+               "rm/time/evaluate": 41.5}  # fmt: skip
     metrics = judge_metrics(trained)
     assert metrics["judge/accuracy_low"] == 0.480 and not any(key.startswith("rm/") for key in metrics)
     lines = summary_lines(metrics)
@@ -403,6 +404,7 @@ def test_the_judge_stage_names_its_figures_judge_and_warns_at_chance():
     assert lines[1].startswith("[judge] judge_eval balanced accuracy 0.547 [0.470, 0.620] (stratified bootstrap")
     assert lines[1].endswith("prefer-the-shorter baseline 0.561")
     assert lines[2] == "[judge] judge/steps=31.000" and not any("rm/" in line for line in lines)
+    assert lines[3] == "[judge] seconds: training 90, centring 7, scoring judge_eval 42"  # not among the figures
     assert lines[-1].startswith("[judge] WARNING: judge_eval balanced accuracy 0.55 [0.47, 0.62] includes chance")
 
 

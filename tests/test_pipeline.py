@@ -123,6 +123,11 @@ def assert_outputs(project: str) -> None:
     parts = [timing["phases"][f"eval/time/{part}"] for part in ("comparison", "curve", "best_of_n")]
     phases = [timing["phases"][f"eval/time/{phase}"] for phase in ("generation", "reward", "logprobs", "judge")]
     assert 0.0 < sum(phases) <= sum(parts) <= timing["seconds"], timing  # where evaluate's seconds go
+    for stage, prefix in (("reward", "rm"), ("judge", "judge")):  # and the scalar models' (training, scoring)
+        with open(os.path.join(project, f"timings/{stage}.json")) as handle:
+            timing = json.load(handle)
+        scalar_phases = [timing["phases"][f"{prefix}/time/{phase}"] for phase in ("train", "center", "evaluate")]
+        assert min(scalar_phases) > 0.0 and sum(scalar_phases) <= timing["seconds"], timing
     # all up to date but the always_changed stages (source re-reads the data source, gate the registry, report
     # writes the page of each pipeline run)
     assert changed(project) == {}

@@ -21,13 +21,14 @@ from rlhf.data.reading import load_jsonl
 from rlhf.models.loading import load_scalar_model, load_tokenizer, save_tokenizer
 from rlhf.reward.metrics import evaluate_reward_model
 from rlhf.reward.trainer import JudgeConfig, RewardConfig, center_rewards, encode_pairs, train_reward_model
+from rlhf.runtime.device import PhaseTimer
 from rlhf.runtime.sharding import whole_model
 from rlhf.stats import chance_warning
 from tasks.kit import paths
 from tasks.kit.common import setup_torch, stage_runtime
 from tasks.kit.configs import config_from_params
 from tasks.kit.console import progress_bars
-from tasks.kit.outputs import StagedOutputs, is_part_figure, write_headline, write_metrics
+from tasks.kit.outputs import StagedOutputs, is_part_figure, is_timing, write_headline, write_metrics
 from tasks.kit.resume import run_checkpointer
 
 CONFIGS = {"reward": RewardConfig, "judge": JudgeConfig}  # stage -> its typed config: same fields, own defaults
@@ -51,7 +52,9 @@ def run(
     training process other than rank 0 (``device.num_processes``) it only trains: ``outputs`` is None.
 
     Returns:
-        ``(metrics, margin histogram figure)``.
+        ``(metrics, margin histogram figure)``; on rank 0 the metrics hold the seconds of each phase,
+        ``rm/time/{train,center,evaluate}`` (training, centring on the train split's chosen responses, scoring the
+        held-out pairs), which go to ``timings/<stage>.json`` and MLflow, not to the metrics file.
 
     Raises:
         FloatingPointError: training diverged, or the trained model's scores are not finite.
@@ -63,9 +66,18 @@ def run(
     runtime = stage_runtime(stage, device)
     model = runtime.place(model)
     checkpointer = run_checkpointer(stage, params, [splits[0], init], runtime)
-    metrics = train_reward_model(
-        model, tokenizer, train, config, log=log, runtime=runtime, checkpointer=checkpointer, progress=progress_bars()
-    )
+    timer = PhaseTimer(runtime)
+    with timer("train"):
+        metrics = train_reward_model(
+            model,
+            tokenizer,
+            train,
+            config,
+            log=log,
+            runtime=runtime,
+            checkpointer=checkpointer,
+            progress=progress_bars(),
+        )
     model = whole_model(model, runtime.ranks.main)  # FSDP: gathered on rank 0
     if not runtime.ranks.main:
         return metrics, None  # rank 0 centres, measures and writes the model
@@ -74,11 +86,13 @@ def run(
         for chosen, _ in encode_pairs(tokenizer, train[: config.center_max_examples], config.max_length)
     ]
     kinds = [kind_of(row) for row in train[: config.center_max_examples]]
-    metrics["rm/offset"] = center_rewards(model, tokenizer, demonstrations, config.eval_batch_size, runtime, kinds)
-    eval_metrics, margins = evaluate_reward_model(
-        model, tokenizer, load_jsonl(splits[1]), config.max_length, config.eval_batch_size, runtime
-    )
-    metrics.update(eval_metrics)
+    with timer("center"):
+        metrics["rm/offset"] = center_rewards(model, tokenizer, demonstrations, config.eval_batch_size, runtime, kinds)
+    with timer("evaluate"):
+        eval_metrics, margins = evaluate_reward_model(
+            model, tokenizer, load_jsonl(splits[1]), config.max_length, config.eval_batch_size, runtime
+        )
+    metrics.update({**eval_metrics, **timer.stats("rm/time")})
     bad = int((~torch.isfinite(margins)).sum())
     if bad or not math.isfinite(metrics["rm/offset"]):
         raise FloatingPointError(
@@ -106,9 +120,9 @@ def summary_lines(metrics: dict[str, float]) -> list[str]:
 
     The first line is the accuracy with its Wilson 95% interval, decisive pairs
     and ties, then the length-bias accuracies; the second the balanced accuracy with its stratified interval and
-    the length-only baseline; then the other ``rm/`` figures; last, when the balanced accuracy's interval
-    includes chance (0.5), lies below it, or is undefined,
-    a loud ``[reward] WARNING: ...`` line (:func:`rlhf.stats.chance_warning`); the same line for each kind of data
+    the length-only baseline; then the other ``rm/`` figures and, where timed, the seconds of each phase; last,
+    when the balanced accuracy's interval includes chance (0.5), lies below it, or is undefined, a loud
+    ``[reward] WARNING: ...`` line (:func:`rlhf.stats.chance_warning`); the same line for each kind of data
     whose figures are below or at chance, after one line of each kind's figures (:mod:`rlhf.data.kinds`).
     """
     accuracy = (metrics["rm/accuracy"], metrics["rm/accuracy_low"], metrics["rm/accuracy_high"])
@@ -126,9 +140,15 @@ def summary_lines(metrics: dict[str, float]) -> list[str]:
             for k, v in metrics.items()
             if k.startswith("rm/")
             and not is_part_figure(k)
+            and not is_timing(k)
             and not k.startswith(("rm/loss", "rm/accuracy", "rm/pairs", "rm/ties", "rm/balanced", "rm/length_base"))
         ),
     ]
+    if "rm/time/train" in metrics:
+        lines.append(
+            f"[reward] seconds: training {metrics['rm/time/train']:.0f}, centring {metrics['rm/time/center']:.0f}, "
+            f"scoring rm_eval {metrics['rm/time/evaluate']:.0f}"
+        )
     for kind in kinds_in(metrics, "rm"):
         figure = {k.removeprefix(f"rm/kind/{kind}/"): v for k, v in metrics.items() if k.startswith(f"rm/kind/{kind}/")}
         replies = ", ".join(
@@ -173,7 +193,6 @@ def write_outputs(
     mlflow.log_figure(figure, os.path.basename(figure_path))
     headline = {k: v for k, v in metrics.items() if not is_part_figure(k)}
     write_metrics(outputs.file(paths.metrics(name)), headline, stage)
-    write_metrics(
-        outputs.file(paths.kind_metrics(name)), {k: v for k, v in metrics.items() if is_part_figure(k)}, stage
-    )
+    kinds = {k: v for k, v in metrics.items() if is_part_figure(k) or is_timing(k)}  # the timing file is rewritten
+    write_metrics(outputs.file(paths.kind_metrics(name)), kinds, stage)
     write_headline(outputs, name, metrics)
