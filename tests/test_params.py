@@ -226,6 +226,25 @@ def test_a_value_only_yaml_1_1_reads_as_a_number_is_refused_naming_the_key(tmp_p
     )
 
 
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [("sft:\n  steps: 4\n  lr: 1.0\n  steps: 2\n",
+      "params.yaml:4: sft.steps is given twice (first on line 2); YAML keeps one of them silently and DVC refuses "
+      "the file: delete one"),
+     ("ppo:\n  profiles:\n    long: {iterations: 3, iterations: 4}\n",
+      "params.yaml:3: ppo.profiles.long.iterations is given twice (first on line 3)"),
+     ("sft:\n  steps: [4   # a comment\n  lr: 1.0\n",
+      "params.yaml:3:3: not valid YAML: while parsing a flow sequence; expected ',' or ']', but got '<scalar>'"),
+     ("sft:\n  steps: 4\n lr: 1.0\n",
+      "params.yaml:3:2: not valid YAML: while parsing a block mapping; expected <block end>")],
+)  # fmt: skip
+def test_a_key_given_twice_or_text_that_is_not_yaml_is_refused_in_one_line_naming_where(tmp_path, text, message):
+    (tmp_path / "params.yaml").write_text(text)
+    with pytest.raises(ValueError) as failure:
+        read_params(str(tmp_path / "params.yaml"))
+    assert str(failure.value).startswith(f"{tmp_path}/{message}") and "\n" not in str(failure.value)
+
+
 def test_typed_fields_and_the_gate_criteria_take_numbers_written_as_strings():
     assert config_from_params(GateCriteria, {"max_ece": "1e-05"}, "registry.reward_gate").max_ece == 1e-05
     policy = config_from_params(PolicyCriteria, {"max_kl": "2.5", "min_eos_rate": 0.5}, "registry.policy_gate")

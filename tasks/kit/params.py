@@ -103,6 +103,29 @@ def _check_portable(node: yaml.Node, key: str, where: str, loader: Yaml12Loader)
             )
 
 
+def _check_unique_keys(node: yaml.Node, key: str, where: str) -> None:
+    """Refuse a mapping that gives a key twice: PyYAML keeps the last silently, DVC (ruamel.yaml) refuses the file.
+
+    Raises:
+        ValueError: names the file, both lines and the key.
+    """
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[Any, int] = {}
+        for name, value in node.value:
+            here = f"{key}.{name.value}" if key else str(name.value)
+            if isinstance(name, yaml.ScalarNode) and name.value != "<<":  # merge keys may repeat
+                if name.value in seen:
+                    raise ValueError(
+                        f"{where}:{name.start_mark.line + 1}: {here} is given twice (first on line "
+                        f"{seen[name.value]}); YAML keeps one of them silently and DVC refuses the file: delete one"
+                    )
+                seen[name.value] = name.start_mark.line + 1
+            _check_unique_keys(value, here, where)
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            _check_unique_keys(item, f"{key}[{index}]", where)
+
+
 def load_yaml(path: str, written_by_dvc: bool = False) -> Any:
     """A YAML file as DVC reads it (:class:`Yaml12Loader`), refusing values the YAML 1.1 readers take otherwise.
 
@@ -111,16 +134,24 @@ def load_yaml(path: str, written_by_dvc: bool = False) -> Any:
 
     Raises:
         FileNotFoundError: no file.
-        ValueError: a plain value that YAML 1.1 reads as a number or boolean and YAML 1.2 otherwise (``1_000``,
-            ``1:30``, ``017``, ``yes``; names the file, line and key).
+        ValueError: text that is not YAML (names the file, line and column and what the parser expected), a key
+            given twice in one mapping (names both lines), or a plain value that YAML 1.1 reads as a number or
+            boolean and YAML 1.2 otherwise (``1_000``, ``1:30``, ``017``, ``yes``; names the file, line and key).
     """
     with open(path, encoding="utf-8") as handle:
         loader = Yaml12Loader(handle.read())
     try:
-        node = loader.get_single_node()
+        try:
+            node = loader.get_single_node()
+        except yaml.MarkedYAMLError as error:
+            mark = error.problem_mark or error.context_mark
+            at = f"{mark.line + 1}:{mark.column + 1}" if mark else "?"
+            problem = "; ".join(part for part in (error.context, error.problem) if part)
+            raise ValueError(f"{path}:{at}: not valid YAML: {problem}") from None
         if node is None:
             return None
         if not written_by_dvc:
+            _check_unique_keys(node, "", path)
             _check_portable(node, "", path, loader)
         return loader.construct_document(node)
     finally:
