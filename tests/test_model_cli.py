@@ -327,6 +327,8 @@ def test_generate_answers_every_row_and_refuses_a_bad_row_in_one_line(tiny_dir, 
         ({"prompt": [{"role": "assistant", "content": "x"}]}, f"{prompts}:2: 'prompt' must end with a user turn"),
         ({"prompt": "a", "messages": []}, f"{prompts}:2: a row is a JSON object with either 'prompt'"),
         ({"messages": "text"}, f"{prompts}:2: field 'messages' is not a list of {{role, content}} messages"),
+        ({"prompt": " \u200b "}, f"{prompts}:2: 'prompt' has no visible text"),  # as the data check's rule
+        ({"messages": [{"role": "user", "content": ""}]}, f"{prompts}:2: 'messages' has no visible text"),
     ):
         prompts.write_text(json.dumps(rows[0]) + "\n" + json.dumps(bad) + "\n")
         before = out.read_text()
@@ -375,6 +377,10 @@ ERROR_PATHS = [  # argv after `rlhf-model`, the one line it must end with
     (["generate", "models/policy", "--prompts", "prompts.jsonl", "--out", "nope/x.jsonl"], "--out"),
     (["score-pairs", "models/reward", "missing.jsonl"], "missing.jsonl: no such file"),
     (["score-pairs", "models/reward", "prompts.jsonl", "--json", "nope/m.json"], "--json"),
+    (["generate", "models/policy", "--prompts", "prompts.jsonl", "--out", "afolder"], "afolder: is a folder; name the"),
+    (["score-pairs", "models/reward", "prompts.jsonl", "--json", "afolder"], "afolder: is a folder; name the file"),
+    (["generate", "models/policy", "--prompts", "afolder", "--out", "out.jsonl"], "afolder: is a folder, not a file"),
+    (["score-pairs", "models/reward", "afolder"], "afolder: is a folder, not a file"),
     (["export", "--out", "exported", "--model", "missing"], "missing: not a model folder"),
     (["chat", "missing"], "missing: not a model folder"),
 ]
@@ -383,6 +389,7 @@ ERROR_PATHS = [  # argv after `rlhf-model`, the one line it must end with
 @pytest.mark.parametrize(("argv", "line"), ERROR_PATHS, ids=[" ".join(argv[:2]) for argv, _ in ERROR_PATHS])
 def test_a_bad_argument_or_file_is_reported_before_torch_transformers_or_mlflow_load(argv, line, tmp_path):
     (tmp_path / "prompts.jsonl").write_text('{"prompt": "hi"}\n')
+    (tmp_path / "afolder").mkdir()
     for name in ("params.yaml", "dvc.yaml"):  # a project: export reads its params before the model
         shutil.copy(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), name), tmp_path)
     probe = (

@@ -117,6 +117,7 @@ def test_a_broken_row_or_a_bad_argument_stops_the_command_with_one_line(reward_d
         ({"chosen": "Hi", "rejected": "Hello"}, "dialogue does not start with '\\n\\nHuman:'"),
         ({"prompt": "Hi", "chosen": "Same.", "rejected": "Same."}, "chosen and rejected responses are identical"),
         ({"question": "Hi"}, "row has keys ['question']; expected chosen/rejected"),
+        ({"prompt": "  ", "chosen": "Yes.", "rejected": "No."}, "'prompt' has no visible text"),
     ):
         path.write_text("".join(json.dumps(pairs_row(*a)) + "\n" for a in ANSWERS[:2]) + "\n" + json.dumps(bad))
         result = runner.invoke(model_cli.app, ["score-pairs", reward_dir, str(path), "--json", str(out)])

@@ -178,7 +178,7 @@ def read_prompts(path: str) -> list[dict[str, Any]]:
     Raises:
         UserError: the first bad row, as ``FILE:LINE: rule``. FileNotFoundError: no such file.
     """
-    from rlhf.data.formats import RowError, as_messages
+    from rlhf.data.formats import RowError, as_messages, check_prompt_visible
     from rlhf.data.reading import read_jsonl
 
     rows = []
@@ -192,6 +192,7 @@ def read_prompts(path: str) -> list[dict[str, Any]]:
             messages = as_messages(row[key], key, conversation=key == "messages")
             if not messages or messages[-1]["role"] != "user":
                 raise RowError(f"'{key}' must end with a user turn")
+            check_prompt_visible(messages, key)
         except RowError as err:
             raise UserError(f"{path}:{line}: {err}") from None
         rows.append({"key": key, "value": row[key], "messages": messages, "id": row.get("id")})
@@ -208,6 +209,8 @@ def _fail(err: Exception) -> None:
     text = one_line(str(err)) or type(err).__name__
     if isinstance(err, FileNotFoundError) and err.filename:
         err, text = UserError(), f"{err.filename}: no such file or folder"
+    elif isinstance(err, IsADirectoryError) and err.filename:
+        err, text = UserError(), f"{err.filename}: is a folder, not a file"
     plain = isinstance(err, (UserError, RegistryError, PairsError))  # their lines already say what and where
     typer.echo(text if plain else f"error: {type(err).__name__}: {text}", err=True)
     raise typer.Exit(1)
@@ -228,11 +231,15 @@ def _one_line() -> Iterator[None]:
 
 
 def writable_file(path: str, option: str) -> None:
-    """Refuse an output file whose folder does not exist, before anything slow runs.
+    """Refuse an output file whose folder does not exist, or that is a folder, before anything slow runs.
 
     Raises:
         UserError: names the option and the folder.
     """
+    if os.path.isdir(path):
+        raise UserError(
+            f"{option} {path}: is a folder; name the file to write (e.g. {os.path.join(path, 'out.jsonl')})"
+        )
     if not os.path.isdir(os.path.dirname(path)):
         raise UserError(f"{option} {path}: the folder {os.path.dirname(path)} does not exist")
 

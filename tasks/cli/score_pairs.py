@@ -16,7 +16,7 @@ import math
 from itertools import islice
 from typing import Any
 
-from rlhf.data.formats import FORMATS, RowError, to_examples
+from rlhf.data.formats import FORMATS, RowError, check_prompt_visible, to_examples
 from rlhf.data.kinds import DEFAULT_KIND
 from rlhf.data.reading import read_jsonl
 from rlhf.data.sources import source_name
@@ -106,6 +106,8 @@ def read_pairs(
         read += 1
         try:
             parsed = to_examples(row, fmt, mapping)
+            for example in parsed:
+                check_prompt_visible(example["prompt"])
             renamed = {new: row[old] for old, new in (mapping or {}).items() if old in row}
             row_kind = {**row, **renamed}.get(kind_field) if isinstance(row, dict) else None
             if row_kind is not None and (not isinstance(row_kind, str) or not row_kind or "/" in row_kind):

@@ -63,6 +63,17 @@ class RowError(ValueError):
     """A row that cannot become a preference example or a ptx row; the message is the quarantine reason."""
 
 
+def check_prompt_visible(messages: list[Message], field: str = "prompt") -> None:
+    """Refuse a prompt with no visible text in any turn (:func:`visible_text`): the data check's ``empty_prompt``
+    rule (:mod:`rlhf.data.validation`), for the commands that read prompts and pairs outside the pipeline.
+
+    Raises:
+        RowError: ``'prompt' has no visible text``.
+    """
+    if not any(visible_text(m["content"]) for m in messages):
+        raise RowError(f"{field!r} has no visible text")
+
+
 def parse_hh_dialogue(text: str) -> list[Message]:
     """Parse an HH-RLHF dialogue string ``"\\n\\nHuman: ...\\n\\nAssistant: ..."`` into messages.
 
