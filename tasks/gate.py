@@ -57,11 +57,9 @@ def rescore(client, found, reward: dict[str, Any], device: dict[str, Any] | None
     return metrics
 
 
-def decide(client, name: str, candidate, metrics: dict[str, float], params: dict[str, Any], rescorer) -> dict:
+def decide(client, name: str, candidate, metrics: dict[str, float], criteria: GateCriteria, rescorer) -> dict:
     """The candidate's decision (:func:`tasks.kit.registry.decide_once`): the current champion, if another version,
     is re-scored by ``rescorer(version) -> metrics`` on the current rm_eval split, only for a new decision."""
-    # bad bounds stop the stage whether or not it decides
-    criteria = config_from_params(GateCriteria, params["reward_gate"], "registry.reward_gate")
 
     def judge():
         champion = holder(client, name)
@@ -122,13 +120,29 @@ def materialise(
     return held
 
 
-def run(params: dict[str, Any], reward: dict[str, Any], device: dict[str, Any] | None, outputs, run_id: str) -> dict:
-    """Find (or register) the candidate, decide once, write the champion; returns the report."""
+def check_params(params: dict[str, Any]) -> GateCriteria:
+    """The ``registry`` section's gate settings, checked before any MLflow run opens or any version is registered:
+    a bad bound stops the stage whether or not it would decide.
+
+    Returns:
+        ``registry.reward_gate`` as :class:`rlhf.evaluation.gate_rules.GateCriteria`.
+
+    Raises:
+        ValueError: an unknown ``without_champion``, or a ``reward_gate`` key that is unknown or out of range (one
+            line naming the key).
+    """
     without_champion = params.get("without_champion", "stop")
-    if without_champion not in WITHOUT_CHAMPION:  # before anything is registered
+    if without_champion not in WITHOUT_CHAMPION:
         raise ValueError(
             f"registry.without_champion must be one of {', '.join(WITHOUT_CHAMPION)}, got {without_champion!r}"
         )
+    return config_from_params(GateCriteria, params["reward_gate"], "registry.reward_gate")
+
+
+def run(params: dict[str, Any], reward: dict[str, Any], device: dict[str, Any] | None, outputs, run_id: str) -> dict:
+    """Find (or register) the candidate, decide once, write the champion; returns the report."""
+    criteria = check_params(params)
+    without_champion = params.get("without_champion", "stop")
     client, _ = tracking_client()
     name = params["reward_model"]
     metrics = stage_metrics("reward")
@@ -138,7 +152,7 @@ def run(params: dict[str, Any], reward: dict[str, Any], device: dict[str, Any] |
         refuse_deleted(client, name, sha, 'rlhf-registry restore reward --version {version} --reason "..."')
         tags = version_tags(REWARD, reward, [paths.split("rm_train"), EVAL])
         candidate = register(client, name, REWARD, run_id, tags, reward, metrics)
-    decision = decide(client, name, candidate, metrics, params, lambda found: rescore(client, found, reward, device))
+    decision = decide(client, name, candidate, metrics, criteria, lambda found: rescore(client, found, reward, device))
     held = materialise(client, name, candidate, _outcome(decision), outputs, without_champion)
     return {
         "candidate": {"name": name, "version": str(candidate.version)},
@@ -187,6 +201,7 @@ def report_lines(report: dict[str, Any]) -> list[str]:
 def main() -> None:
     """DVC stage command."""
     params, reward, device = stage_params("registry"), stage_params("reward"), stage_params("device")
+    check_params(params)  # one line before the stage's MLflow run opens
     with StageRun("gate", {**params, "device": device}) as stage, StagedOutputs() as outputs:
         report = run(params, reward, device, outputs, stage.run.info.run_id)
         stage.log({k: v for k, v in report.items() if k.startswith("gate/") and v is not None}, 0)

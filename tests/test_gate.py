@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import time
 
 import pytest
 import torch
+import yaml
 from conftest import PAIR, files_as_model
 from typer.testing import CliRunner
 
@@ -381,6 +383,22 @@ def test_without_a_champion_the_demo_trains_against_the_failed_candidate_marked_
     assert client().get_registered_model(NAME).aliases == {}  # the alias never moves
     with pytest.raises(ValueError, match=r"^registry.without_champion must be one of stop, candidate, got 'go'$"):
         run_gate({"without_champion": "go"})
+
+
+@pytest.mark.parametrize(
+    ("change", "line"),
+    [({"reward_gate": {"min_acuracy_low": 0.5}}, "section 'registry.reward_gate' has unknown keys ['min_acuracy_low']"),
+     ({"without_champion": "go"}, "registry.without_champion must be one of stop, candidate, got 'go'")],
+)  # fmt: skip
+def test_a_bad_gate_setting_stops_the_stage_before_its_mlflow_run_opens(registry_project, change, line):
+    params = yaml.safe_load((registry_project / "params.yaml").read_text())
+    params["registry"].update(change)
+    (registry_project / "params.yaml").write_text(yaml.safe_dump(params))
+    runs_before = client().search_runs([e.experiment_id for e in client().search_experiments()])
+    with pytest.raises(ValueError, match=re.escape(line)):
+        gate.main()
+    assert client().search_runs([e.experiment_id for e in client().search_experiments()]) == runs_before
+    assert not os.path.exists(OUT_DIR) and client().search_registered_models() == []
 
 
 def test_a_champion_alias_removed_by_hand_is_named_as_the_cause(registry_project):
