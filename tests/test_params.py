@@ -254,6 +254,8 @@ def test_typed_fields_and_the_gate_criteria_take_numbers_written_as_strings():
         config_from_params(GateCriteria, {"max_ece": "small"}, "registry.reward_gate")
     with pytest.raises(ValueError, match=r"sft.steps must be an integer, got '8.5'"):
         config_from_params(SFTConfig, {"steps": "8.5"}, "sft")
+    with pytest.raises(ValueError, match=r"^params.yaml: sft.steps must be at least 0, got -5$"):  # a config's rule
+        config_from_params(SFTConfig, {"steps": -5}, "sft")
 
 
 def test_params_are_parsed_once_while_the_file_stays_the_same_and_again_when_it_changes(tmp_path, monkeypatch):

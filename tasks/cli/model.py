@@ -428,7 +428,7 @@ def generate(
             for i, row in enumerate(rows)
         ]
         atomic_write_text(out, "\n".join(lines) + "\n")
-    typer.echo(f"wrote {len(rows)} responses to {out}")
+    typer.echo(f"wrote {len(rows)} response{'' if len(rows) == 1 else 's'} to {out}")
 
 
 @app.command("score-pairs")

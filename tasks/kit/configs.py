@@ -81,7 +81,11 @@ def config_from_params(
             raise ValueError(f"params.yaml: {section}.{key} must be true or false, got {value!r}")
         elif kind.startswith("str") and not isinstance(value, str):
             raise ValueError(f"params.yaml: {section}.{key} must be a string, got {value!r}")
-    return cls(**values)
+    try:
+        return cls(**values)
+    except ValueError as error:  # the config's own rules (ranges, choices) name the key but not the file
+        text = str(error)
+        raise ValueError(text if text.startswith("params.yaml") else f"params.yaml: {text}") from None
 
 
 def longest_response(stage_params) -> tuple[str, int]:
