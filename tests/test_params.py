@@ -245,6 +245,13 @@ def test_a_key_given_twice_or_text_that_is_not_yaml_is_refused_in_one_line_namin
     assert str(failure.value).startswith(f"{tmp_path}/{message}") and "\n" not in str(failure.value)
 
 
+def test_anchors_aliases_and_merge_keys_are_not_keys_given_twice(tmp_path):
+    text = "base: &b {steps: 4, lr: 1.0}\nsft:\n  <<: *b\n  <<: {seed: 3}\n  lr: 2.0\nreward: *b\n"
+    (tmp_path / "params.yaml").write_text(text)
+    params = read_params(str(tmp_path / "params.yaml"))
+    assert params["sft"] == {"steps": 4, "lr": 2.0, "seed": 3} and params["reward"] == {"steps": 4, "lr": 1.0}
+
+
 def test_typed_fields_and_the_gate_criteria_take_numbers_written_as_strings():
     assert config_from_params(GateCriteria, {"max_ece": "1e-05"}, "registry.reward_gate").max_ece == 1e-05
     policy = config_from_params(PolicyCriteria, {"max_kl": "2.5", "min_eos_rate": 0.5}, "registry.policy_gate")
