@@ -93,7 +93,7 @@ def main(
     with StageRun(f"{model_name}-benchmark", params) as stage, backbone(init, source, model_name) as init:
         runtime = stage_runtime("reward-benchmark")
         kinds = training_kinds(train, config.kind_heads)
-        tokenizer, model = load_tokenizer(init), runtime.place(load_scalar_model(init, kinds))
+        tokenizer, model = load_tokenizer(init), runtime.place(load_scalar_model(init, kinds, config.num_hidden_layers))
         start = time.perf_counter()
         summary = train_reward_model(model, tokenizer, train, config, stage.log, runtime)
         seconds = time.perf_counter() - start

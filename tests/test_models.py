@@ -11,6 +11,7 @@ from rlhf.data.reading import read_jsonl
 from rlhf.models.forward import position_ids_from_mask, sequence_scores, token_scores
 from rlhf.models.loading import load_causal_lm, load_scalar_model
 from rlhf.models.sampling import PerPromptSampling, cast_once, decode, response_mask_from_tokens, sample
+from rlhf.reward.trainer import RewardConfig
 
 SHARED = "../shared/data/hh-rlhf/harmless-base/pairs.jsonl.gz"
 
@@ -314,3 +315,30 @@ def test_a_new_reward_head_loads_without_the_load_report_and_a_reward_folder_is_
     model.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=r"do not fit a LlamaForCausalLM: missing \[\], unused \['score.weight'\]"):
         load_causal_lm(str(tmp_path))
+
+
+def test_a_scalar_model_keeps_the_first_blocks_it_is_asked_for_and_is_saved_so(tiny_dir, tmp_path, capfd):
+    full, short = load_scalar_model(tiny_dir), load_scalar_model(tiny_dir, num_hidden_layers=1)
+    assert len(short.model.layers) == 1 and short.config.num_hidden_layers == 1
+    assert "LOAD REPORT" not in capfd.readouterr().err  # the dropped block's weights are expected, not reported
+    # it reads as the full model's first block, then the final norm: the block's weights are the source's
+    ids = torch.tensor([[5, 17, 230, 9]])
+    after_first = full.model(input_ids=ids, output_hidden_states=True).hidden_states[1]
+    assert torch.allclose(short.model(input_ids=ids).last_hidden_state, full.model.norm(after_first), atol=1e-6)
+    short.save_pretrained(tmp_path)
+    assert len(load_scalar_model(str(tmp_path)).model.layers) == 1  # what reads it later gets the one block
+    with pytest.raises(ValueError, match=r"num_hidden_layers 3 is more than the model's 2 blocks"):
+        load_scalar_model(tiny_dir, num_hidden_layers=3)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"num_hidden_layers": 0}, r"^reward.num_hidden_layers must be at least 1, got 0$"),
+        ({"num_hidden_layers": 6}, r"^reward.trainable_layers \(8\) counts the top blocks of the 6 that"),
+    ],
+)
+def test_the_blocks_a_reward_model_keeps_are_checked_with_those_it_trains(fields, message):
+    with pytest.raises(ValueError, match=message):
+        RewardConfig(**fields)
+    assert RewardConfig(num_hidden_layers=6, trainable_layers=None).num_hidden_layers == 6

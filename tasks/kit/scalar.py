@@ -62,7 +62,8 @@ def run(
     config = config_from_params(CONFIGS[stage], params, stage)
     setup_torch(config.seed)  # before the model is built: the seed owns any new head's initialisation
     train = load_jsonl(splits[0])
-    tokenizer, model = load_tokenizer(init), load_scalar_model(init, training_kinds(train, config.kind_heads))
+    tokenizer = load_tokenizer(init)
+    model = load_scalar_model(init, training_kinds(train, config.kind_heads), config.num_hidden_layers)
     runtime = stage_runtime(stage, device)
     model = runtime.place(model)
     checkpointer = run_checkpointer(stage, params, [splits[0], init], runtime)

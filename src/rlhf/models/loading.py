@@ -153,14 +153,15 @@ NEW_HEAD = "score."  # a sequence-classification head made for a causal LM's fol
 UNUSED_HEAD = "lm_head."  # a causal LM's own output layer, which a sequence-classification model has no use for
 
 
-def _from_pretrained(auto: Any, path: str, **kwargs: Any) -> PreTrainedModel:
+def _from_pretrained(auto: Any, path: str, unused_ok: tuple[str, ...] = (), **kwargs: Any) -> PreTrainedModel:
     """``auto.from_pretrained(path)`` in float32, safetensors only, no remote code; any failure to read the folder
     (a truncated or corrupt ``model.safetensors``, a broken ``config.json``, a missing file) is one ValueError
     naming ``path``, never a loader's traceback.
 
     transformers' load report is checked here instead of printed: a weight the folder lacks (other than a new
     :data:`NEW_HEAD`, expected when a scalar model starts from a causal LM) or holds that the model does not
-    use (other than :data:`UNUSED_HEAD`) is a ValueError naming them.
+    use (other than :data:`UNUSED_HEAD` and the prefixes ``unused_ok``: blocks a model was asked to drop) is a
+    ValueError naming them.
     """
     verbosity = transformers_logging.get_verbosity()
     transformers_logging.set_verbosity_error()  # the report of a new head alarms a reader; it is checked below
@@ -177,7 +178,7 @@ def _from_pretrained(auto: Any, path: str, **kwargs: Any) -> PreTrainedModel:
     finally:
         transformers_logging.set_verbosity(verbosity)
     missing = sorted(key for key in info["missing_keys"] if not key.startswith(NEW_HEAD))
-    unused = sorted(key for key in info["unexpected_keys"] if not key.startswith(UNUSED_HEAD))
+    unused = sorted(key for key in info["unexpected_keys"] if not key.startswith((UNUSED_HEAD, *unused_ok)))
     if missing or unused or info["mismatched_keys"]:
         raise ValueError(
             f"{path}: the weights do not fit a {type(model).__name__}: missing {missing[:5]}, unused {unused[:5]}, "
@@ -196,31 +197,50 @@ def load_causal_lm(path: str) -> PreTrainedModel:
     return disable_dropout(_refuse_non_finite(_from_pretrained(AutoModelForCausalLM, path), path))
 
 
-def load_scalar_model(path: str, kinds: list[str] | None = None) -> PreTrainedModel:
+def load_scalar_model(
+    path: str, kinds: list[str] | None = None, num_hidden_layers: int | None = None
+) -> PreTrainedModel:
     """Load a reward or value model (a sequence-classification head), dropout off.
 
     From a causal-LM folder the head is new (initialised by transformers): one output, or with ``kinds`` a score
     and a gate logit per kind (:mod:`rlhf.models.kind_heads`); from a reward-model folder it is the trained head, with
-    the kinds its config keeps.
+    the kinds its config keeps. ``num_hidden_layers`` keeps only the folder's first that many decoder blocks (the
+    ones above are not loaded; ``reward.num_hidden_layers``): the model reads with a shallower backbone and is
+    saved so; None keeps them all.
 
     Raises:
-        ValueError: the folder cannot be read (:func:`_from_pretrained`), or a weight is NaN or infinite (the
-            message names ``path``).
+        ValueError: the folder cannot be read (:func:`_from_pretrained`), a weight is NaN or infinite (the
+            message names ``path``), or ``num_hidden_layers`` is more than the folder's blocks.
     """
     kinds = list(kinds or []) or _stored_kinds(path)
-    model = _from_pretrained(AutoModelForSequenceClassification, path, num_labels=output_count(kinds))
+    depth: dict[str, Any] = {}
+    if num_hidden_layers is not None:
+        stored = _stored_config(path).get("num_hidden_layers")
+        if isinstance(stored, int) and num_hidden_layers > stored:
+            raise ValueError(f"{path}: num_hidden_layers {num_hidden_layers} is more than the model's {stored} blocks")
+        depth = {
+            "num_hidden_layers": num_hidden_layers,
+            "unused_ok": tuple(f"model.layers.{i}." for i in range(num_hidden_layers, stored or num_hidden_layers)),
+        }
+    model = _from_pretrained(AutoModelForSequenceClassification, path, num_labels=output_count(kinds), **depth)
     if kinds:
         setattr(model.config, KINDS_KEY, kinds)
     return disable_dropout(_refuse_non_finite(model, path))
 
 
-def _stored_kinds(path: str) -> list[str]:
-    """The head kinds a saved model's ``config.json`` keeps (``[]``: none, or no readable config to say)."""
+def _stored_config(path: str) -> dict[str, Any]:
+    """A saved model's ``config.json`` as a dict (``{}``: none, or not readable: :func:`_from_pretrained` says)."""
     try:
         with open(os.path.join(path, "config.json")) as handle:
-            return head_kinds(json.load(handle))
-    except (OSError, ValueError, AttributeError):  # _from_pretrained reports an unreadable folder
-        return []
+            found = json.load(handle)
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def _stored_kinds(path: str) -> list[str]:
+    """The head kinds a saved model's ``config.json`` keeps (``[]``: none, or no readable config to say)."""
+    return head_kinds(_stored_config(path))
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:

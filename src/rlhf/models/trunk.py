@@ -1,7 +1,8 @@
 """Frozen blocks computed once: the lower blocks that a policy shares with the models scoring its rollouts.
 
 With ``trainable_layers`` the policy trains only its top blocks, and its reference, reward model and value
-model often start from the same weights: blocks 0-21 of the demo's 30 are then the same in all four. A
+model often start from the same weights: in the demo blocks 0-21 of 30 are the same in the policy and its
+reference, and 0-11 in all four (the reward model keeps 20 blocks and trains its top 8). A
 :class:`SharedTrunk` runs those blocks once per rollout and hands each model the hidden states entering its
 first block that differs; the model runs only its own blocks from there. Which blocks are shared is decided
 from the weights each time a trunk is made (:func:`shared_depth`), never from a setting: a reward model

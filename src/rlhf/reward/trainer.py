@@ -32,7 +32,8 @@ class RewardConfig(LoopConfig):
     batch_size: int = 8
     lr: float = 3e-4
     warmup_steps: int = 5
-    trainable_layers: int | None = 8
+    trainable_layers: int | None = 8  # the top blocks of the (kept) backbone that train
+    num_hidden_layers: int | None = 20  # keep only the backbone's first N blocks (None: all; loading.py)
     max_length: int = 256  # tokens of prompt + response it trains and reads at (a long prompt is cut from the left)
     margin: float = 0.0  # Bradley-Terry margin (0: tutorial Eq. 6 exactly)
     lm_coef: float = 0.0  # the paper's beta_rm: weight of an LM imitation term on the chosen response
@@ -49,15 +50,22 @@ class RewardConfig(LoopConfig):
 
     def __post_init__(self) -> None:
         """Raises ValueError: the shared loop's checks (:class:`rlhf.training.supervised.LoopConfig`); ``max_length``,
-        ``eval_batch_size`` or ``center_max_examples`` below 1; ``margin``, ``lm_coef`` or ``length_decorrelation``
-        below 0 (:func:`rlhf.ranges.check_ranges`, naming the key)."""
+        ``eval_batch_size``, ``center_max_examples`` or ``num_hidden_layers`` below 1; ``margin``, ``lm_coef`` or
+        ``length_decorrelation`` below 0 (:func:`rlhf.ranges.check_ranges`, naming the key); ``trainable_layers``
+        more than the ``num_hidden_layers`` kept (it counts their top blocks)."""
         super().__post_init__()
         check_ranges(
             self.section,
             self,
-            at_least_1=("max_length", "eval_batch_size", "center_max_examples"),
+            at_least_1=("max_length", "eval_batch_size", "center_max_examples", "num_hidden_layers"),
             non_negative=("margin", "lm_coef", "length_decorrelation"),
         )
+        kept, trained = self.num_hidden_layers, self.trainable_layers
+        if kept is not None and trained is not None and trained > kept:
+            raise ValueError(
+                f"{self.section}.trainable_layers ({trained}) counts the top blocks of the {kept} that "
+                f"{self.section}.num_hidden_layers keeps: at most {kept} (null trains all of them)"
+            )
 
 
 @dataclass
