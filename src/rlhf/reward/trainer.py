@@ -74,6 +74,7 @@ class JudgeConfig(RewardConfig):
     pairs, for evaluation only (PPO never reads it); only the section and the defaults differ."""
 
     section: ClassVar[str] = "judge"
+    num_hidden_layers: int | None = None  # every block: the shallower reward model's cut cost the judge on helpful
     steps: int = 28
     warmup_steps: int = 3
     seed: int = 1
