@@ -331,6 +331,15 @@ def test_a_scalar_model_keeps_the_first_blocks_it_is_asked_for_and_is_saved_so(t
         load_scalar_model(tiny_dir, num_hidden_layers=3)
 
 
+def test_another_family_keeps_its_first_blocks_too(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_layer=3, n_embd=16, n_head=2, vocab_size=64, n_positions=32)).save_pretrained(tmp_path)
+    assert len(load_scalar_model(str(tmp_path), num_hidden_layers=2).transformer.h) == 2  # transformer.h.2 unread
+    with pytest.raises(ValueError, match=r"num_hidden_layers 4 is more than the model's 3 blocks"):  # n_layer
+        load_scalar_model(str(tmp_path), num_hidden_layers=4)
+
+
 @pytest.mark.parametrize(
     ("fields", "message"),
     [

@@ -19,8 +19,9 @@ from test_ppo import PROMPTS, SETTINGS, four_models, killed_and_resumed, small_c
 
 import rlhf.models.trunk as trunk_module
 from rlhf.data.chat import encode_prompt
-from rlhf.models.loading import load_base_model
-from rlhf.models.trunk import frozen_depth, shared_depth
+from rlhf.models.forward import position_ids_from_mask
+from rlhf.models.loading import load_base_model, load_causal_lm, load_scalar_model
+from rlhf.models.trunk import SharedTrunk, frozen_depth, last_hidden_state, shared_depth
 from rlhf.ppo.moments import RewardMoments
 from rlhf.ppo.rollout import make_experience
 from rlhf.ppo.types import PPOModels
@@ -68,6 +69,25 @@ def test_the_shared_blocks_are_read_from_the_weights(three_blocks):
     assert shared_depth(policy, other) == 0
     everything = models_of(three_blocks, trainable_layers=None)
     assert shared_depth(everything.policy, everything.reference) == 0  # trainable_layers: null
+
+
+def test_a_shallower_reward_and_value_model_share_the_blocks_they_keep(three_blocks):
+    # reward.num_hidden_layers: the reward model keeps 2 of the 3 blocks (all frozen in PPO) and the value model
+    # starts from it (its top block trained): they share 2 and 1 of the policy's frozen blocks
+    policy = load_causal_lm(three_blocks)
+    freeze_lower_layers(policy, 1)
+    reward_model, value_model = (load_scalar_model(three_blocks, num_hidden_layers=2) for _ in range(2))
+    reward_model.requires_grad_(False)
+    freeze_lower_layers(value_model, 1)
+    assert [shared_depth(policy, m) for m in (reward_model, value_model)] == [2, 1]
+    input_ids = torch.tensor([[0, 5, 17, 230], [3, 9, 10, 11]])
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    positions = position_ids_from_mask(mask)
+    trunk = SharedTrunk(policy, input_ids, mask, positions)
+    for model in (reward_model, value_model):
+        shared = last_hidden_state(model, input_ids, mask, positions, trunk.entry(model))
+        plain = last_hidden_state(model, input_ids, mask, positions)
+        torch.testing.assert_close(shared[mask.bool()], plain[mask.bool()], rtol=0, atol=1e-6)
 
 
 def rollout_and_update(folder, tokenizer, runtime, micro_batch_size=None):

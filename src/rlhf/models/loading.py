@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
     AutoTokenizer,
@@ -153,15 +154,25 @@ NEW_HEAD = "score."  # a sequence-classification head made for a causal LM's fol
 UNUSED_HEAD = "lm_head."  # a causal LM's own output layer, which a sequence-classification model has no use for
 
 
-def _from_pretrained(auto: Any, path: str, unused_ok: tuple[str, ...] = (), **kwargs: Any) -> PreTrainedModel:
+# a decoder block's weight: model.layers.7.mlp... (Llama and most decoders), transformer.h.7... (GPT-2)
+_BLOCK_KEY = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)\.")
+
+
+def _dropped_block(key: str, first_dropped: int | None) -> bool:
+    """Whether ``key`` is a weight of a decoder block at index ``first_dropped`` or above (None: never)."""
+    found = _BLOCK_KEY.search(key)
+    return first_dropped is not None and found is not None and int(found.group(1)) >= first_dropped
+
+
+def _from_pretrained(auto: Any, path: str, first_dropped: int | None = None, **kwargs: Any) -> PreTrainedModel:
     """``auto.from_pretrained(path)`` in float32, safetensors only, no remote code; any failure to read the folder
     (a truncated or corrupt ``model.safetensors``, a broken ``config.json``, a missing file) is one ValueError
     naming ``path``, never a loader's traceback.
 
     transformers' load report is checked here instead of printed: a weight the folder lacks (other than a new
     :data:`NEW_HEAD`, expected when a scalar model starts from a causal LM) or holds that the model does not
-    use (other than :data:`UNUSED_HEAD` and the prefixes ``unused_ok``: blocks a model was asked to drop) is a
-    ValueError naming them.
+    use (other than :data:`UNUSED_HEAD`, and the decoder blocks from ``first_dropped`` on, which a model asked to
+    keep fewer blocks leaves unread) is a ValueError naming them.
     """
     verbosity = transformers_logging.get_verbosity()
     transformers_logging.set_verbosity_error()  # the report of a new head alarms a reader; it is checked below
@@ -178,7 +189,11 @@ def _from_pretrained(auto: Any, path: str, unused_ok: tuple[str, ...] = (), **kw
     finally:
         transformers_logging.set_verbosity(verbosity)
     missing = sorted(key for key in info["missing_keys"] if not key.startswith(NEW_HEAD))
-    unused = sorted(key for key in info["unexpected_keys"] if not key.startswith((UNUSED_HEAD, *unused_ok)))
+    unused = sorted(
+        key
+        for key in info["unexpected_keys"]
+        if not (key.startswith(UNUSED_HEAD) or _dropped_block(key, first_dropped))
+    )
     if missing or unused or info["mismatched_keys"]:
         raise ValueError(
             f"{path}: the weights do not fit a {type(model).__name__}: missing {missing[:5]}, unused {unused[:5]}, "
@@ -215,32 +230,32 @@ def load_scalar_model(
     kinds = list(kinds or []) or _stored_kinds(path)
     depth: dict[str, Any] = {}
     if num_hidden_layers is not None:
-        stored = _stored_config(path).get("num_hidden_layers")
-        if isinstance(stored, int) and num_hidden_layers > stored:
+        stored = _block_count(path)
+        if stored is not None and num_hidden_layers > stored:
             raise ValueError(f"{path}: num_hidden_layers {num_hidden_layers} is more than the model's {stored} blocks")
-        depth = {
-            "num_hidden_layers": num_hidden_layers,
-            "unused_ok": tuple(f"model.layers.{i}." for i in range(num_hidden_layers, stored or num_hidden_layers)),
-        }
+        depth = {"num_hidden_layers": num_hidden_layers, "first_dropped": num_hidden_layers}
     model = _from_pretrained(AutoModelForSequenceClassification, path, num_labels=output_count(kinds), **depth)
     if kinds:
         setattr(model.config, KINDS_KEY, kinds)
     return disable_dropout(_refuse_non_finite(model, path))
 
 
-def _stored_config(path: str) -> dict[str, Any]:
-    """A saved model's ``config.json`` as a dict (``{}``: none, or not readable: :func:`_from_pretrained` says)."""
+def _block_count(path: str) -> int | None:
+    """The decoder blocks of a saved model, as its config names them (``num_hidden_layers``, GPT-2's ``n_layer``);
+    None when the folder's config cannot be read (:func:`_from_pretrained` then says why)."""
     try:
-        with open(os.path.join(path, "config.json")) as handle:
-            found = json.load(handle)
-    except (OSError, ValueError):
-        return {}
-    return found if isinstance(found, dict) else {}
+        return int(AutoConfig.from_pretrained(path, trust_remote_code=False).num_hidden_layers)
+    except (OSError, ValueError, AttributeError, TypeError):
+        return None
 
 
 def _stored_kinds(path: str) -> list[str]:
     """The head kinds a saved model's ``config.json`` keeps (``[]``: none, or no readable config to say)."""
-    return head_kinds(_stored_config(path))
+    try:
+        with open(os.path.join(path, "config.json")) as handle:
+            return head_kinds(json.load(handle))
+    except (OSError, ValueError, AttributeError):  # _from_pretrained reports an unreadable folder
+        return []
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
