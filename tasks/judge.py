@@ -25,9 +25,9 @@ from tasks.kit.common import cli
 from tasks.kit.configs import config_from_params, longest_response
 from tasks.kit.outputs import StagedOutputs
 from tasks.kit.params import stage_params
+from tasks.kit.scalar import check_depth, write_outputs
 from tasks.kit.scalar import run as train_scalar
 from tasks.kit.scalar import summary_lines as scalar_summary
-from tasks.kit.scalar import write_outputs
 from tasks.kit.stage import training_stage
 
 TRAIN, EVAL, BASE = paths.split("judge_train"), paths.split("judge_eval"), paths.BASE
@@ -85,6 +85,8 @@ def main() -> None:
         config = config_from_params(JudgeConfig, {k: v for k, v in params.items() if k != "source"}, "judge")
         # ppo.max_prompt_length is evaluate's too (tasks/kit/configs.py DERIVED)
         check_reads_whole("judge.max_length", config.max_length, ("ppo.max_prompt_length", prompt_tokens), longest)
+        if params.get("source") is None:  # another backbone's blocks are known once it is saved (run)
+            check_depth("judge", config.num_hidden_layers, BASE)
 
     def finish(stage, outputs: StagedOutputs, trained) -> list[str]:
         metrics, figure = trained

@@ -18,7 +18,7 @@ from tasks.kit.outputs import StagedOutputs
 from tasks.kit.params import stage_params
 from tasks.kit.registry import register, version_tags
 from tasks.kit.runs import tracking_client
-from tasks.kit.scalar import run, summary_lines, write_outputs
+from tasks.kit.scalar import check_depth, run, summary_lines, write_outputs
 from tasks.kit.stage import training_stage
 
 TRAIN, EVAL, SFT = paths.split("rm_train"), paths.split("rm_eval"), paths.SFT
@@ -46,6 +46,7 @@ def main() -> None:
     def check() -> None:  # the params, one line each, before any process starts
         config = config_from_params(RewardConfig, params, "reward")
         check_reads_whole("reward.max_length", config.max_length, ("ppo.max_prompt_length", prompt_tokens), longest)
+        check_depth("reward", config.num_hidden_layers, SFT)
 
     def finish(stage, outputs: StagedOutputs, trained) -> list[str]:
         metrics, figure = trained

@@ -887,3 +887,21 @@ def test_ctrl_c_leaves_the_flow_within_its_grace_even_when_prefect_would_wait_on
     assert time.monotonic() - started < 10
     assert process.stdout.read().splitlines() == ["interrupted", "[flow] stopped by Ctrl-C; `make pipeline` resumes "
                                                   "(DVC reruns what is stale, PPO from its checkpoint)"]  # fmt: skip
+
+
+def test_a_reward_model_keeping_more_blocks_than_its_start_has_stops_before_its_run_opens(
+    tmp_path, tiny_dir, empty_db, monkeypatch
+):
+    import tasks.reward as reward
+
+    project = tiny_project(tmp_path, tiny_dir, empty_db, reward={"num_hidden_layers": 3})  # the tiny model has 2
+    outputs = ["models/reward", "metrics/reward.json", "reports/reward_margins.png"]
+    before = kept(project, outputs)
+    use_store(monkeypatch, project, "too-deep")
+    with pytest.raises(ValueError) as caught:
+        reward.main()
+    assert str(caught.value) == (
+        "params.yaml: reward.num_hidden_layers 3 is more than the 2 blocks of models/sft, which it starts from "
+        "(null keeps them all)"
+    )
+    assert kept(project, outputs) == before and runs(project) == []

@@ -18,7 +18,7 @@ import torch
 
 from rlhf.data.kinds import kind_of, kinds_in, training_kinds
 from rlhf.data.reading import load_jsonl
-from rlhf.models.loading import load_scalar_model, load_tokenizer, save_tokenizer
+from rlhf.models.loading import block_count, load_scalar_model, load_tokenizer, save_tokenizer
 from rlhf.reward.metrics import evaluate_reward_model
 from rlhf.reward.trainer import JudgeConfig, RewardConfig, center_rewards, encode_pairs, train_reward_model
 from rlhf.runtime.device import PhaseTimer
@@ -32,6 +32,21 @@ from tasks.kit.outputs import StagedOutputs, is_part_figure, is_timing, write_he
 from tasks.kit.resume import run_checkpointer
 
 CONFIGS = {"reward": RewardConfig, "judge": JudgeConfig}  # stage -> its typed config: same fields, own defaults
+
+
+def check_depth(section: str, num_hidden_layers: int | None, init: str) -> None:
+    """Refuse ``<section>.num_hidden_layers`` above the blocks of the model it starts from (``init``), before any
+    run opens.
+
+    Raises:
+        ValueError: one line naming the key, the folder and its blocks.
+    """
+    blocks = block_count(init) if num_hidden_layers is not None else None
+    if blocks is not None and num_hidden_layers > blocks:
+        raise ValueError(
+            f"params.yaml: {section}.num_hidden_layers {num_hidden_layers} is more than the {blocks} blocks of "
+            f"{init}, which it starts from (null keeps them all)"
+        )
 
 
 def run(

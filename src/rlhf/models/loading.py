@@ -230,7 +230,7 @@ def load_scalar_model(
     kinds = list(kinds or []) or _stored_kinds(path)
     depth: dict[str, Any] = {}
     if num_hidden_layers is not None:
-        stored = _block_count(path)
+        stored = block_count(path)
         if stored is not None and num_hidden_layers > stored:
             raise ValueError(f"{path}: num_hidden_layers {num_hidden_layers} is more than the model's {stored} blocks")
         depth = {"num_hidden_layers": num_hidden_layers, "first_dropped": num_hidden_layers}
@@ -240,9 +240,9 @@ def load_scalar_model(
     return disable_dropout(_refuse_non_finite(model, path))
 
 
-def _block_count(path: str) -> int | None:
+def block_count(path: str) -> int | None:
     """The decoder blocks of a saved model, as its config names them (``num_hidden_layers``, GPT-2's ``n_layer``);
-    None when the folder's config cannot be read (:func:`_from_pretrained` then says why)."""
+    None when the folder's config cannot be read (loading it then says why)."""
     try:
         return int(AutoConfig.from_pretrained(path, trust_remote_code=False).num_hidden_layers)
     except (OSError, ValueError, AttributeError, TypeError):
