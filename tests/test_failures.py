@@ -641,8 +641,8 @@ def test_a_run_left_running_by_a_process_that_is_gone_is_closed_as_killed(store,
 # real stages on a tiny project
 
 
-def tiny_project(root, tiny_dir, db: str, sft=None, reward=None) -> str:
-    """A project folder with the repository's params on the tiny profile (``sft``/``reward``: tiny overrides),
+def tiny_project(root, tiny_dir, db: str, sft=None, reward=None, judge=None) -> str:
+    """A project folder with the repository's params on the tiny profile (``sft``/``reward``/``judge``: tiny overrides),
     validated splits, models/base, previous outputs of sft and reward to keep, and a copy of the store ``db``."""
     with open(os.path.join(REPO, "params.yaml")) as handle:
         params = yaml.safe_load(handle)
@@ -650,10 +650,11 @@ def tiny_project(root, tiny_dir, db: str, sft=None, reward=None) -> str:
     params["mlflow"] = {"experiment": "rlhf"}
     params["sft"]["profiles"]["tiny"].update(sft or {})
     params["reward"]["profiles"]["tiny"].update(reward or {})
+    params["judge"]["profiles"]["tiny"].update(judge or {})
     with open(os.path.join(root, "params.yaml"), "w") as handle:
         yaml.safe_dump(params, handle)
     os.makedirs(os.path.join(root, "data", "validated"))
-    for split in ("sft", "rm_train", "rm_eval"):
+    for split in ("sft", "rm_train", "rm_eval", "judge_train", "judge_eval"):
         with open(os.path.join(root, "data", "validated", f"{split}.jsonl"), "w") as handle:
             handle.writelines(json.dumps(row) + "\n" for row in ROWS)
     for name in ("base", "sft", "reward"):
@@ -902,6 +903,24 @@ def test_a_reward_model_keeping_more_blocks_than_its_start_has_stops_before_its_
         reward.main()
     assert str(caught.value) == (
         "params.yaml: reward.num_hidden_layers 3 is more than the 2 blocks of models/sft, which it starts from "
+        "(null keeps them all)"
+    )
+    assert kept(project, outputs) == before and runs(project) == []
+
+
+def test_a_judge_keeping_more_blocks_than_the_base_model_has_stops_before_its_run_opens(
+    tmp_path, tiny_dir, empty_db, monkeypatch
+):
+    import tasks.judge as judge
+
+    project = tiny_project(tmp_path, tiny_dir, empty_db, judge={"num_hidden_layers": 3})  # the tiny model has 2
+    outputs = ["models/base", "metrics/reward.json"]
+    before = kept(project, outputs)
+    use_store(monkeypatch, project, "too-deep-judge")
+    with pytest.raises(ValueError) as caught:
+        judge.main()
+    assert str(caught.value) == (
+        "params.yaml: judge.num_hidden_layers 3 is more than the 2 blocks of models/base, which it starts from "
         "(null keeps them all)"
     )
     assert kept(project, outputs) == before and runs(project) == []
