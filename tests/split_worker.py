@@ -178,7 +178,7 @@ def measure(folder: str, micro: int | None, runtime: Runtime) -> dict[str, torch
                      lambda model: sft_step(model, tokenizer, encoded, runtime), micro, runtime)  # fmt: skip
     # the length expert's term is a sum over pairs and splits like the rest; the preference term is a function of
     # each pass (rlhf.reward.length_bias.debiased_pair_loss), so it is off here
-    config = RewardConfig(lm_coef=0.5, length_decorrelation=0.0)
+    config = RewardConfig(lm_coef=0.5, length_decorrelation=0.0, trainable_layers=None)
     out |= supervised("rm", scalar_model,
                       lambda model: reward_step(model, tokenizer, pairs, config, runtime, expert_weight=-0.7),
                       micro, runtime)  # fmt: skip

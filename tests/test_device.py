@@ -193,14 +193,16 @@ def test_to_host_is_one_round_trip_and_equals_item():
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("kind", ["sft", "reward"])
+@pytest.mark.parametrize("kind", ["sft", "reward", "reward_blocks"])
 def test_supervised_trainers_stay_on_device_and_sync_once_per_step(tiny_dir, tokenizer, kind, precision):
     runtime = RUNTIMES[precision]
     steps = 2
     if kind == "sft":
         model, train, config = load_causal_lm(tiny_dir), train_sft, SFTConfig(steps=steps, batch_size=2)
-    else:
-        model, train, config = load_scalar_model(tiny_dir), train_reward_model, RewardConfig(steps=steps, batch_size=2)
+    else:  # the head alone on states computed once (the default), or every block trained each step
+        blocks = {"trainable_layers": None} if kind == "reward_blocks" else {}
+        config = RewardConfig(steps=steps, batch_size=2, **blocks)
+        model, train = load_scalar_model(tiny_dir), train_reward_model
     model = runtime.place(model)
     at_log: list[int] = []
     with DeviceCheck(runtime.device) as check:

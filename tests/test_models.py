@@ -344,7 +344,7 @@ def test_another_family_keeps_its_first_blocks_too(tmp_path):
     ("fields", "message"),
     [
         ({"num_hidden_layers": 0}, r"^reward.num_hidden_layers must be at least 1, got 0$"),
-        ({"num_hidden_layers": 6}, r"^reward.trainable_layers \(8\) counts the top blocks of the 6 that"),
+        ({"num_hidden_layers": 6, "trainable_layers": 8}, r"^reward.trainable_layers \(8\) counts the top blocks of"),
     ],
 )
 def test_the_blocks_a_reward_model_keeps_are_checked_with_those_it_trains(fields, message):

@@ -107,6 +107,7 @@ def test_reward_loss_is_bradley_terry_plus_lm_coef_times_imitation_loss(tiny_dir
         warmup_steps=0,
         scheduler="constant",
         lm_coef=0.7,
+        trainable_layers=None,  # the imitation term trains the blocks
         margin=0.5,
         max_length=64,
         length_expert=False,
@@ -276,3 +277,67 @@ def test_a_reader_shorter_than_the_prompt_and_response_it_scores_is_refused_in_o
         "judge.max_length is 192 tokens, but it scores ppo.max_prompt_length (192) + generation.max_new_tokens "
         "(64) = 256: a prompt and response would be cut; set it to at least 256"
     )
+
+
+def _pairs_of_four():
+    return [
+        {
+            "prompt": [{"role": "user", "content": f"question {i}"}],
+            "chosen": [{"role": "assistant", "content": "yes " * words}],
+            "rejected": [{"role": "assistant", "content": "no " * (4 - i)}],
+        }
+        for i, words in enumerate([9, 1, 5, 2])  # not in order of length: the states come back in the pairs' order
+    ]
+
+
+def test_a_head_trained_alone_reads_the_states_computed_once_as_the_backbone_gives_them(tiny_dir, tokenizer):
+    """``trainable_layers: 0``: the step that reads :func:`frozen_pair_states` gives the loss, the figures and the
+    head's gradient of the step that runs the backbone (the same pairs, the same weights)."""
+    from rlhf.reward.trainer import RewardConfig, encode_pairs, frozen_pair_states, reward_step
+
+    torch.manual_seed(0)
+    model = load_scalar_model(tiny_dir)
+    torch.nn.init.normal_(model.score.weight, std=1.0)
+    config = RewardConfig(trainable_layers=0, max_length=64, length_expert=False)
+    pairs = encode_pairs(tokenizer, _pairs_of_four(), 64)
+    states = frozen_pair_states(model, tokenizer, pairs, 3, Runtime())  # batches of 3: the last one shorter
+    assert states[0].shape == states[1].shape == (4, model.config.hidden_size)
+    results = []
+    for cached in (states, None):
+        model.zero_grad(set_to_none=True)
+        loss, figures = reward_step(model, tokenizer, pairs, config, Runtime(), groups=[0] * 4, states=cached)(
+            [1, 3], [0, 1, 2, 3]
+        )
+        loss.backward()
+        results.append((loss.item(), {k: v.item() for k, v in figures.items()}, model.score.weight.grad.clone()))
+    (cached_loss, cached_figures, cached_grad), (loss, figures, grad) = results
+    assert cached_loss == pytest.approx(loss, abs=1e-6)
+    assert cached_figures == pytest.approx(figures, abs=1e-6)
+    torch.testing.assert_close(cached_grad, grad, atol=1e-6, rtol=1e-5)
+    assert grad.abs().sum() > 0
+
+
+def test_a_head_trained_alone_leaves_every_backbone_weight_and_the_final_norm_as_they_were(tiny_dir, tokenizer):
+    from rlhf.reward.trainer import RewardConfig, train_reward_model
+
+    torch.manual_seed(0)
+    model = load_scalar_model(tiny_dir)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    config = RewardConfig(
+        trainable_layers=0, steps=3, batch_size=2, lr=1e-2, warmup_steps=0, max_length=64, group_by_length=False
+    )
+    summary = train_reward_model(
+        model, tokenizer, _pairs_of_four(), config, lambda m, s: None, Runtime(), progress=False
+    )
+    changed = {name for name, p in model.named_parameters() if not torch.equal(p, before[name])}
+    assert changed == {"score.weight"}
+    assert summary["rm/steps"] == 3.0
+
+
+def test_an_imitation_term_with_no_block_trained_is_refused():
+    from rlhf.reward.trainer import RewardConfig
+
+    with pytest.raises(
+        ValueError, match=r"^reward\.lm_coef > 0 trains the backbone's blocks: it needs trainable_layers"
+    ):
+        RewardConfig(trainable_layers=0, lm_coef=0.5)

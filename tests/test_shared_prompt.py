@@ -78,7 +78,7 @@ def test_a_reward_step_packed_computes_the_plain_loss_and_gradients(
     tiny_dir, tokenizer, runtime, tolerance, monkeypatch
 ):
     pairs = encode_pairs(tokenizer, EXAMPLES, 64)
-    config = RewardConfig(lm_coef=0.5, margin=0.1, length_decorrelation=1.0)
+    config = RewardConfig(lm_coef=0.5, margin=0.1, length_decorrelation=1.0, trainable_layers=None)
 
     def run():
         torch.manual_seed(0)

@@ -28,11 +28,11 @@ class RewardConfig(LoopConfig):
     """Reward-model hyperparameters (params.yaml section ``reward``)."""
 
     section: ClassVar[str] = "reward"
-    steps: int = 28
-    batch_size: int = 8
-    lr: float = 3e-4
-    warmup_steps: int = 5
-    trainable_layers: int | None = 8  # the top blocks of the (kept) backbone that train
+    steps: int = 200
+    batch_size: int = 32
+    lr: float = 1e-3
+    warmup_steps: int = 10
+    trainable_layers: int | None = 0  # the top blocks of the (kept) backbone that train (0: the score head alone)
     num_hidden_layers: int | None = 20  # keep only the backbone's first N blocks (None: all; loading.py)
     max_length: int = 256  # tokens of prompt + response it trains and reads at (a long prompt is cut from the left)
     margin: float = 0.0  # Bradley-Terry margin (0: tutorial Eq. 6 exactly)
@@ -46,13 +46,15 @@ class RewardConfig(LoopConfig):
     short_rejection_kinds: tuple[str, ...] = ("helpful",)
     kind_heads: bool = True  # a score per kind of data, mixed by a learned kind gate (rlhf.models.kind_heads)
     balance_kinds: bool = True  # every batch holds each kind's share of the pairs (not what length grouping brings)
-    checkpoint_every: int = 53  # a checkpoint writes the whole model (~6 s on 2 cores): at half the demo's steps
+    checkpoint_every: int = 0  # never: with the head alone a resume would compute the states again anyway
+    group_by_length: bool = False  # with the head alone a batch's length costs nothing
 
     def __post_init__(self) -> None:
         """Raises ValueError: the shared loop's checks (:class:`rlhf.training.supervised.LoopConfig`); ``max_length``,
         ``eval_batch_size``, ``center_max_examples`` or ``num_hidden_layers`` below 1; ``margin``, ``lm_coef`` or
         ``length_decorrelation`` below 0 (:func:`rlhf.ranges.check_ranges`, naming the key); ``trainable_layers``
-        more than the ``num_hidden_layers`` kept (it counts their top blocks)."""
+        more than the ``num_hidden_layers`` kept (it counts their top blocks); ``lm_coef`` above 0 with
+        ``trainable_layers`` 0 (the imitation term would train nothing)."""
         super().__post_init__()
         check_ranges(
             self.section,
@@ -60,6 +62,11 @@ class RewardConfig(LoopConfig):
             at_least_1=("max_length", "eval_batch_size", "center_max_examples", "num_hidden_layers"),
             non_negative=("margin", "lm_coef", "length_decorrelation"),
         )
+        if self.lm_coef > 0 and self.trainable_layers == 0:
+            raise ValueError(
+                f"{self.section}.lm_coef > 0 trains the backbone's blocks: it needs trainable_layers above 0 "
+                "(0 trains the score head alone)"
+            )
         kept, trained = self.num_hidden_layers, self.trainable_layers
         if kept is not None and trained is not None and trained > kept:
             raise ValueError(
@@ -75,11 +82,8 @@ class JudgeConfig(RewardConfig):
 
     section: ClassVar[str] = "judge"
     num_hidden_layers: int | None = None  # every block: the shallower reward model's cut cost the judge on helpful
-    steps: int = 28
-    warmup_steps: int = 3
     seed: int = 1
     center_max_examples: int | None = 64
-    checkpoint_every: int = 31
 
 
 def encode_pairs(
@@ -116,6 +120,7 @@ def reward_step(
     expert_weight: float | list[float] = 0.0,
     groups: list[int] | None = None,
     kind_index: list[int] | None = None,
+    states: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> Callable[[list[int], list[int]], tuple[torch.Tensor, dict[str, torch.Tensor]]]:
     """The reward model's ``step_fn(part, batch)`` of :func:`rlhf.training.supervised.supervised_loop` over encoded
     pairs.
@@ -135,10 +140,14 @@ def reward_step(
 
     A pair's chosen and rejected encodings share their prompt: each pair is one row, its common prefix run
     once (:mod:`rlhf.models.shared_prompt`; the plain batch of ``2 x part`` rows where the model cannot take it).
+    ``states``: the pairs' chosen and rejected states of :func:`frozen_pair_states` (``(P, H)`` each), read by the
+    score head instead of running the backbone (a model that trains its head alone).
     """
     chosen_targets = [target_tokens(chosen.response_mask) for chosen, _ in pairs]
     chosen_lengths, rejected_lengths = (torch.tensor(n, device=runtime.device) for n in response_lengths(pairs))
     read = _packed_pair_scores if can_pack(model) else _plain_pair_scores
+    if states is not None:
+        read = _cached_pair_scores(states, pairs)
     weights = torch.as_tensor(expert_weight, dtype=torch.float32, device=runtime.device)
     index = None if groups is None else torch.tensor(groups, device=runtime.device)
     members = None if index is None else torch.stack([index == g for g in range(max(groups, default=-1) + 1)])
@@ -184,19 +193,23 @@ def reward_step(
     return step
 
 
-def _packed_pair_scores(model, tokenizer, pairs: list[tuple[Encoded, Encoded]], runtime: Runtime, targets: bool):
+def _packed_pair_scores(
+    model, tokenizer, pairs: list[tuple[Encoded, Encoded]], runtime: Runtime, targets: bool, head=None
+):
     """``(chosen (P, O), rejected (P, O), hidden, input_ids, chosen-response targets (rows, L) bool or None)``,
     one row a pair: the head's ``O`` outputs at each response's last token (:mod:`rlhf.models.kind_heads`); the targets
-    only when ``targets``."""
+    only when ``targets``. ``head``: what reads the hidden states (None: ``model.score``; an identity: the states)."""
     packed = pack([[c.input_ids, r.input_ids] for c, r in pairs], tokenizer.pad_token_id, runtime.device)
     hidden = packed_hidden(model, packed)
-    outputs = model.score(hidden).float()[packed.row, packed.last]
+    outputs = (model.score if head is None else head)(hidden).float()[packed.row, packed.last]
     outputs = outputs.view(len(pairs), 2, outputs.shape[-1])
     masks = [mask for c, r in pairs for mask in (c.response_mask, [False] * len(r.input_ids))]
     return outputs[:, 0], outputs[:, 1], hidden, packed.input_ids, packed.spread(masks) if targets else None
 
 
-def _plain_pair_scores(model, tokenizer, pairs: list[tuple[Encoded, Encoded]], runtime: Runtime, targets: bool):
+def _plain_pair_scores(
+    model, tokenizer, pairs: list[tuple[Encoded, Encoded]], runtime: Runtime, targets: bool, head=None
+):
     """As :func:`_packed_pair_scores`, each encoding its own row: the chosen ones, then the rejected ones."""
     rows = [c for c, _ in pairs] + [r for _, r in pairs]
     input_ids, attention_mask = pad(tokenizer, [e.input_ids for e in rows], "right", runtime.device)
@@ -204,10 +217,61 @@ def _plain_pair_scores(model, tokenizer, pairs: list[tuple[Encoded, Encoded]], r
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)
     ).last_hidden_state
     last = last_token_index(attention_mask)
-    scores = model.score(hidden).float()[torch.arange(len(rows), device=runtime.device), last]
+    scores = (model.score if head is None else head)(hidden).float()[
+        torch.arange(len(rows), device=runtime.device), last
+    ]
     masks = [c.response_mask for c, _ in pairs] + [[False] * len(r.input_ids) for _, r in pairs]
     target = pad_masks(masks, input_ids.shape[1], "right", runtime.device) if targets else None
     return scores[: len(pairs)], scores[len(pairs) :], hidden, input_ids, target
+
+
+def frozen_pair_states(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    pairs: list[tuple[Encoded, Encoded]],
+    batch_size: int,
+    runtime: Runtime,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The states the score head reads, at each pair's chosen and rejected last token, computed once.
+
+    For a reward model that trains its score head alone (``trainable_layers: 0``) the backbone's output does not
+    change while it trains, so every epoch can read it from here at the cost of the head's arithmetic (issue 48:
+    "frozen blocks' states computed once for every epoch"). They are what :func:`reward_step` would compute
+    (the same packed or plain rows, under ``runtime.autocast()``), without a graph.
+
+    Args:
+        pairs: encoded ``(chosen, rejected)`` pairs (:func:`encode_pairs`).
+        batch_size: pairs per forward pass.
+
+    Returns:
+        ``(chosen, rejected)``: ``(P, H)`` float32 each, on ``runtime.device``; ``H`` the backbone's hidden size.
+    """
+    read = _packed_pair_scores if can_pack(model) else _plain_pair_scores
+    order = sorted(range(len(pairs)), key=lambda i: len(pairs[i][0].input_ids) + len(pairs[i][1].input_ids))
+    chosen, rejected = [], []
+    with torch.no_grad(), runtime.autocast():
+        for start in range(0, len(pairs), batch_size):  # pairs of similar length together: little padding
+            part = [pairs[i] for i in order[start : start + batch_size]]
+            c, r, *_ = read(model, tokenizer, part, runtime, False, torch.nn.Identity())
+            chosen.append(c)
+            rejected.append(r)
+    place = [0] * len(pairs)  # each pair's position in the computed order
+    for position, i in enumerate(order):
+        place[i] = position
+    back = torch.tensor(place, device=runtime.device)
+    return torch.cat(chosen)[back], torch.cat(rejected)[back]
+
+
+def _cached_pair_scores(states: tuple[torch.Tensor, torch.Tensor], pairs: list[tuple[Encoded, Encoded]]):
+    """A reader with :func:`_packed_pair_scores`'s results whose outputs come from the states of
+    :func:`frozen_pair_states` (the same pairs, in the same order) through the score head; no hidden, no targets."""
+    index = {id(pair): i for i, pair in enumerate(pairs)}
+
+    def read(model, tokenizer, part_pairs, runtime: Runtime, targets: bool):
+        rows = torch.tensor([index[id(pair)] for pair in part_pairs], device=runtime.device)
+        return model.score(states[0][rows]).float(), model.score(states[1][rows]).float(), None, None, None
+
+    return read
 
 
 def train_reward_model(
@@ -271,8 +335,21 @@ def train_reward_model(
     expert = [weights[g] if g >= 0 else 0.0 for g in groups]  # the extra pairs: no expert, no length term
     heads = head_kinds(model)
     kind_index = [heads.index(kind) for kind in data_kinds] if heads else None
+    states = None
+    if config.trainable_layers == 0:  # the head alone: the backbone's states once, the final norm's gain with them
+        model.requires_grad_(False)
+        model.score.requires_grad_(True)
+        states = frozen_pair_states(model, tokenizer, pairs, config.eval_batch_size, runtime)
     step = reward_step(
-        model, tokenizer, pairs, config, runtime=runtime, expert_weight=expert, groups=groups, kind_index=kind_index
+        model,
+        tokenizer,
+        pairs,
+        config,
+        runtime=runtime,
+        expert_weight=expert,
+        groups=groups,
+        kind_index=kind_index,
+        states=states,
     )
 
     summary = supervised_loop(
