@@ -300,7 +300,7 @@ def test_a_head_trained_alone_reads_the_states_computed_once_as_the_backbone_giv
     torch.nn.init.normal_(model.score.weight, std=1.0)
     config = RewardConfig(trainable_layers=0, max_length=64, length_expert=False)
     pairs = encode_pairs(tokenizer, _pairs_of_four(), 64)
-    states = frozen_pair_states(model, tokenizer, pairs, 3, Runtime())  # batches of 3: the last one shorter
+    states = frozen_pair_states(model, tokenizer, pairs, 6, Runtime())  # 3 pairs a pass: the last one shorter
     assert states[0].shape == states[1].shape == (4, model.config.hidden_size)
     results = []
     for cached in (states, None):

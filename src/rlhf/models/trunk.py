@@ -2,7 +2,8 @@
 
 With ``trainable_layers`` the policy trains only its top blocks, and its reference, reward model and value
 model often start from the same weights: in the demo blocks 0-21 of 30 are the same in the policy and its
-reference, and 0-11 in all four (the reward model keeps 20 blocks and trains its top 8). A
+reference, 0-19 in the reward model too (it keeps 20 blocks and trains its score head alone), and 0-11 in all four
+(the value model trains the top 8 of the reward model's 20). A
 :class:`SharedTrunk` runs those blocks once per rollout and hands each model the hidden states entering its
 first block that differs; the model runs only its own blocks from there. Which blocks are shared is decided
 from the weights each time a trunk is made (:func:`shared_depth`), never from a setting: a reward model
