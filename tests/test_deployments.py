@@ -86,7 +86,7 @@ def test_scheduled_deployment_runs_each_stale_stage_on_its_pool(tiny_run, tmp_pa
     }
     command(project, env, sys.executable, "-m", "dvc", "remote", "add", "-d", "store", str(tmp_path / "dvc-remote"))
     command(project, env, sys.executable, "-m", "dvc", "push", "--quiet")
-    set_param(project, "  lr: 3.0e-4            # on long's dev split", "  lr: 2.0e-4            # on long's dev split")
+    set_param(project, "  lr: 1.0e-3            # the head's", "  lr: 2.0e-3            # the head's")
     command(project, env, "git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "remote, reward lr")
     gpu_root = tmp_path / "gpu-host"
     gpu_root.mkdir()

@@ -190,7 +190,7 @@ def test_dvc_repro_runs_everything_then_only_what_a_ppo_param_touches(tiny_run, 
     # exactly as they were, so nothing downstream of the gate reruns
     before = subprocess.run(["git", "hash-object", "models/reward_champion/model.safetensors"], cwd=project,
                             capture_output=True, text=True, check=True).stdout  # fmt: skip
-    set_param(project, "  lr: 3.0e-4            # on long's dev split", "  lr: 2.0e-4            # on long's dev split")
+    set_param(project, "  lr: 1.0e-3            # the head's", "  lr: 2.0e-3            # the head's")
     set_param(project, "reward_gate: {min_accuracy_low: 0.0,", "reward_gate: {min_accuracy_low: 1.0,")
     output = run(project, "dvc", "repro", "ppo")
     assert "[gate] GATE FAILED: rm_eval balanced accuracy lower 95% bound (stratified bootstrap)" in output
