@@ -290,11 +290,17 @@ def _pairs_of_four():
     ]
 
 
-def test_a_head_trained_alone_reads_the_states_computed_once_as_the_backbone_gives_them(tiny_dir, tokenizer):
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "plain"])
+def test_a_head_trained_alone_reads_the_states_computed_once_as_the_backbone_gives_them(
+    tiny_dir, tokenizer, monkeypatch, packed
+):
     """``trainable_layers: 0``: the step that reads :func:`frozen_pair_states` gives the loss, the figures and the
-    head's gradient of the step that runs the backbone (the same pairs, the same weights)."""
+    head's gradient of the step that runs the backbone (the same pairs, the same weights), on the packed rows and
+    on the plain ones a model that cannot take them reads."""
+    import rlhf.reward.trainer as trainer
     from rlhf.reward.trainer import RewardConfig, encode_pairs, frozen_pair_states, reward_step
 
+    monkeypatch.setattr(trainer, "can_pack", lambda model: packed)
     torch.manual_seed(0)
     model = load_scalar_model(tiny_dir)
     torch.nn.init.normal_(model.score.weight, std=1.0)
