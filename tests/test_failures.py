@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import importlib
 import json
 import math
 import os
@@ -890,37 +891,24 @@ def test_ctrl_c_leaves_the_flow_within_its_grace_even_when_prefect_would_wait_on
                                                   "(DVC reruns what is stale, PPO from its checkpoint)"]  # fmt: skip
 
 
-def test_a_reward_model_keeping_more_blocks_than_its_start_has_stops_before_its_run_opens(
-    tmp_path, tiny_dir, empty_db, monkeypatch
+@pytest.mark.parametrize(
+    ("stage", "outputs", "source"),
+    [
+        ("reward", ["models/reward", "metrics/reward.json", "reports/reward_margins.png"], "models/sft"),
+        ("judge", ["models/base", "metrics/reward.json"], "models/base"),
+    ],
+)
+def test_a_scalar_model_keeping_more_blocks_than_its_start_has_stops_before_its_run_opens(
+    tmp_path, tiny_dir, empty_db, monkeypatch, stage, outputs, source
 ):
-    import tasks.reward as reward
-
-    project = tiny_project(tmp_path, tiny_dir, empty_db, reward={"num_hidden_layers": 3})  # the tiny model has 2
-    outputs = ["models/reward", "metrics/reward.json", "reports/reward_margins.png"]
+    module = importlib.import_module(f"tasks.{stage}")
+    project = tiny_project(tmp_path, tiny_dir, empty_db, **{stage: {"num_hidden_layers": 3}})  # the tiny model has 2
     before = kept(project, outputs)
-    use_store(monkeypatch, project, "too-deep")
+    use_store(monkeypatch, project, f"too-deep-{stage}")
     with pytest.raises(ValueError) as caught:
-        reward.main()
+        module.main()
     assert str(caught.value) == (
-        "params.yaml: reward.num_hidden_layers 3 is more than the 2 blocks of models/sft, which it starts from "
-        "(null keeps them all)"
-    )
-    assert kept(project, outputs) == before and runs(project) == []
-
-
-def test_a_judge_keeping_more_blocks_than_the_base_model_has_stops_before_its_run_opens(
-    tmp_path, tiny_dir, empty_db, monkeypatch
-):
-    import tasks.judge as judge
-
-    project = tiny_project(tmp_path, tiny_dir, empty_db, judge={"num_hidden_layers": 3})  # the tiny model has 2
-    outputs = ["models/base", "metrics/reward.json"]
-    before = kept(project, outputs)
-    use_store(monkeypatch, project, "too-deep-judge")
-    with pytest.raises(ValueError) as caught:
-        judge.main()
-    assert str(caught.value) == (
-        "params.yaml: judge.num_hidden_layers 3 is more than the 2 blocks of models/base, which it starts from "
+        f"params.yaml: {stage}.num_hidden_layers 3 is more than the 2 blocks of {source}, which it starts from "
         "(null keeps them all)"
     )
     assert kept(project, outputs) == before and runs(project) == []
