@@ -231,10 +231,15 @@ def test_reward_stage_and_flow_summary_warn_loudly_when_accuracy_includes_chance
     assert "WARNING: rm_eval balanced accuracy is undefined" in out and "rm/accuracy=n/a" in out
 
 
-def test_the_debiased_loss_adds_the_length_expert_and_the_preference_term(tiny_dir, tokenizer):
+@pytest.mark.parametrize(
+    ("kind", "exempt", "term"),
+    [(None, ("harmless",), 1.0), ("harmless", ("harmless",), 0.0), ("harmless", (), 1.0)],
+    ids=["a-kind-not-exempt", "an-exempt-kind", "nothing-exempt"],
+)
+def test_the_debiased_loss_adds_the_length_expert_and_the_preference_term(tiny_dir, tokenizer, kind, exempt, term):
     """The trainer's logged loss is :func:`rlhf.reward.length_bias.debiased_pair_loss` of the model's own scores,
-    with the
-    length expert fitted on the training pairs (it goes through the product's step, not a copy of it)."""
+    with the length expert fitted on the training pairs (it goes through the product's step, not a copy of it);
+    the pairs of a kind ``length_decorrelation_exempt`` names take no length term, their expert kept."""
     from rlhf.reward.length_bias import debiased_pair_loss, fit_length_expert
     from rlhf.reward.trainer import RewardConfig, encode_pairs, response_lengths, train_reward_model
 
@@ -243,6 +248,7 @@ def test_the_debiased_loss_adds_the_length_expert_and_the_preference_term(tiny_d
             "prompt": [{"role": "user", "content": f"q{i}"}],
             "chosen": [{"role": "assistant", "content": "ok " * (i + 1)}],
             "rejected": [{"role": "assistant", "content": "no " * (3 - i)}],
+            **({"kind": kind} if kind else {}),
         }
         for i in range(3)
     ]
@@ -250,7 +256,15 @@ def test_the_debiased_loss_adds_the_length_expert_and_the_preference_term(tiny_d
     model = load_scalar_model(tiny_dir)
     torch.nn.init.normal_(model.score.weight, std=1.0)
     logged = {}
-    config = RewardConfig(steps=1, batch_size=3, lr=0.0, scheduler="constant", warmup_steps=0, max_length=64)
+    config = RewardConfig(
+        steps=1,
+        batch_size=3,
+        lr=0.0,
+        scheduler="constant",
+        warmup_steps=0,
+        max_length=64,
+        length_decorrelation_exempt=exempt,
+    )
     summary = train_reward_model(
         model, tokenizer, examples, config, lambda m, s: logged.update(m), Runtime(), progress=False
     )
@@ -260,7 +274,7 @@ def test_the_debiased_loss_adds_the_length_expert_and_the_preference_term(tiny_d
     chosen = score_sequences(model, tokenizer, [c.input_ids for c, _ in pairs], 4, Runtime())
     rejected = score_sequences(model, tokenizer, [r.input_ids for _, r in pairs], 4, Runtime())
     expected, preference = debiased_pair_loss(
-        chosen, rejected, *(torch.tensor(n) for n in lengths), summary["rm/length_expert_weight"], 1.0, 0.0, count=3
+        chosen, rejected, *(torch.tensor(n) for n in lengths), summary["rm/length_expert_weight"], term, 0.0, count=3
     )
     assert logged["rm/loss"] == pytest.approx(float(expected), abs=1e-5)
     assert logged["rm/train_length_preference"] == pytest.approx(float(preference), abs=1e-5)
@@ -296,23 +310,28 @@ def test_a_head_trained_alone_reads_the_states_computed_once_as_the_backbone_giv
 ):
     """``trainable_layers: 0``: the step that reads :func:`frozen_pair_states` gives the loss, the figures and the
     head's gradient of the step that runs the backbone (the same pairs, the same weights), on the packed rows and
-    on the plain ones a model that cannot take them reads."""
+    on the plain ones a model that cannot take them reads; a pair that shares its chosen response with another
+    (a short rejection's) reads the state that chosen response's one pass gave."""
+    import rlhf.models.shared_prompt as shared_prompt
     import rlhf.reward.trainer as trainer
     from rlhf.reward.trainer import RewardConfig, encode_pairs, frozen_pair_states, reward_step
 
-    monkeypatch.setattr(trainer, "can_pack", lambda model: packed)
+    for module in (trainer, shared_prompt):
+        monkeypatch.setattr(module, "can_pack", lambda model: packed)
     torch.manual_seed(0)
     model = load_scalar_model(tiny_dir)
     torch.nn.init.normal_(model.score.weight, std=1.0)
     config = RewardConfig(trainable_layers=0, max_length=64, length_expert=False)
-    pairs = encode_pairs(tokenizer, _pairs_of_four(), 64)
-    states = frozen_pair_states(model, tokenizer, pairs, 6, Runtime())  # 3 pairs a pass: the last one shorter
-    assert states[0].shape == states[1].shape == (4, model.config.hidden_size)
+    examples = _pairs_of_four()
+    examples.append({**examples[0], "rejected": [{"role": "assistant", "content": "Why?"}]})
+    pairs = encode_pairs(tokenizer, examples, 64)
+    states = frozen_pair_states(model, tokenizer, pairs, 6, Runtime())  # 6 sequences a pass: the last one shorter
+    assert states[0].shape == states[1].shape == (5, model.config.hidden_size)
     results = []
     for cached in (states, None):
         model.zero_grad(set_to_none=True)
-        loss, figures = reward_step(model, tokenizer, pairs, config, Runtime(), groups=[0] * 4, states=cached)(
-            [1, 3], [0, 1, 2, 3]
+        loss, figures = reward_step(model, tokenizer, pairs, config, Runtime(), groups=[0] * 5, states=cached)(
+            [1, 3, 4], [0, 1, 2, 3, 4]
         )
         loss.backward()
         results.append((loss.item(), {k: v.item() for k, v in figures.items()}, model.score.weight.grad.clone()))
@@ -347,3 +366,15 @@ def test_an_imitation_term_with_no_block_trained_is_refused():
         ValueError, match=r"^reward\.lm_coef > 0 trains the backbone's blocks: it needs trainable_layers"
     ):
         RewardConfig(trainable_layers=0, lm_coef=0.5)
+
+
+def test_a_kind_exempt_from_a_length_term_taken_over_every_kind_is_refused():
+    from rlhf.reward.trainer import JudgeConfig, RewardConfig
+
+    RewardConfig(length_by_kind=False, length_decorrelation_exempt=())
+    with pytest.raises(ValueError) as refused:
+        JudgeConfig(length_by_kind=False)
+    assert str(refused.value) == (
+        "judge.length_decorrelation_exempt names kinds of data (harmless): it needs length_by_kind: true, which "
+        "takes the length term on each kind apart (with length_by_kind: false set it to [])"
+    )

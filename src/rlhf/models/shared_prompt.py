@@ -23,8 +23,10 @@ import torch
 from transformers import LlamaModel, PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.data.chat import pad
-from rlhf.models.forward import sequence_scores
+from rlhf.losses import last_token_index
+from rlhf.models.forward import position_ids_from_mask, sequence_scores
 from rlhf.models.kind_heads import head_kinds, read_scores
+from rlhf.models.trunk import last_hidden_state
 from rlhf.runtime.device import Runtime
 
 
@@ -161,6 +163,53 @@ def score_sequences(
 
 
 @torch.no_grad()
+def group_states(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    groups: list[list[list[int]]],
+    batch_size: int,
+    runtime: Runtime,
+) -> torch.Tensor:
+    """The backbone's final (normed) hidden state at the last token of each member of groups that begin alike.
+
+    Each group is one row, its common prefix run once (:func:`pack`); groups are sorted by their row's length and
+    batched ``batch_size`` sequences a pass (at least one group), under ``runtime.autocast()``. Where the model
+    cannot take a packed row (:func:`can_pack`), each sequence is a plain right-padded row, sorted by length.
+
+    Returns:
+        ``(N, H)`` float32 on ``runtime.device``: every group's members in order, the groups in the input order;
+        ``H`` the backbone's hidden size.
+    """
+    flat = [sequence for group in groups for sequence in group]
+    states = torch.zeros(len(flat), model.config.hidden_size, device=runtime.device)
+    if not can_pack(model):
+        order = sorted(range(len(flat)), key=lambda i: len(flat[i]))
+        for start in range(0, len(order), batch_size):
+            chunk = order[start : start + batch_size]
+            input_ids, attention_mask = pad(tokenizer, [flat[i] for i in chunk], "right", runtime.device)
+            with runtime.autocast():
+                hidden = last_hidden_state(model, input_ids, attention_mask, position_ids_from_mask(attention_mask))
+            states[chunk] = hidden[torch.arange(len(chunk), device=runtime.device), last_token_index(attention_mask)]
+        return states
+    first = [0]
+    for group in groups:
+        first.append(first[-1] + len(group))
+    order = sorted(range(len(groups)), key=lambda g: packed_length(groups[g]))
+    start = 0
+    while start < len(order):
+        stop = start + 1
+        while stop < len(order) and sum(len(groups[g]) for g in order[start : stop + 1]) <= batch_size:
+            stop += 1
+        chunk = order[start:stop]
+        packed = pack([groups[g] for g in chunk], tokenizer.pad_token_id, runtime.device)
+        with runtime.autocast():
+            hidden = packed_hidden(model, packed)
+        states[[i for g in chunk for i in range(first[g], first[g + 1])]] = hidden[packed.row, packed.last].float()
+        start = stop
+    return states
+
+
+@torch.no_grad()
 def score_groups(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -171,11 +220,10 @@ def score_groups(
 ) -> torch.Tensor:
     """Reward-model scores of token sequences in groups that begin alike (a pair, one prompt's responses).
 
-    Each group is one row, its common prefix run once (:mod:`rlhf.models.shared_prompt`); groups are sorted by their
-    row's length and batched ``batch_size`` sequences a pass (at least one group). Where the model cannot take
-    a packed row, :func:`score_sequences`. The stored centring offset is subtracted, as there. ``kinds``: each
-    group's kind of data, its members read with that kind's score (:func:`rlhf.models.kind_heads.read_scores`); None:
-    the kind gate's mix.
+    The score head reads :func:`group_states` (each group one row, its common prefix run once); where the model
+    cannot take a packed row, :func:`score_sequences`. The stored centring offset is subtracted, as there.
+    ``kinds``: each group's kind of data, its members read with that kind's score
+    (:func:`rlhf.models.kind_heads.read_scores`); None: the kind gate's mix.
 
     Returns:
         ``(N,)`` float32 on ``runtime.device``: every group's members in order, the groups in the input order.
@@ -185,23 +233,8 @@ def score_groups(
     if not can_pack(model):
         return score_sequences(model, tokenizer, flat, batch_size, runtime, flat_kinds)
     model.eval()
-    first = [0]
-    for group in groups:
-        first.append(first[-1] + len(group))
-    order = sorted(range(len(groups)), key=lambda g: packed_length(groups[g]))
+    states = group_states(model, tokenizer, groups, batch_size, runtime)
+    with runtime.autocast():
+        outputs = model.score(states).float()
     offset = float(getattr(model.config, "reward_offset", 0.0))
-    scores = torch.zeros(len(flat), device=runtime.device)
-    start = 0
-    while start < len(order):
-        stop = start + 1
-        while stop < len(order) and sum(len(groups[g]) for g in order[start : stop + 1]) <= batch_size:
-            stop += 1
-        chunk = order[start:stop]
-        packed = pack([groups[g] for g in chunk], tokenizer.pad_token_id, runtime.device)
-        members = [i for g in chunk for i in range(first[g], first[g + 1])]
-        with runtime.autocast():
-            outputs = model.score(packed_hidden(model, packed)[packed.row, packed.last]).float()
-            values = read_scores(outputs, head_kinds(model), [flat_kinds[i] for i in members] if flat_kinds else None)
-        scores[members] = values - offset
-        start = stop
-    return scores
+    return read_scores(outputs, head_kinds(model), flat_kinds) - offset

@@ -14,7 +14,7 @@ from rlhf.data.kinds import DEFAULT_KIND, kind_of
 from rlhf.losses import language_model_loss, last_token_index, target_tokens
 from rlhf.models.forward import position_ids_from_mask
 from rlhf.models.kind_heads import head_kinds, own_kind_scores
-from rlhf.models.shared_prompt import can_pack, pack, packed_hidden, packed_length, score_sequences
+from rlhf.models.shared_prompt import can_pack, group_states, pack, packed_hidden, packed_length, score_sequences
 from rlhf.ranges import check_ranges
 from rlhf.reward.augment import AUGMENTED, short_rejections
 from rlhf.reward.length_bias import debiased_pair_loss, fit_length_expert
@@ -42,6 +42,7 @@ class RewardConfig(LoopConfig):
     length_expert: bool = True  # product of experts with a length expert fitted first, dropped after training
     length_decorrelation: float = 1.0  # coefficient of |the pairs' mean preference for the longer| (after ODIN)
     length_by_kind: bool = True  # the expert fitted and the preference taken on each kind of data apart
+    length_decorrelation_exempt: tuple[str, ...] = ("harmless",)  # kinds whose pairs take no length term
     short_rejections: float = 0.5  # share of these kinds' pairs that also get a short reply as rejected (augment)
     short_rejection_kinds: tuple[str, ...] = ("helpful",)
     kind_heads: bool = True  # a score per kind of data, mixed by a learned kind gate (rlhf.models.kind_heads)
@@ -54,7 +55,8 @@ class RewardConfig(LoopConfig):
         ``eval_batch_size``, ``center_max_examples`` or ``num_hidden_layers`` below 1; ``margin``, ``lm_coef`` or
         ``length_decorrelation`` below 0 (:func:`rlhf.ranges.check_ranges`, naming the key); ``trainable_layers``
         more than the ``num_hidden_layers`` kept (it counts their top blocks); ``lm_coef`` above 0 with
-        ``trainable_layers`` 0 (the imitation term would train nothing)."""
+        ``trainable_layers`` 0 (the imitation term would train nothing); ``length_decorrelation_exempt`` naming kinds
+        with ``length_by_kind`` false (the term is then one over all kinds, which cannot leave a kind out)."""
         super().__post_init__()
         check_ranges(
             self.section,
@@ -66,6 +68,12 @@ class RewardConfig(LoopConfig):
             raise ValueError(
                 f"{self.section}.lm_coef > 0 trains the backbone's blocks: it needs trainable_layers above 0 "
                 "(0 trains the score head alone)"
+            )
+        if self.length_decorrelation_exempt and not self.length_by_kind:
+            raise ValueError(
+                f"{self.section}.length_decorrelation_exempt names kinds of data "
+                f"({', '.join(self.length_decorrelation_exempt)}): it needs length_by_kind: true, which takes the "
+                "length term on each kind apart (with length_by_kind: false set it to [])"
             )
         kept, trained = self.num_hidden_layers, self.trainable_layers
         if kept is not None and trained is not None and trained > kept:
@@ -150,7 +158,9 @@ def reward_step(
         read = _cached_pair_scores(states, pairs)
     weights = torch.as_tensor(expert_weight, dtype=torch.float32, device=runtime.device)
     index = None if groups is None else torch.tensor(groups, device=runtime.device)
-    members = None if index is None else torch.stack([index == g for g in range(max(groups, default=-1) + 1)])
+    members = None  # (G, P) bool; G is 0 when every pair is outside the term (no group, no term)
+    if index is not None:
+        members = index[None] == torch.arange(max(groups, default=-1) + 1, device=runtime.device)[:, None]
     heads = len(head_kinds(model))
     own_kind = None if not heads else torch.tensor(kind_index, device=runtime.device)
 
@@ -237,32 +247,32 @@ def frozen_pair_states(
     For a reward model that trains its score head alone (``trainable_layers: 0``) the backbone's output does not
     change while it trains, so every epoch can read it from here at the cost of the head's arithmetic (issue 48:
     "frozen blocks' states computed once for every epoch"). They are what :func:`reward_step` would compute
-    (the same packed or plain rows, under ``runtime.autocast()``), without a graph.
+    (the same rows under ``runtime.autocast()``), without a graph. Each distinct sequence is computed once: the
+    pairs that share a chosen response (a short rejection's pair and its own, :mod:`rlhf.reward.augment`) are one
+    group, the prompt and the chosen response run once for all their rejections
+    (:func:`rlhf.models.shared_prompt.group_states`).
 
     Args:
         pairs: encoded ``(chosen, rejected)`` pairs (:func:`encode_pairs`).
-        batch_size: sequences per forward pass, two a pair (at least one pair), as
-            :func:`rlhf.models.shared_prompt.score_groups` takes them: on the demo's pairs 8 pairs a pass took 0.78x
-            the time of 16 (docs/results.md, eighth round).
+        batch_size: sequences per forward pass (at least one group), as
+            :func:`rlhf.models.shared_prompt.score_groups` takes them: on the demo's pairs 16 sequences a pass took
+            0.78x the time of 32 (docs/results.md, eighth round).
 
     Returns:
         ``(chosen, rejected)``: ``(P, H)`` float32 each, on ``runtime.device``; ``H`` the backbone's hidden size.
     """
-    read = _packed_pair_scores if can_pack(model) else _plain_pair_scores
-    order = sorted(range(len(pairs)), key=lambda i: len(pairs[i][0].input_ids) + len(pairs[i][1].input_ids))
-    chosen, rejected = [], []
-    with torch.no_grad(), runtime.autocast():
-        step = max(1, batch_size // 2)
-        for start in range(0, len(pairs), step):  # pairs of similar length together: little padding
-            part = [pairs[i] for i in order[start : start + step]]
-            c, r, *_ = read(model, tokenizer, part, runtime, False, torch.nn.Identity())
-            chosen.append(c)
-            rejected.append(r)
-    place = [0] * len(pairs)  # each pair's position in the computed order
-    for position, i in enumerate(order):
-        place[i] = position
-    back = torch.tensor(place, device=runtime.device)
-    return torch.cat(chosen)[back], torch.cat(rejected)[back]
+    groups: dict[tuple[int, ...], list[tuple[int, ...]]] = {}  # each chosen response: it, then its rejections
+    for chosen, rejected in pairs:
+        members = groups.setdefault(tuple(chosen.input_ids), [tuple(chosen.input_ids)])
+        if tuple(rejected.input_ids) not in members:
+            members.append(tuple(rejected.input_ids))
+    row = {}  # (chosen, member): its row of the states
+    for key, members in groups.items():
+        for member in members:
+            row[key, member] = len(row)
+    states = group_states(model, tokenizer, [list(map(list, m)) for m in groups.values()], batch_size, runtime)
+    keys = [(tuple(c.input_ids), tuple(r.input_ids)) for c, r in pairs]
+    return states[[row[c, c] for c, _ in keys]], states[[row[c, r] for c, r in keys]]
 
 
 def _cached_pair_scores(states: tuple[torch.Tensor, torch.Tensor], pairs: list[tuple[Encoded, Encoded]]):
@@ -297,7 +307,8 @@ def train_reward_model(
     ``config.length_by_kind`` both are per kind of data (:func:`rlhf.data.kinds.kind_of`): a weight fitted on each
     kind's pairs, the preference taken within each kind. With ``config.short_rejections`` the examples gain the
     extra pairs of :func:`rlhf.reward.augment.short_rejections` (a short reply of the data as the rejected response, on
-    ``config.short_rejection_kinds``), which neither the expert nor the length term reads. With
+    ``config.short_rejection_kinds``), which neither the expert nor the length term reads. The kinds
+    ``config.length_decorrelation_exempt`` names take no length term (their expert stays). With
     ``config.balance_kinds`` every batch holds each kind's share of the pairs (the ``strata`` of
     :func:`rlhf.training.supervised.minibatch_indices`). A model with kind heads
     (:func:`rlhf.models.loading.load_scalar_model` given the kinds: :mod:`rlhf.models.kind_heads`) trains each pair's
@@ -336,6 +347,8 @@ def train_reward_model(
         members = [i for i, group in enumerate(groups) if group == g]
         weights[g] = fit_length_expert([chosen_lengths[i] for i in members], [rejected_lengths[i] for i in members])
     expert = [weights[g] if g >= 0 else 0.0 for g in groups]  # the extra pairs: no expert, no length term
+    exempt = set(config.length_decorrelation_exempt)
+    term_groups = [-1 if g < 0 or names[g] in exempt else g for g in groups]  # their raters' length preference kept
     heads = head_kinds(model)
     kind_index = [heads.index(kind) for kind in data_kinds] if heads else None
     states = None
@@ -350,7 +363,7 @@ def train_reward_model(
         config,
         runtime=runtime,
         expert_weight=expert,
-        groups=groups,
+        groups=term_groups,
         kind_index=kind_index,
         states=states,
     )
