@@ -203,23 +203,19 @@ def reward_step(
     return step
 
 
-def _packed_pair_scores(
-    model, tokenizer, pairs: list[tuple[Encoded, Encoded]], runtime: Runtime, targets: bool, head=None
-):
+def _packed_pair_scores(model, tokenizer, pairs: list[tuple[Encoded, Encoded]], runtime: Runtime, targets: bool):
     """``(chosen (P, O), rejected (P, O), hidden, input_ids, chosen-response targets (rows, L) bool or None)``,
     one row a pair: the head's ``O`` outputs at each response's last token (:mod:`rlhf.models.kind_heads`); the targets
-    only when ``targets``. ``head``: what reads the hidden states (None: ``model.score``; an identity: the states)."""
+    only when ``targets``."""
     packed = pack([[c.input_ids, r.input_ids] for c, r in pairs], tokenizer.pad_token_id, runtime.device)
     hidden = packed_hidden(model, packed)
-    outputs = (model.score if head is None else head)(hidden).float()[packed.row, packed.last]
+    outputs = model.score(hidden).float()[packed.row, packed.last]
     outputs = outputs.view(len(pairs), 2, outputs.shape[-1])
     masks = [mask for c, r in pairs for mask in (c.response_mask, [False] * len(r.input_ids))]
     return outputs[:, 0], outputs[:, 1], hidden, packed.input_ids, packed.spread(masks) if targets else None
 
 
-def _plain_pair_scores(
-    model, tokenizer, pairs: list[tuple[Encoded, Encoded]], runtime: Runtime, targets: bool, head=None
-):
+def _plain_pair_scores(model, tokenizer, pairs: list[tuple[Encoded, Encoded]], runtime: Runtime, targets: bool):
     """As :func:`_packed_pair_scores`, each encoding its own row: the chosen ones, then the rejected ones."""
     rows = [c for c, _ in pairs] + [r for _, r in pairs]
     input_ids, attention_mask = pad(tokenizer, [e.input_ids for e in rows], "right", runtime.device)
@@ -227,9 +223,7 @@ def _plain_pair_scores(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)
     ).last_hidden_state
     last = last_token_index(attention_mask)
-    scores = (model.score if head is None else head)(hidden).float()[
-        torch.arange(len(rows), device=runtime.device), last
-    ]
+    scores = model.score(hidden).float()[torch.arange(len(rows), device=runtime.device), last]
     masks = [c.response_mask for c, _ in pairs] + [[False] * len(r.input_ids) for _, r in pairs]
     target = pad_masks(masks, input_ids.shape[1], "right", runtime.device) if targets else None
     return scores[: len(pairs)], scores[len(pairs) :], hidden, input_ids, target
