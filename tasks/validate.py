@@ -6,9 +6,10 @@ Reads ``data/processed/`` and the base tokenizer (``models/base``); writes
 ``data/validated/quarantine.jsonl`` (rows with
 the rules they broke), ``reports/validation.json`` (summary) and
 ``reports/validation_gx.json`` (the suite's full results, also an MLflow
-artifact). Exits non-zero with one line per broken rule when a split is empty
+artifact). Exits non-zero with one line per broken rule when a split that a stage reads is empty
 or its quarantined share is above ``validate.max_quarantine_fraction``; the
-previous validated data is then left as it was.
+previous validated data is then left as it was. The one split no stage may read is ``sft`` when ``sft.steps`` is
+0 (the sft stage then copies the base model), so ``data.fractions.sft`` may be 0 there.
 """
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ class ValidationFailed(Exception):
     """The suite's thresholds broke; the message has one line per broken rule."""
 
 
+def unread_splits(stage_params) -> set[str]:
+    """The splits no stage reads with these params, which may be empty: ``sft`` when ``sft.steps`` is 0 (the sft
+    stage copies the base model and reads no row). ``stage_params(section)`` reads a section (profile applied)."""
+    return {"sft"} if int(stage_params("sft")["steps"]) == 0 else set()
+
+
 def run(params: dict[str, Any], outputs: StagedOutputs) -> tuple[dict[str, Any], list[str]]:
     """Validate every split and stage the outputs in ``outputs`` (written together when they commit).
 
@@ -45,10 +52,12 @@ def run(params: dict[str, Any], outputs: StagedOutputs) -> tuple[dict[str, Any],
         The summary written to ``reports/validation.json``, and the staged paths of the two reports.
 
     Raises:
-        ValidationFailed: a split is empty or above the quarantine threshold (nothing is written).
+        ValidationFailed: a split a stage reads is empty, or a split is above the quarantine threshold (nothing is
+            written).
     """
     config = config_from_params(ValidationConfig, params, "validate", derived_values("validate", stage_params))
     tokenizer = load_tokenizer(BASE)
+    unread = unread_splits(stage_params)
     results = {
         split: validate_split(
             os.path.join(IN_DIR, f"{split}.jsonl"),
@@ -56,6 +65,7 @@ def run(params: dict[str, Any], outputs: StagedOutputs) -> tuple[dict[str, Any],
             split_kind(split),
             tokenizer,
             config,
+            may_be_empty=split in unread,
         )
         for split in SPLITS
     }

@@ -229,7 +229,7 @@ def test_judge_splits_share_no_conversation_with_any_other_split_but_eval_prompt
     """The judge's own conversations: none reaches the RM, PPO, SFT, ptx or eval splits. judge_eval (and rm_eval)
     hold the eval_prompts conversations' pairs, on purpose: neither model trains on its eval split and evaluation
     reads only the prompts of eval_prompts, so no split that trains sees them. params.yaml gives the judge ~490
-    training pairs and, in judge_eval, only those 285 held-out pairs; a judge_eval share of its own stays its own."""
+    training pairs and, in judge_eval, only those held-out pairs; a judge_eval share of its own stays its own."""
     prepared = prepare_rows([Source(SHARED, read_jsonl(SHARED))], fractions)
     roots = {
         split: {conversation_root(row.get("prompt") or row["messages"]) for row in rows}
@@ -242,7 +242,8 @@ def test_judge_splits_share_no_conversation_with_any_other_split_but_eval_prompt
     assert (not own) == (fractions["judge_eval"] == 0)  # no share of its own: only the held-out pairs
     assert not roots["judge_train"] & roots["judge_eval"]
     for split in set(roots) - {"judge_eval"}:
-        assert roots[split] and not own & roots[split], split  # the judge's own share is in no other split
+        assert roots[split] or fractions.get(split) == 0, split  # only a split given no share is empty
+        assert not own & roots[split], split  # the judge's own share is in no other split
     held_out = roots["judge_eval"] | roots["eval_prompts"] | roots["rm_eval"]
     for split in TRAINING_SPLITS:
         assert not held_out & roots[split], split

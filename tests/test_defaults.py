@@ -136,10 +136,10 @@ def test_the_configuration_page_ppo_table_shows_params_yaml_presets(column, pres
             )
 
 
-SPLIT_TABLE = "| split | fraction (demo, `long`, `gpu`) | rows (prepared → validated) | read by |"
+SPLIT_TABLE = "| split | fraction (demo, `long`) | fraction (`gpu`) | demo rows (prepared) | read by |"
 
 
-@pytest.mark.parametrize("column, profile", [(1, "demo"), (1, "long"), (1, "gpu")])
+@pytest.mark.parametrize("column, profile", [(1, "demo"), (1, "long"), (2, "gpu")])
 def test_the_data_page_split_table_shows_params_yaml_fractions(column, profile):
     params = read_params(str(ROOT / "params.yaml"))
     params["profile"] = profile
@@ -156,6 +156,15 @@ def test_the_data_page_split_table_shows_params_yaml_fractions(column, profile):
         formula = re.sub(r"\(\+.*?\)", "", row[column]).replace("×", "*").replace("−", "-")
         share = eval(formula, {"__builtins__": {}})  # the page's own arithmetic: "0.05 * (1 - 0.2)"
         assert share == pytest.approx(shares[row[0].strip("`")]), f"docs/data.md {profile}: {row}"
+
+
+@pytest.mark.parametrize("profile", ["demo", "tiny", "long", "gpu"])
+def test_a_profile_that_trains_sft_gives_the_sft_split_a_share(profile):
+    # validate refuses an empty sft split where sft.steps is above 0: a shipped profile must not stop there
+    params = read_params(str(ROOT / "params.yaml"))
+    params["profile"] = profile
+    steps, share = stage_params("sft", params)["steps"], stage_params("data", params)["fractions"]["sft"]
+    assert share > 0 if steps > 0 else share == 0, (profile, steps, share)
 
 
 @pytest.mark.parametrize("profile", ["demo", "long", "gpu"])

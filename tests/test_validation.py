@@ -150,6 +150,24 @@ def test_empty_input_is_an_error_not_a_pass(tokenizer):
     ]
 
 
+@pytest.mark.parametrize("steps", [0, 4])
+def test_the_sft_split_may_be_empty_only_where_no_sft_trains_on_it(tokenizer, monkeypatch, steps):
+    # data.fractions.sft 0 with sft.steps 0 (the default): no stage reads the split, so its emptiness is no error;
+    # with sft.steps above 0 the same empty split stops validate, naming the file. Every split here is empty, so
+    # each other split's line shows the rule still holds for them.
+    import tasks.validate
+
+    sections = {"sft": {"steps": steps}, "reward": {"max_length": 64}}
+    monkeypatch.setattr(tasks.validate, "stage_params", sections.__getitem__)
+    monkeypatch.setattr(tasks.validate, "load_tokenizer", lambda folder: tokenizer)
+    monkeypatch.setattr(tasks.validate, "load_jsonl", lambda path: [])
+    with pytest.raises(tasks.validate.ValidationFailed) as failure:
+        tasks.validate.run({"max_quarantine_fraction": 1.0}, outputs=None)
+    empty = {line.split(":")[0].split("/")[-1] for line in str(failure.value).splitlines()}
+    expected = {f"{split}.jsonl" for split in tasks.validate.SPLITS} - ({"sft.jsonl"} if steps == 0 else set())
+    assert empty == expected
+
+
 def test_quarantine_share_above_threshold_fails_with_one_line_per_rule(tokenizer):
     rows = [good(0), pair(chosen=" "), pair(chosen="Paris.", rejected="Paris."), good(1)]
     result = validate_split(

@@ -332,7 +332,12 @@ def _control_rules(config: ValidationConfig) -> list[tuple[str, Any]]:
 
 
 def validate_split(
-    path: str, rows: list[dict[str, Any]], kind: str, tokenizer: PreTrainedTokenizerBase, config: ValidationConfig
+    path: str,
+    rows: list[dict[str, Any]],
+    kind: str,
+    tokenizer: PreTrainedTokenizerBase,
+    config: ValidationConfig,
+    may_be_empty: bool = False,
 ) -> SplitResult:
     """Run the suite on one split; quarantine the rows that break a rule.
 
@@ -342,9 +347,10 @@ def validate_split(
         kind: one of :data:`KINDS`.
         tokenizer: the base tokenizer.
         config: :class:`ValidationConfig`.
+        may_be_empty: no stage reads this split (``sft`` when ``sft.steps`` is 0), so no rows is no error.
 
     Returns:
-        :class:`SplitResult`; ``errors`` is non-empty when the split is empty or
+        :class:`SplitResult`; ``errors`` is non-empty when the split is empty (unless ``may_be_empty``) or
         its quarantined share exceeds ``max_quarantine_fraction`` (one line per broken rule).
 
     Raises:
@@ -356,16 +362,11 @@ def validate_split(
     if kind not in KINDS:
         raise ValueError(f"unknown split kind {kind!r}")
     if not rows:
-        return SplitResult(
-            [],
-            [],
-            {},
-            0,
-            [
-                f"{path}: the split is empty (an empty input is an error, not a pass; "
-                "check the source's size and data.fractions)"
-            ],
+        empty = (
+            f"{path}: the split is empty (an empty input is an error, not a pass; "
+            "check the source's size and data.fractions)"
         )
+        return SplitResult([], [], {}, 0, [] if may_be_empty else [empty])
     frame = derive_columns(rows, kind, tokenizer, config)
     context = gx.get_context(mode="ephemeral")
     context.variables.progress_bars = ProgressBarsConfig(globally=False)  # 4 bars a split, several times each
