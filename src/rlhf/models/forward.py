@@ -69,8 +69,24 @@ def sequence_scores(
     """
     hidden = last_hidden_state(model, input_ids, attention_mask, position_ids_from_mask(attention_mask), entry)
     last = hidden[torch.arange(hidden.shape[0], device=hidden.device), last_token_index(attention_mask)]
+    return scores_from_states(model, last, kinds)
+
+
+def scores_from_states(model: PreTrainedModel, states: torch.Tensor, kinds: list[str] | None = None) -> torch.Tensor:
+    """Reward-model scores from the backbone's final (normed) states at each sequence's last token: the score
+    head, each row read with its kind's score (:func:`rlhf.models.kind_heads.read_scores`; None: the kind gate's
+    mix), less the stored centring offset (``config.reward_offset``).
+
+    Args:
+        model: reward model (sequence-classification head: one output, or kind heads).
+        states: ``(B, H)``, any float dtype.
+        kinds: each row's kind of data, or None.
+
+    Returns:
+        ``(B,)`` float32.
+    """
     offset = float(getattr(model.config, "reward_offset", 0.0))
-    return read_scores(model.score(last).float(), head_kinds(model), kinds) - offset
+    return read_scores(model.score(states).float(), head_kinds(model), kinds) - offset
 
 
 def response_logprobs(

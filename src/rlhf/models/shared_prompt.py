@@ -24,8 +24,7 @@ from transformers import LlamaModel, PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.data.chat import pad
 from rlhf.losses import last_token_index
-from rlhf.models.forward import position_ids_from_mask, sequence_scores
-from rlhf.models.kind_heads import head_kinds, read_scores
+from rlhf.models.forward import position_ids_from_mask, scores_from_states
 from rlhf.models.trunk import last_hidden_state
 from rlhf.runtime.device import Runtime
 
@@ -137,6 +136,33 @@ def packed_hidden(model: PreTrainedModel, packed: Packed) -> torch.Tensor:
 
 
 @torch.no_grad()
+def sequence_states(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    sequences: list[list[int]],
+    batch_size: int,
+    runtime: Runtime,
+) -> torch.Tensor:
+    """The backbone's final (normed) hidden state at the last token of each sequence, each a plain right-padded row.
+
+    Batches of ``batch_size`` are formed from length-sorted sequences so little compute goes to padding, under
+    ``runtime.autocast()``.
+
+    Returns:
+        ``(N, H)`` float32 on ``runtime.device``, in the input order; ``H`` the backbone's hidden size.
+    """
+    states = torch.zeros(len(sequences), model.config.hidden_size, device=runtime.device)
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+    for start in range(0, len(order), batch_size):
+        chunk = order[start : start + batch_size]
+        input_ids, attention_mask = pad(tokenizer, [sequences[i] for i in chunk], "right", runtime.device)
+        with runtime.autocast():
+            hidden = last_hidden_state(model, input_ids, attention_mask, position_ids_from_mask(attention_mask))
+        states[chunk] = hidden[torch.arange(len(chunk), device=runtime.device), last_token_index(attention_mask)]
+    return states
+
+
+@torch.no_grad()
 def score_sequences(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -147,19 +173,13 @@ def score_sequences(
 ) -> torch.Tensor:
     """Reward-model scores of token sequences, ``(N,)`` float32 on ``runtime.device``, in the input order.
 
-    Batches are formed from length-sorted sequences so little compute goes to padding. ``kinds``: each
-    sequence's kind of data (:func:`rlhf.models.forward.sequence_scores`); None: the kind gate's mix.
+    The score head (:func:`rlhf.models.forward.scores_from_states`) reads :func:`sequence_states`. ``kinds``: each
+    sequence's kind of data; None: the kind gate's mix.
     """
     model.eval()
-    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
-    scores = torch.zeros(len(sequences), device=runtime.device)
-    for start in range(0, len(order), batch_size):
-        chunk = order[start : start + batch_size]
-        input_ids, attention_mask = pad(tokenizer, [sequences[i] for i in chunk], "right", runtime.device)
-        with runtime.autocast():
-            chunk_kinds = [kinds[i] for i in chunk] if kinds is not None else None
-            scores[chunk] = sequence_scores(model, input_ids, attention_mask, kinds=chunk_kinds)
-    return scores
+    states = sequence_states(model, tokenizer, sequences, batch_size, runtime)
+    with runtime.autocast():
+        return scores_from_states(model, states, kinds)
 
 
 @torch.no_grad()
@@ -174,23 +194,16 @@ def group_states(
 
     Each group is one row, its common prefix run once (:func:`pack`); groups are sorted by their row's length and
     batched ``batch_size`` sequences a pass (at least one group), under ``runtime.autocast()``. Where the model
-    cannot take a packed row (:func:`can_pack`), each sequence is a plain right-padded row, sorted by length.
+    cannot take a packed row (:func:`can_pack`), :func:`sequence_states` reads each sequence as a plain row.
 
     Returns:
         ``(N, H)`` float32 on ``runtime.device``: every group's members in order, the groups in the input order;
         ``H`` the backbone's hidden size.
     """
     flat = [sequence for group in groups for sequence in group]
-    states = torch.zeros(len(flat), model.config.hidden_size, device=runtime.device)
     if not can_pack(model):
-        order = sorted(range(len(flat)), key=lambda i: len(flat[i]))
-        for start in range(0, len(order), batch_size):
-            chunk = order[start : start + batch_size]
-            input_ids, attention_mask = pad(tokenizer, [flat[i] for i in chunk], "right", runtime.device)
-            with runtime.autocast():
-                hidden = last_hidden_state(model, input_ids, attention_mask, position_ids_from_mask(attention_mask))
-            states[chunk] = hidden[torch.arange(len(chunk), device=runtime.device), last_token_index(attention_mask)]
-        return states
+        return sequence_states(model, tokenizer, flat, batch_size, runtime)
+    states = torch.zeros(len(flat), model.config.hidden_size, device=runtime.device)
     first = [0]
     for group in groups:
         first.append(first[-1] + len(group))
@@ -220,21 +233,15 @@ def score_groups(
 ) -> torch.Tensor:
     """Reward-model scores of token sequences in groups that begin alike (a pair, one prompt's responses).
 
-    The score head reads :func:`group_states` (each group one row, its common prefix run once); where the model
-    cannot take a packed row, :func:`score_sequences`. The stored centring offset is subtracted, as there.
-    ``kinds``: each group's kind of data, its members read with that kind's score
-    (:func:`rlhf.models.kind_heads.read_scores`); None: the kind gate's mix.
+    The score head (:func:`rlhf.models.forward.scores_from_states`) reads :func:`group_states` (each group one
+    row, its common prefix run once; plain rows where the model cannot take a packed one). ``kinds``: each group's
+    kind of data, its members read with that kind's score; None: the kind gate's mix.
 
     Returns:
         ``(N,)`` float32 on ``runtime.device``: every group's members in order, the groups in the input order.
     """
-    flat = [sequence for group in groups for sequence in group]
     flat_kinds = None if kinds is None else [kind for group, kind in zip(groups, kinds, strict=True) for _ in group]
-    if not can_pack(model):
-        return score_sequences(model, tokenizer, flat, batch_size, runtime, flat_kinds)
     model.eval()
     states = group_states(model, tokenizer, groups, batch_size, runtime)
     with runtime.autocast():
-        outputs = model.score(states).float()
-    offset = float(getattr(model.config, "reward_offset", 0.0))
-    return read_scores(outputs, head_kinds(model), flat_kinds) - offset
+        return scores_from_states(model, states, flat_kinds)
