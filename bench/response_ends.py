@@ -64,6 +64,12 @@ def main(
     """Sample, count the responses that end, print and save the shares."""
     generation, ppo = stage_params("generation"), stage_params("ppo")
     sft_params = {**stage_params("sft"), **overrides(set_)}
+    examples = load_jsonl(paths.split("sft")) if train else []
+    if train and not examples:
+        raise SystemExit(
+            f"{paths.split('sft')} is empty: without SFT (sft.steps 0) the data gives it no share; set "
+            "data.fractions.sft (the gpu profile's: 0.07) and run the pipeline again"
+        )
     setup_torch(ppo["seed"])
     runtime = stage_runtime("response-ends")
     source = paths.BASE if train else model
@@ -73,7 +79,7 @@ def main(
         config = config_from_params(SFTConfig, sft_params, "sft")
         setup_torch(config.seed)
         start = time.perf_counter()
-        summary = train_sft(policy, tokenizer, load_jsonl(paths.split("sft")), config, lambda m, s: None, runtime)
+        summary = train_sft(policy, tokenizer, examples, config, lambda m, s: None, runtime)
         summary["train_seconds"] = time.perf_counter() - start
     policy.eval().requires_grad_(False)
     rows = sorted(load_jsonl(prompts), key=lambda row: row["id"])[:max_prompts]

@@ -57,7 +57,8 @@ def run(params: dict[str, Any], outputs: StagedOutputs) -> tuple[dict[str, Any],
     """
     config = config_from_params(ValidationConfig, params, "validate", derived_values("validate", stage_params))
     tokenizer = load_tokenizer(BASE)
-    unread = unread_splits(stage_params)
+    unread, steps = unread_splits(stage_params), int(stage_params("sft")["steps"])
+    hints = {"sft": f"sft.steps is {steps} and trains on it: give data.fractions.sft a share, or set sft.steps to 0"}
     results = {
         split: validate_split(
             os.path.join(IN_DIR, f"{split}.jsonl"),
@@ -66,6 +67,7 @@ def run(params: dict[str, Any], outputs: StagedOutputs) -> tuple[dict[str, Any],
             tokenizer,
             config,
             may_be_empty=split in unread,
+            **({"empty_hint": hints[split]} if split in hints else {}),
         )
         for split in SPLITS
     }

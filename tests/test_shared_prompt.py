@@ -9,6 +9,8 @@ they agree within bf16's bound of tests/test_levers.py (1e-2 of the scale).
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -71,6 +73,17 @@ def test_scoring_groups_gives_each_sequence_its_plain_score(reward_model, tokeni
     positions = sum(map(len, flat))
     shared = positions - sum(common_prefix(g) * (len(g) - 1) for g in groups)
     assert shared < positions  # the prompts ran once
+
+
+def test_a_model_stored_in_bf16_scores_without_autocast(reward_model, tokenizer):
+    # device.frozen_bf16 with mixed_precision no: the states the scorers gather are float32, the head bf16
+    groups = [[c.input_ids, r.input_ids] for c, r in encode_pairs(tokenizer, EXAMPLES, 64)]
+    flat = [s for g in groups for s in g]
+    stored = copy.deepcopy(reward_model).to(torch.bfloat16)
+    expected = score_groups(reward_model, tokenizer, groups, 3, FP32)
+    for scores in (score_groups(stored, tokenizer, groups, 3, FP32), score_sequences(stored, tokenizer, flat, 2, FP32)):
+        assert scores.dtype == torch.float32
+        torch.testing.assert_close(scores, expected, rtol=0, atol=5e-2 * max(1.0, float(expected.abs().max())))
 
 
 @pytest.mark.parametrize("runtime, tolerance", [(FP32, 1e-6), (BF16, 1e-2)], ids=["fp32", "bf16"])

@@ -163,9 +163,14 @@ def test_the_sft_split_may_be_empty_only_where_no_sft_trains_on_it(tokenizer, mo
     monkeypatch.setattr(tasks.validate, "load_jsonl", lambda path: [])
     with pytest.raises(tasks.validate.ValidationFailed) as failure:
         tasks.validate.run({"max_quarantine_fraction": 1.0}, outputs=None)
-    empty = {line.split(":")[0].split("/")[-1] for line in str(failure.value).splitlines()}
+    lines = {line.split(":")[0].split("/")[-1]: line for line in str(failure.value).splitlines()}
     expected = {f"{split}.jsonl" for split in tasks.validate.SPLITS} - ({"sft.jsonl"} if steps == 0 else set())
-    assert empty == expected
+    assert set(lines) == expected
+    if steps:  # the line says which setting needs the split
+        assert lines["sft.jsonl"].endswith(
+            "the split is empty (an empty input is an error, not a pass; sft.steps is 4 and trains on it: give "
+            "data.fractions.sft a share, or set sft.steps to 0)"
+        )
 
 
 def test_quarantine_share_above_threshold_fails_with_one_line_per_rule(tokenizer):

@@ -338,6 +338,7 @@ def validate_split(
     tokenizer: PreTrainedTokenizerBase,
     config: ValidationConfig,
     may_be_empty: bool = False,
+    empty_hint: str = "check the source's size and data.fractions",
 ) -> SplitResult:
     """Run the suite on one split; quarantine the rows that break a rule.
 
@@ -348,6 +349,7 @@ def validate_split(
         tokenizer: the base tokenizer.
         config: :class:`ValidationConfig`.
         may_be_empty: no stage reads this split (``sft`` when ``sft.steps`` is 0), so no rows is no error.
+        empty_hint: what the error for an empty split tells the user to check.
 
     Returns:
         :class:`SplitResult`; ``errors`` is non-empty when the split is empty (unless ``may_be_empty``) or
@@ -362,10 +364,7 @@ def validate_split(
     if kind not in KINDS:
         raise ValueError(f"unknown split kind {kind!r}")
     if not rows:
-        empty = (
-            f"{path}: the split is empty (an empty input is an error, not a pass; "
-            "check the source's size and data.fractions)"
-        )
+        empty = f"{path}: the split is empty (an empty input is an error, not a pass; {empty_hint})"
         return SplitResult([], [], {}, 0, [] if may_be_empty else [empty])
     frame = derive_columns(rows, kind, tokenizer, config)
     context = gx.get_context(mode="ephemeral")

@@ -79,14 +79,16 @@ def scores_from_states(model: PreTrainedModel, states: torch.Tensor, kinds: list
 
     Args:
         model: reward model (sequence-classification head: one output, or kind heads).
-        states: ``(B, H)``, any float dtype.
+        states: ``(B, H)``, any float dtype: cast to the head's (a bf16-stored model, ``device.frozen_bf16``, is
+            read without autocast where the precision is fp32).
         kinds: each row's kind of data, or None.
 
     Returns:
         ``(B,)`` float32.
     """
     offset = float(getattr(model.config, "reward_offset", 0.0))
-    return read_scores(model.score(states).float(), head_kinds(model), kinds) - offset
+    outputs = model.score(states.to(model.score.weight.dtype)).float()
+    return read_scores(outputs, head_kinds(model), kinds) - offset
 
 
 def response_logprobs(

@@ -158,7 +158,9 @@ def sequence_states(
         input_ids, attention_mask = pad(tokenizer, [sequences[i] for i in chunk], "right", runtime.device)
         with runtime.autocast():
             hidden = last_hidden_state(model, input_ids, attention_mask, position_ids_from_mask(attention_mask))
-        states[chunk] = hidden[torch.arange(len(chunk), device=runtime.device), last_token_index(attention_mask)]
+        states[chunk] = hidden[
+            torch.arange(len(chunk), device=runtime.device), last_token_index(attention_mask)
+        ].float()
     return states
 
 
