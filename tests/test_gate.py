@@ -7,6 +7,7 @@ and the experiment rule. The whole stage under DVC is in tests/test_pipeline.py.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -327,6 +328,47 @@ def test_a_tracking_server_that_died_fails_a_download_in_seconds_with_the_cause_
     message = str(failure.value)
     assert "\n" not in message and message.startswith(f"registry: download {NAME} version 1: ")
     assert "Connection refused" in message or "Max retries exceeded" in message, message  # the cause, not cut
+
+
+@pytest.mark.parametrize(
+    "error, reason",
+    [
+        (
+            OSError(errno.ENOSPC, "No space left on device"),
+            "the disk is full (OSError: [Errno 28] No space left on device)",
+        ),
+        (ConnectionRefusedError(errno.ECONNREFUSED, "refused"), "tracking server unreachable (ConnectionRefusedError:"),
+    ],
+)
+def test_a_registry_call_that_fails_with_an_os_error_names_the_cause(error, reason):
+    def call():
+        raise error
+
+    with pytest.raises(registry.RegistryError) as failure:
+        registry._guard("register rlhf-reward-model", call)
+    assert str(failure.value).startswith(f"registry: register rlhf-reward-model: {reason}")
+
+
+def test_a_download_that_would_fill_the_disk_is_refused_before_it_starts_naming_the_sizes(
+    registry_project, monkeypatch
+):
+    # MLflow turns a download that ran out of disk into "please ensure that the path is correct"
+    new_candidate(GOOD, 1)
+    run_gate()
+    store = client()
+    found = registry.version(store, NAME, 1)
+    weights = sum(os.path.getsize(os.path.join("models/reward", name)) for name in os.listdir("models/reward"))
+    needed = registry.artifact_bytes(found.source)
+    assert weights <= needed < weights + 200_000  # the model's files and MLflow's few small ones
+    os.makedirs("fetched")
+    monkeypatch.setattr(registry.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 5e5, 5e5))
+    with pytest.raises(registry.RegistryError) as failure:
+        registry.download(store, found, "fetched")
+    assert str(failure.value) == (
+        f"registry: download {NAME} version 1: its {needed / 1e6:,.0f} MB do not fit in the 0 MB free on "
+        f"{os.path.abspath('.')}'s disk; free some space (rlhf-housekeeping --yes deletes old versions' model files)"
+    )
+    assert os.listdir("fetched") == []
 
 
 def test_a_damaged_champion_in_the_store_is_refused_before_it_is_rescored_and_a_damaged_folder_in_one_line(

@@ -18,6 +18,7 @@ carries ``rlhf.pruned`` = JSON ``{at, by, rule, bytes}`` and can never take an a
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
@@ -153,9 +154,10 @@ def _guard(what: str, call, *args, **kwargs):
         return call(*args, **kwargs)
     except MlflowException as err:
         raise RegistryError(f"registry: {what}: {one_line(str(err.message))}") from None
-    except OSError as err:  # requests' ConnectionError is an OSError
+    except OSError as err:  # requests' ConnectionError is an OSError, and so is a full disk
         cause = f"{type(err).__name__}: {one_line(str(err))}"
-        raise RegistryError(f"registry: {what}: tracking server unreachable ({cause})") from None
+        where = "the disk is full" if err.errno == errno.ENOSPC else "tracking server unreachable"
+        raise RegistryError(f"registry: {what}: {where} ({cause})") from None
 
 
 def register(
@@ -538,13 +540,15 @@ def download(client, found, folder: str) -> None:
             f"registry: {found.name} version {found.version} has no model files to download: they were pruned on "
             f"{record['at']} ({record['rule']})"
         )
-    with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(folder))) as tmp:
-        path = _guard(
-            f"download {found.name} version {found.version}",
-            mlflow.artifacts.download_artifacts,
-            artifact_uri=found.source,
-            dst_path=tmp,
+    what, parent = f"download {found.name} version {found.version}", os.path.dirname(os.path.abspath(folder))
+    needed, free = _guard(what, artifact_bytes, found.source), shutil.disk_usage(parent).free
+    if needed > free:  # MLflow reports a download that filled the disk as a wrong path
+        raise RegistryError(
+            f"registry: {what}: its {needed / 1e6:,.0f} MB do not fit in the {free / 1e6:,.0f} MB free on {parent}'s "
+            "disk; free some space (rlhf-housekeeping --yes deletes old versions' model files)"
         )
+    with tempfile.TemporaryDirectory(dir=parent) as tmp:
+        path = _guard(what, mlflow.artifacts.download_artifacts, artifact_uri=found.source, dst_path=tmp)
         path = weights_folder(path)
         for entry in os.listdir(path):
             shutil.move(os.path.join(path, entry), os.path.join(folder, entry))
@@ -555,6 +559,18 @@ def download(client, found, folder: str) -> None:
             f"(sha256 {folder_sha256(folder)[:12]}..., registered {expected[:12]}...): its files in the artifact "
             "store are damaged or replaced; promote another version or register this one again"
         )
+
+
+def artifact_bytes(uri: str) -> int:
+    """The bytes of every file under the artifact ``uri`` (a version's ``source``: ``runs:/<run>/model``, ...),
+    listed folder by folder. Raises what MLflow's listing raises."""
+    import mlflow  # noqa: PLC0415 (MLflow: seconds to import)
+
+    total = 0
+    for entry in mlflow.artifacts.list_artifacts(artifact_uri=uri):
+        name = entry.path.rstrip("/").rsplit("/", 1)[-1]
+        total += artifact_bytes(f"{uri}/{name}") if entry.is_dir else int(entry.file_size or 0)
+    return total
 
 
 def _project(project: str | None) -> str:
