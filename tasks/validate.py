@@ -21,7 +21,7 @@ from typing import Any
 
 from rlhf.data.reading import load_jsonl, write_jsonl
 from rlhf.data.splitting import SPLITS
-from rlhf.data.validation import ValidationConfig, split_kind, validate_split
+from rlhf.data.validation import EMPTY_HINT, ValidationConfig, split_kind, validate_split
 from rlhf.files import write_json
 from rlhf.models.loading import load_tokenizer
 from tasks.kit import paths
@@ -67,7 +67,7 @@ def run(params: dict[str, Any], outputs: StagedOutputs) -> tuple[dict[str, Any],
             tokenizer,
             config,
             may_be_empty=split in unread,
-            **({"empty_hint": hints[split]} if split in hints else {}),
+            empty_hint=hints.get(split, EMPTY_HINT),
         )
         for split in SPLITS
     }

@@ -331,6 +331,10 @@ def _control_rules(config: ValidationConfig) -> list[tuple[str, Any]]:
     return rules
 
 
+EMPTY_HINT = "check the source's size and data.fractions"
+"""What the error for an empty split tells the user to check, unless the caller knows more."""
+
+
 def validate_split(
     path: str,
     rows: list[dict[str, Any]],
@@ -338,7 +342,7 @@ def validate_split(
     tokenizer: PreTrainedTokenizerBase,
     config: ValidationConfig,
     may_be_empty: bool = False,
-    empty_hint: str = "check the source's size and data.fractions",
+    empty_hint: str = EMPTY_HINT,
 ) -> SplitResult:
     """Run the suite on one split; quarantine the rows that break a rule.
 
