@@ -52,8 +52,9 @@ class Mutant:
     what: str
 
 
-LOSSES, FORWARD, SAMPLING, GENERATION, ROLLOUT, UPDATE = (
+LOSSES, LIKELIHOOD, FORWARD, SAMPLING, GENERATION, ROLLOUT, UPDATE = (
     "src/rlhf/losses.py",
+    "src/rlhf/likelihood.py",
     "src/rlhf/models/forward.py",
     "src/rlhf/models/sampling.py",
     "src/rlhf/models/generation.py",
@@ -120,7 +121,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "next-token-unshifted",
-        LOSSES,
+        LIKELIHOOD,
         "return logprobs_from_logits(logits[:, :-1], input_ids[:, 1:]), token_mask[:, 1:].bool()",
         "return logprobs_from_logits(logits[:, 1:], input_ids[:, 1:]), token_mask[:, 1:].bool()",
         "LM loss scores each token with its own position's logits (no shift)",

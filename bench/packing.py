@@ -21,7 +21,7 @@ import typer
 
 from bench.speed_setup import BASE, load_inputs
 from rlhf.data.chat import encode_chat, pad, pad_masks
-from rlhf.losses import language_model_loss
+from rlhf.likelihood import language_model_loss
 from rlhf.models.forward import position_ids_from_mask
 from rlhf.models.loading import load_causal_lm, load_tokenizer
 from rlhf.runtime.device import Runtime

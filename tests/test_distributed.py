@@ -138,7 +138,7 @@ def test_the_shares_of_a_batch_sum_to_its_mean():
 
 
 def test_target_tokens_counts_the_masked_tokens_after_the_first():
-    from rlhf.losses import target_tokens
+    from rlhf.likelihood import target_tokens
 
     # the first position has no logits predicting it: [T, T, F, T] scores 2 tokens, [F, T, T] scores 2
     assert target_tokens([True, True, False, True]) == 2 and target_tokens([0, 1, 1]) == 2 and target_tokens([]) == 0

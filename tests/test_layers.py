@@ -27,7 +27,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORE = os.path.join("src", "rlhf")
 
 GROUPS = (  # lowest first: the order of docs/layout.md's table
-    "foundation",  # losses.py (the equations), stats.py (interval arithmetic), ranges.py (range checks), files.py
+    "foundation",  # losses.py (the equations), likelihood.py (token log-likelihoods), stats.py (intervals),
+    # ranges.py (range checks), files.py
     "runtime",
     "data",
     "models",

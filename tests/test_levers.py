@@ -1,6 +1,6 @@
 """Each speed lever computes what it replaces: on vs off on the same batch, through the product's own code.
 
-The levers: chunked gather-minus-logsumexp logprobs (``losses.LOGPROB_CHUNK``), only the response positions
+The levers: chunked gather-minus-logsumexp logprobs (``likelihood.LOGPROB_CHUNK``), only the response positions
 through the LM head (``logits_to_keep`` in ``models.response_logprobs``), bf16 autocast
 (``device.mixed_precision: bf16``), bf16 storage of the frozen models (``device.frozen_bf16``) and the fused
 AdamW of ``training.make_optimizer`` and the ``gradient_checkpointing`` option of the supervised loop
@@ -20,7 +20,7 @@ import pytest
 import torch
 from test_ppo import PROMPTS, four_models
 
-from rlhf import losses
+from rlhf import likelihood
 from rlhf.data.chat import encode_chat, encode_prompt, pad, pad_masks
 from rlhf.models.forward import position_ids_from_mask, response_logprobs, sequence_scores, target_logprobs
 from rlhf.models.generation import GenerationSettings
@@ -64,8 +64,8 @@ def test_chunked_logprobs_equal_log_softmax_and_gather_with_gradients(monkeypatc
     weights = torch.randn(3, 5)
 
     def run(chunk):
-        monkeypatch.setattr(losses, "LOGPROB_CHUNK", chunk)
-        logprobs = losses.logprobs_from_logits(logits, tokens, temperature)
+        monkeypatch.setattr(likelihood, "LOGPROB_CHUNK", chunk)
+        logprobs = likelihood.logprobs_from_logits(logits, tokens, temperature)
         (gradient,) = torch.autograd.grad((logprobs * weights).sum(), logits)
         return logprobs, gradient
 
@@ -86,7 +86,7 @@ def test_logprobs_of_bf16_logits_are_taken_in_float32():
     torch.manual_seed(0)
     logits = torch.randn(2, 4, 40).bfloat16()
     tokens = torch.randint(0, 40, (2, 4))
-    logprobs = losses.logprobs_from_logits(logits, tokens, TEMPERATURE)
+    logprobs = likelihood.logprobs_from_logits(logits, tokens, TEMPERATURE)
     reference = torch.log_softmax(logits.float() / TEMPERATURE, -1).gather(-1, tokens[..., None]).squeeze(-1)
     assert logprobs.dtype == torch.float32
     torch.testing.assert_close(logprobs, reference, rtol=1e-6, atol=1e-6)
@@ -123,16 +123,16 @@ def test_sft_loss_with_the_head_on_targets_equals_the_full_logits_loss_with_grad
     encoded = [encode_chat(tokenizer, e["prompt"], e["chosen"], 64) for e in examples]
     ids, attn = pad(tokenizer, [e.input_ids for e in encoded], side, torch.device("cpu"))
     target = pad_masks([e.response_mask for e in encoded], ids.shape[1], side, torch.device("cpu"))
-    count = sum(losses.target_tokens(e.response_mask) for e in encoded)
+    count = sum(likelihood.target_tokens(e.response_mask) for e in encoded)
     grads = []
     for lean in (True, False):
         model = load_causal_lm(tiny_dir)
         if lean:
             rows, positions = torch.nonzero(target[:, 1:], as_tuple=True)  # position t predicts target t + 1
-            loss = losses.target_nll(target_logprobs(model, ids, attn, rows, positions), count)
+            loss = likelihood.target_nll(target_logprobs(model, ids, attn, rows, positions), count)
         else:
             logits = model(input_ids=ids, attention_mask=attn, position_ids=position_ids_from_mask(attn)).logits
-            loss = losses.language_model_loss(logits, ids, target, count)
+            loss = likelihood.language_model_loss(logits, ids, target, count)
         loss.backward()
         grads.append((loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}))
     (lean_loss, lean_grads), (full_loss, full_grads) = grads

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from rlhf import losses
+from rlhf import likelihood, losses
 
 
 def test_token_rewards_match_eq11_by_hand():
@@ -146,7 +146,7 @@ def test_next_token_logprobs_selects_only_response_token():
     logits = torch.randn(1, 4, 20)
     input_ids = torch.tensor([[10, 11, 12, 13]])
     token_mask = torch.tensor([[False, False, True, False]])
-    logprobs, mask = losses.next_token_logprobs(logits, input_ids, token_mask)
+    logprobs, mask = likelihood.next_token_logprobs(logits, input_ids, token_mask)
     selected = logprobs[mask]
     assert selected.shape == (1,)
     assert selected.item() == pytest.approx(torch.log_softmax(logits[0, 1], -1)[12].item(), abs=1e-6)
@@ -156,16 +156,16 @@ def test_next_token_logprobs_selects_only_response_token():
 def test_language_model_loss_by_hand():
     # uniform logits over 4 tokens: NLL of any token is log 4
     logits = torch.zeros(1, 3, 4)
-    loss = losses.language_model_loss(logits, torch.tensor([[0, 1, 2]]), torch.tensor([[False, True, True]]))
+    loss = likelihood.language_model_loss(logits, torch.tensor([[0, 1, 2]]), torch.tensor([[False, True, True]]))
     assert loss.item() == pytest.approx(math.log(4), abs=1e-6)
 
 
 def test_target_nll_by_hand():
     # logprobs of 3 target tokens: log 1/2, log 1/4, log 1/4 -> NLL sum = 5 log 2; a part of a batch of 5 tokens
     logprobs = torch.log(torch.tensor([0.5, 0.25, 0.25]))
-    assert losses.target_nll(logprobs, 3).item() == pytest.approx(5 * math.log(2) / 3, abs=1e-6)
-    assert losses.target_nll(logprobs, 5).item() == pytest.approx(math.log(2), abs=1e-6)
-    assert losses.target_nll(logprobs[:0], 0).item() == 0.0  # nothing to score: 0, not NaN
+    assert likelihood.target_nll(logprobs, 3).item() == pytest.approx(5 * math.log(2) / 3, abs=1e-6)
+    assert likelihood.target_nll(logprobs, 5).item() == pytest.approx(math.log(2), abs=1e-6)
+    assert likelihood.target_nll(logprobs[:0], 0).item() == 0.0  # nothing to score: 0, not NaN
 
 
 def test_last_token_index_left_and_right_padding():

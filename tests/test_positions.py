@@ -11,7 +11,7 @@ common RLHF bug, fails here.
 import pytest
 import torch
 
-from rlhf import losses
+from rlhf import likelihood, losses
 from rlhf.models.forward import response_logprobs, sequence_scores
 from rlhf.models.loading import load_causal_lm, load_scalar_model
 from rlhf.models.sampling import response_mask_from_tokens
@@ -196,7 +196,7 @@ def test_next_token_logprobs_and_language_model_loss_shift_by_one(policy):
     attn = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
     with torch.no_grad():
         logits = policy(input_ids=ids, attention_mask=attn).logits
-    logprobs, mask = losses.next_token_logprobs(logits, ids, attn.bool())
+    logprobs, mask = likelihood.next_token_logprobs(logits, ids, attn.bool())
     assert mask.tolist() == [[True, True, True, True], [True, True, False, False]]
     logp = torch.log_softmax(logits, dim=-1)
     for row in range(2):
@@ -205,7 +205,7 @@ def test_next_token_logprobs_and_language_model_loss_shift_by_one(policy):
             assert logprobs[row, t].item() == pytest.approx(logp[row, t, ids[row, t + 1]].item(), abs=1e-5)
     targets = [(0, 1), (0, 2), (0, 3), (0, 4), (1, 1), (1, 2)]  # (row, index) of every real token after the first
     nll = -sum(logp[r, i - 1, ids[r, i]] for r, i in targets) / len(targets)
-    loss = losses.language_model_loss(logits, ids, attn.bool())
+    loss = likelihood.language_model_loss(logits, ids, attn.bool())
     assert loss.item() == pytest.approx(nll.item(), abs=1e-5)
     unshifted = -sum(logp[r, i, ids[r, i]] for r, i in targets) / len(targets)
     assert abs(unshifted.item() - nll.item()) > 1e-2

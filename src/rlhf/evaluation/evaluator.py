@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from rlhf import losses
+from rlhf import likelihood, losses
 from rlhf.data.chat import encode_chat, encode_prompt, pad
 from rlhf.data.kinds import kind_of
 from rlhf.data.ptx import ptx_token_ids
@@ -278,7 +278,7 @@ def ptx_perplexity(
         ids, mask = pad(tokenizer, sequences[start : start + config.batch_size], "right", runtime.device)
         with runtime.autocast():
             logits = model(input_ids=ids, attention_mask=mask).logits.float()
-        logprobs, targets = losses.next_token_logprobs(logits, ids, mask.bool())
+        logprobs, targets = likelihood.next_token_logprobs(logits, ids, mask.bool())
         total -= float(logprobs[targets].sum())
         count += int(targets.sum())
     return math.exp(total / count) if count else float("nan")

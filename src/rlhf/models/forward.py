@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from rlhf.losses import last_token_index, logprobs_from_logits
+from rlhf.likelihood import logprobs_from_logits
+from rlhf.losses import last_token_index
 from rlhf.models.kind_heads import head_kinds, head_scores, read_scores
 from rlhf.models.trunk import TrunkEntry, last_hidden_state
 from rlhf.runtime.sharding import is_sharded
@@ -146,7 +147,7 @@ def target_logprobs(
     built), each scoring the token after it, ``input_ids[rows[n], positions[n] + 1]``. The positions come from the
     host (the SFT step's encodings), so no data-dependent shape costs a host round trip. A sharded (FSDP) model
     runs its whole forward, which alone gathers its weights. Position ids come from the attention mask, so either
-    padding side works. The result equals :func:`rlhf.losses.next_token_logprobs` of the full logits at those
+    padding side works. The result equals :func:`rlhf.likelihood.next_token_logprobs` of the full logits at those
     positions (``tests/test_levers.py``).
 
     Args:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from rlhf import losses
+from rlhf import likelihood, losses
 from rlhf.models.forward import response_logprobs, token_scores
 from rlhf.models.generation import GenerationSettings, ScoredRollout, sample_and_score
 from rlhf.models.trunk import TrunkEntry
@@ -163,7 +163,7 @@ def make_experience(
             logprobs, logits = response_logprobs(
                 policy, ids, attn, start, settings.temperature, with_logits=True, entry=policy_entry
             )
-            entropy = losses.entropy_from_logits(logits)
+            entropy = likelihood.entropy_from_logits(logits)
             del logits
         with timer("reference"):
             ref_logprobs, _ = response_logprobs(

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from rlhf import losses
+from rlhf import likelihood, losses
 from rlhf.data.chat import pad
 from rlhf.models.forward import position_ids_from_mask, response_logprobs
 from rlhf.ppo.config import PPOConfig
@@ -212,7 +212,7 @@ def policy_step(
             )
             shares = {"ppo/loss/policy": loss, **{f"ppo/policy/{key}": value for key, value in clip_stats.items()}}
             if config.entropy_coef > 0:
-                entropy = losses.masked_mean(losses.entropy_from_logits(logits), part_mask, count=count)
+                entropy = losses.masked_mean(likelihood.entropy_from_logits(logits), part_mask, count=count)
                 loss = loss - config.entropy_coef * entropy
         (loss if counted else loss * 0.0).backward()
         if counted:
@@ -226,7 +226,7 @@ def policy_step(
                 ids, attn = ptx_ids[rows], ptx_attn[rows]
                 position_ids = position_ids_from_mask(attn)
                 ptx_logits = policy(input_ids=ids, attention_mask=attn, position_ids=position_ids).logits
-                ptx_loss = losses.language_model_loss(ptx_logits, ids, attn.bool(), ptx_count)
+                ptx_loss = likelihood.language_model_loss(ptx_logits, ids, attn.bool(), ptx_count)
                 loss = losses.ppo_ptx_loss(torch.zeros_like(ptx_loss), ptx_loss, config.ptx_coef)
             (loss if counted else loss * 0.0).backward()
             if counted:

@@ -11,7 +11,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.data.chat import Encoded, encode_chat, pad, pad_masks
 from rlhf.data.kinds import DEFAULT_KIND, kind_of
-from rlhf.losses import language_model_loss, last_token_index, target_tokens
+from rlhf.likelihood import language_model_loss, target_tokens
+from rlhf.losses import last_token_index
 from rlhf.models.forward import position_ids_from_mask
 from rlhf.models.kind_heads import head_kinds, own_kind_scores
 from rlhf.models.shared_prompt import can_pack, group_states, pack, packed_hidden, packed_length, score_sequences

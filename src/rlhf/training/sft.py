@@ -10,7 +10,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.data.chat import Encoded, encode_chat, pad, pad_masks
-from rlhf.losses import target_nll, target_tokens
+from rlhf.likelihood import target_nll, target_tokens
 from rlhf.models.forward import target_logprobs
 from rlhf.ranges import check_ranges
 from rlhf.runtime.device import Runtime
